@@ -1,0 +1,58 @@
+"""Prometheus metrics of the rollout pipeline (prefix ``rolloutbus_``, base units)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+# seconds; a prompt group on CPU takes seconds, on a busy GPU fleet up to half an hour
+GROUP_SECONDS_BUCKETS = (0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800)
+
+
+class SessionMetrics:
+    def __init__(self, registry: CollectorRegistry = REGISTRY):
+        self.groups_in_flight = Gauge("rolloutbus_sessions_groups_in_flight",
+                                      "Prompt groups being rolled out by this worker",
+                                      registry=registry)
+        self.group_seconds = Histogram("rolloutbus_sessions_group_duration_seconds",
+                                       "Wall time from taking a prompt group to delivering its turns",
+                                       buckets=GROUP_SECONDS_BUCKETS, registry=registry)
+        self.sessions = Counter("rolloutbus_sessions_total", "Sessions run, by outcome",
+                                ["outcome"], registry=registry)
+
+    @contextmanager
+    def track_group(self) -> Iterator[None]:
+        self.groups_in_flight.inc()
+        started = time.monotonic()
+        try:
+            yield
+        finally:
+            self.groups_in_flight.dec()
+            self.group_seconds.observe(time.monotonic() - started)
+
+    def count_session(self, *, failed: bool) -> None:
+        self.sessions.labels(outcome="failed" if failed else "finished").inc()
+
+
+class ReplayBufferMetrics:
+    def __init__(self, registry: CollectorRegistry = REGISTRY):
+        self.events = Counter("rolloutbus_replay_buffer_events_total",
+                              "Turn events consumed, by type", ["type"], registry=registry)
+        self.trajectories = Counter("rolloutbus_replay_buffer_trajectories_total",
+                                    "Trajectories released, by status", ["status"], registry=registry)
+        self.groups = Counter("rolloutbus_replay_buffer_groups_released_total",
+                              "Prompt groups released", registry=registry)
+        self.open_groups = Gauge("rolloutbus_replay_buffer_open_groups",
+                                 "Groups with sessions still running", registry=registry)
+        self.duplicates = Counter("rolloutbus_replay_buffer_ignored_events_total",
+                                  "Events ignored: superseded attempts or already released groups",
+                                  registry=registry)
+        self.dead_letters = Counter("rolloutbus_replay_buffer_dead_letters_total",
+                                    "Turn events sent to the dead-letter topic", registry=registry)
+
+
+def start_metrics_server(port: int, addr: str = "127.0.0.1") -> None:
+    start_http_server(port, addr=addr)

@@ -1,0 +1,71 @@
+"""What enters: a dataset row in verl's format, and the prompt group built from it."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from rolloutbus.schemas.version import SCHEMA_VERSION
+
+ROLES = {"system", "user", "assistant", "tool"}
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    role: str
+    content: Any = ""
+
+    @field_validator("role")
+    @classmethod
+    def _known_role(cls, role: str) -> str:
+        if role not in ROLES:
+            raise ValueError(f"role {role!r} is not one of {sorted(ROLES)}")
+        return role
+
+
+class DatasetRow(BaseModel):
+    """verl's row format. Extra columns are kept and passed to the agent loop.
+
+    ``agent_name`` is different from the other optional fields: its *absence* means
+    "use agent.default_agent_loop", while an explicit null is an error at routing time
+    (as in verl), so the row is stored as the dict it came in, never re-serialized
+    with defaults filled in.
+    """
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    data_source: str = ""
+    prompt: list[Message] = Field(min_length=1)
+    agent_name: str | None = None
+    reward_model: dict[str, Any] | None = None
+    extra_info: dict[str, Any] | None = None
+
+
+class SamplingParams(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    repetition_penalty: float = 1.0
+    logprobs: bool = True  # rollout.calculate_log_probs
+    seed: int | None = None
+
+
+class PromptGroup(BaseModel):
+    """One prompt, to be rolled out n times. Key: uid; partition: partition_for(uid)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    schema_version: int = SCHEMA_VERSION
+    uid: str
+    row: dict[str, Any]  # the dataset row exactly as published (see DatasetRow)
+    n: int = Field(ge=1)
+    validate_: bool = Field(default=False, alias="validate")
+    sampling_params: SamplingParams
+    global_steps: int = 0
+    policy_version: int = 0
+    created_at: float = Field(default_factory=time.time)

@@ -1,0 +1,169 @@
+"""What leaves: one trajectory per key ``{uid}_{session_id}_{output_index}``.
+
+A trajectory carries what verl V1 stores for it (``AgentLoopOutput.as_dict()`` plus the
+prompt columns, ``loss_mask = response_mask`` and the status tags). On Kafka a record's
+value is an Arrow IPC stream holding one row of ``TRAJECTORY_SCHEMA``; the trainer client
+concatenates a group's rows into one RecordBatch. Token columns are ragged
+(``large_list``): nothing is padded until the trainer asks for padding.
+``input_ids`` (= prompts ‖ responses) and ``position_ids`` are derived, not stored.
+"""
+
+from __future__ import annotations
+
+import json
+from enum import StrEnum
+from typing import Any
+
+import pyarrow as pa
+from pydantic import BaseModel, ConfigDict, Field
+
+from rolloutbus.schemas.agent_loop import AgentLoopMetrics
+from rolloutbus.schemas.version import SCHEMA_VERSION
+
+
+class TrajectoryStatus(StrEnum):
+    COMPLETED = "completed"  # the loop ended on its own
+    TRUNCATED = "truncated"  # cut at response_length
+    FAILED = "failed"  # the session failed: no tokens, see `error`
+
+
+class Trajectory(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    schema_version: int = SCHEMA_VERSION
+    key: str
+    uid: str
+    session_id: int
+    output_index: int
+    num_outputs: int  # outputs of this session
+    group_size: int  # trajectory records in this group: the trainer waits for all of them
+    status: TrajectoryStatus
+    error: str | None = None
+    agent_name: str | None = None
+    attempt: str = ""
+    prompts: list[int] = Field(default_factory=list)
+    responses: list[int] = Field(default_factory=list)
+    response_mask: list[int] = Field(default_factory=list)
+    rollout_log_probs: list[float] | None = None
+    rm_scores: list[float] | None = None
+    reward_score: float | None = None
+    num_turns: int = 0
+    metrics: AgentLoopMetrics = Field(default_factory=AgentLoopMetrics)
+    extra_fields: dict[str, Any] = Field(default_factory=dict)
+    data_source: str = ""
+    raw_prompt: list[dict[str, Any]] = Field(default_factory=list)
+    reward_model: dict[str, Any] | None = None
+    extra_info: dict[str, Any] | None = None
+    validate_: bool = Field(default=False, alias="validate")
+    global_steps: int = 0
+    min_global_steps: int | None = None  # policy version at the first generation
+    max_global_steps: int | None = None  # policy version at the last generation
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    @property
+    def loss_mask(self) -> list[int]:
+        return self.response_mask
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompts)
+
+    @property
+    def response_len(self) -> int:
+        return len(self.responses)
+
+
+TRAJECTORY_SCHEMA = pa.schema(
+    [
+        ("schema_version", pa.int16()),
+        ("key", pa.string()),
+        ("uid", pa.string()),
+        ("session_id", pa.int32()),
+        ("output_index", pa.int32()),
+        ("num_outputs", pa.int32()),
+        ("group_size", pa.int32()),
+        ("status", pa.string()),
+        ("error", pa.string()),
+        ("agent_name", pa.string()),
+        ("attempt", pa.string()),
+        ("prompts", pa.large_list(pa.int32())),
+        ("responses", pa.large_list(pa.int32())),
+        ("response_mask", pa.large_list(pa.int8())),
+        ("loss_mask", pa.large_list(pa.int8())),
+        ("rollout_log_probs", pa.large_list(pa.float32())),
+        ("rm_scores", pa.large_list(pa.float32())),
+        ("reward_score", pa.float64()),
+        ("num_turns", pa.int32()),
+        ("generate_sequences", pa.float64()),
+        ("tool_calls", pa.float64()),
+        ("compute_score", pa.float64()),
+        ("num_preempted", pa.int32()),
+        ("extra_fields", pa.string()),  # JSON
+        ("data_source", pa.string()),
+        ("raw_prompt", pa.string()),  # JSON: the chat messages
+        ("reward_model", pa.string()),  # JSON
+        ("extra_info", pa.string()),  # JSON
+        ("validate", pa.bool_()),
+        ("global_steps", pa.int64()),
+        ("min_global_steps", pa.int64()),
+        ("max_global_steps", pa.int64()),
+        ("prompt_len", pa.int32()),
+        ("response_len", pa.int32()),
+        ("seq_len", pa.int32()),
+    ],
+    metadata={"rolloutbus.schema_version": str(SCHEMA_VERSION)},
+)
+
+_JSON_COLUMNS = ("extra_fields", "raw_prompt", "reward_model", "extra_info")
+_METRIC_COLUMNS = ("generate_sequences", "tool_calls", "compute_score", "num_preempted")
+
+
+def trajectory_row(t: Trajectory) -> dict[str, Any]:
+    row = t.model_dump(by_alias=True, exclude={"metrics"})
+    for name in _JSON_COLUMNS:
+        row[name] = None if row[name] is None else json.dumps(row[name], sort_keys=True)
+    for name in _METRIC_COLUMNS:
+        row[name] = getattr(t.metrics, name)
+    row["status"] = t.status.value
+    row["loss_mask"] = t.response_mask
+    row["prompt_len"] = t.prompt_len
+    row["response_len"] = t.response_len
+    row["seq_len"] = t.prompt_len + t.response_len
+    return row
+
+
+def trajectories_to_batch(trajectories: list[Trajectory]) -> pa.RecordBatch:
+    return pa.RecordBatch.from_pylist([trajectory_row(t) for t in trajectories], TRAJECTORY_SCHEMA)
+
+
+def batch_to_trajectories(batch: pa.RecordBatch | pa.Table) -> list[Trajectory]:
+    out = []
+    for row in batch.to_pylist():
+        for name in _JSON_COLUMNS:
+            row[name] = None if row[name] is None else json.loads(row[name])
+        row["metrics"] = {name: row.pop(name) for name in _METRIC_COLUMNS}
+        for derived in ("loss_mask", "prompt_len", "response_len", "seq_len"):
+            row.pop(derived)
+        if row["raw_prompt"] is None:
+            row["raw_prompt"] = []
+        if row["extra_fields"] is None:
+            row["extra_fields"] = {}
+        out.append(Trajectory.model_validate(row))
+    return out
+
+
+def encode_trajectory(t: Trajectory) -> bytes:
+    """One Kafka record value: an Arrow IPC stream with one row."""
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, TRAJECTORY_SCHEMA) as writer:
+        writer.write_batch(trajectories_to_batch([t]))
+    return sink.getvalue().to_pybytes()
+
+
+def decode_trajectory_batch(data: bytes) -> pa.RecordBatch:
+    reader = pa.ipc.open_stream(pa.py_buffer(data))
+    batches = list(reader)
+    if len(batches) != 1 or reader.schema.metadata is None:
+        raise ValueError("a trajectory record must be one Arrow record batch with schema metadata")
+    return batches[0]

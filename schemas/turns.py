@@ -1,0 +1,138 @@
+"""The turn log, rollout.turns: the source of truth from which trajectories are folded.
+
+Key ``{uid}_{session_id}`` (``{uid}`` for group events), partition ``partition_for(uid)``.
+A session is a sequence of events stamped with one ``attempt`` id: a prompt redelivered
+after a crash runs again under a new attempt, and the replay buffer folds exactly one
+attempt per session (the first to reach a terminal event).
+
+A session's tokens form one or more *segments*: a segment starts with its prompt ids,
+then alternates generations (sampled tokens, mask 1, with logprobs) and observations
+(tool, user or template-boundary tokens, mask 0, logprob 0.0). Observations are not
+produced by the agent loop: the session runner derives them as the suffix of the next
+generate() prompt after the tokens already logged.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+
+from rolloutbus.schemas.agent_loop import AgentLoopMetrics
+from rolloutbus.schemas.tokens import Logprobs, Mask, TokenIds
+from rolloutbus.schemas.version import SCHEMA_VERSION
+
+
+class _Event(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    schema_version: int = SCHEMA_VERSION
+    uid: str
+    ts: float = Field(default_factory=time.time)
+
+
+class _SessionEvent(_Event):
+    session_id: int = Field(ge=0)
+    attempt: str
+
+
+class GroupStarted(_Event):
+    """A worker took a prompt group: the replay buffer learns n and the prompt columns."""
+
+    type: Literal["group_started"] = "group_started"
+    attempt: str
+    n: int = Field(ge=1)
+    row: dict[str, Any]
+    validate_: bool = Field(default=False, alias="validate")
+    global_steps: int = 0
+    policy_version: int = 0
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+
+class SessionStarted(_SessionEvent):
+    type: Literal["session_started"] = "session_started"
+    agent_name: str | None
+
+
+class SegmentStarted(_SessionEvent):
+    type: Literal["segment_started"] = "segment_started"
+    segment: int = Field(ge=0)
+    prompt_ids: TokenIds
+
+
+class Generation(_SessionEvent):
+    """Tokens exactly as the replica returned them; nothing is decoded and re-encoded."""
+
+    type: Literal["generation"] = "generation"
+    segment: int = Field(ge=0)
+    turn: int = Field(ge=0)
+    token_ids: TokenIds
+    logprobs: Logprobs | None = None
+    replica: str = ""
+    engine_request_id: str = ""
+    policy_version: int | None = None
+    stop_reason: str | None = None
+    num_preempted: int | None = None
+    latency_s: float = 0.0
+
+
+class Observation(_SessionEvent):
+    type: Literal["observation"] = "observation"
+    segment: int = Field(ge=0)
+    turn: int = Field(ge=0)
+    token_ids: TokenIds
+
+
+class OutputSummary(BaseModel):
+    """Where one AgentLoopOutput lies in the session's token stream, plus its scalars."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    segment: int = Field(ge=0)
+    prompt_len: int = Field(ge=0)
+    response_len: int = Field(ge=0)
+    mask_override: Mask | None = None  # only when the loop masked sampled tokens itself
+    has_logprobs: bool = True
+    reward_score: float | None = None
+    num_turns: int = 0
+    metrics: AgentLoopMetrics = Field(default_factory=AgentLoopMetrics)
+    extra_fields: dict[str, Any] = Field(default_factory=dict)
+
+
+class SessionFinished(_SessionEvent):
+    type: Literal["session_finished"] = "session_finished"
+    outputs: list[OutputSummary]
+
+
+class SessionFailed(_SessionEvent):
+    """A session that could not produce a trajectory: an explicit record, never a gap."""
+
+    type: Literal["session_failed"] = "session_failed"
+    agent_name: str | None = None
+    error: str
+    retriable: bool = False
+
+
+TurnEvent = Annotated[
+    GroupStarted
+    | SessionStarted
+    | SegmentStarted
+    | Generation
+    | Observation
+    | SessionFinished
+    | SessionFailed,
+    Field(discriminator="type"),
+]
+TERMINAL_TYPES = ("session_finished", "session_failed")
+
+_TURN_EVENT = TypeAdapter(TurnEvent)
+
+
+def encode_turn_event(event: BaseModel) -> bytes:
+    return event.model_dump_json(by_alias=True).encode("utf-8")
+
+
+def decode_turn_event(data: bytes):
+    return _TURN_EVENT.validate_json(data)

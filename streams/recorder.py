@@ -1,0 +1,139 @@
+"""Log every turn of a session as it happens, without help from the agent loop.
+
+``RecordingLLMClient`` stands between an agent loop and the real LLM client. In
+token-in/token-out the prompt of each generate() call is the whole stream so far, so the
+new suffix after the tokens already logged *is* the observation (tool output, user turn,
+template boundary tokens). A prompt that shares the segment's initial prompt but is not
+an extension of the logged stream means the loop re-rendered history: that is token
+drift, reported as an error, never silently rewritten.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from pydantic import BaseModel
+
+from rolloutbus.errors import AgentLoopError, TokenDriftError
+from rolloutbus.schemas.agent_loop import AgentLoopOutput, TokenOutput
+from rolloutbus.schemas.turns import Generation, Observation, OutputSummary, SegmentStarted
+from rolloutbus.streams.fold import SegmentStream
+
+Emit = Callable[[BaseModel], Awaitable[None]]
+LOGPROB_TOLERANCE = 1e-3  # float32 on the wire vs. float64 in the loop
+
+
+class RecordingLLMClient:
+    """Exposes verl's ``generate`` signature; forwards to ``client`` and logs the turn."""
+
+    def __init__(self, client: Any, emit: Emit, *, uid: str, session_id: int, attempt: str):
+        self._client = client
+        self._emit = emit
+        self._ids = {"uid": uid, "session_id": session_id, "attempt": attempt}
+        self.segments: dict[int, SegmentStream] = {}
+        self._turn = 0
+        self._lock = asyncio.Lock()  # one session's turns are logged strictly in order
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)  # extra client API (e.g. add_replica) passes through
+
+    async def generate(self, request_id: str, *, prompt_ids: list[int],
+                       sampling_params: dict[str, Any], **kwargs: Any) -> TokenOutput:
+        async with self._lock:
+            segment = await self._log_prompt(list(prompt_ids))
+            started = time.monotonic()
+            out: TokenOutput = await self._client.generate(
+                request_id, prompt_ids=prompt_ids, sampling_params=sampling_params, **kwargs)
+            version = (out.extra_fields or {}).get("global_steps")
+            await self._emit(Generation(
+                **self._ids, segment=segment, turn=self._turn, token_ids=out.token_ids,
+                logprobs=out.log_probs, replica=str((out.extra_fields or {}).get("replica", "")),
+                engine_request_id=str((out.extra_fields or {}).get("engine_request_id", "")),
+                policy_version=version, stop_reason=out.stop_reason,
+                num_preempted=out.num_preempted, latency_s=time.monotonic() - started))
+            self.segments[segment].add_generation(out.token_ids, out.log_probs, version)
+            self._turn += 1
+            return out
+
+    async def _log_prompt(self, prompt: list[int]) -> int:
+        """Place a prompt in the logged streams; emit its observation or a new segment."""
+        extended = [(i, s) for i, s in self.segments.items() if _is_prefix(s.tokens, prompt)]
+        if extended:
+            index, seg = max(extended, key=lambda item: len(item[1].tokens))
+            suffix = prompt[len(seg.tokens):]
+            if suffix:
+                await self._emit(Observation(**self._ids, segment=index, turn=self._turn,
+                                             token_ids=suffix))
+                seg.add_observation(suffix)
+            return index
+        for index, seg in self.segments.items():
+            initial = seg.tokens[: seg.prompt_len]
+            if _is_prefix(initial, prompt) and not _is_prefix(prompt, seg.tokens):
+                at = _first_difference(prompt, seg.tokens)
+                raise TokenDriftError(
+                    f"session {self._ids['uid']}_{self._ids['session_id']}: generate() prompt "
+                    f"diverges from the logged stream of segment {index} at token {at} "
+                    f"(logged {seg.tokens[at:at + 4]}, got {prompt[at:at + 4]}); the loop "
+                    "re-rendered its history instead of appending to the token stream")
+        index = len(self.segments)
+        await self._emit(SegmentStarted(**self._ids, segment=index, prompt_ids=prompt))
+        self.segments[index] = SegmentStream.start(prompt)
+        return index
+
+    def summarize(self, outputs: list[AgentLoopOutput], response_length: int) -> list[OutputSummary]:
+        """Locate each output in the logged streams (invariant 7: fold == run() result)."""
+        return [self._summarize_one(i, o) for i, o in enumerate(outputs)]
+
+    def _summarize_one(self, index: int, output: AgentLoopOutput) -> OutputSummary:
+        prompt, response = list(output.prompt_ids), list(output.response_ids)
+        if len(output.response_mask) != len(response):
+            raise AgentLoopError(f"output {index}: response_mask has {len(output.response_mask)} "
+                                 f"entries for {len(response)} response tokens")
+        if output.response_logprobs is not None and len(output.response_logprobs) != len(response):
+            raise AgentLoopError(f"output {index}: response_logprobs has "
+                                 f"{len(output.response_logprobs)} entries for {len(response)} tokens")
+        for seg_index, seg in self.segments.items():
+            if seg.tokens[: len(prompt)] == prompt and \
+                    seg.tokens[len(prompt): len(prompt) + len(response)] == response:
+                return self._summary(index, output, seg_index, seg)
+        raise AgentLoopError(
+            f"output {index} of session {self._ids['uid']}_{self._ids['session_id']} does not "
+            "match any logged token stream: the loop returned tokens that were neither "
+            "generated nor passed to generate() as observations")
+
+    def _summary(self, index: int, output: AgentLoopOutput, seg_index: int,
+                 seg: SegmentStream) -> OutputSummary:
+        start, end = len(output.prompt_ids), len(output.prompt_ids) + len(output.response_ids)
+        logged_mask = seg.mask[start:end]
+        mask = list(output.response_mask)
+        if any(m == 1 and lm == 0 for m, lm in zip(mask, logged_mask, strict=True)):
+            raise AgentLoopError(f"output {index}: response_mask is 1 on tokens the policy did "
+                                 "not sample (observation or boundary tokens)")
+        if output.response_logprobs is not None:
+            for pos, (got, logged, m) in enumerate(zip(output.response_logprobs,
+                                                       seg.logprobs[start:end], logged_mask,
+                                                       strict=True)):
+                if m and not math.isclose(got, logged, abs_tol=LOGPROB_TOLERANCE):
+                    raise AgentLoopError(f"output {index}: logprob at response position {pos} "
+                                         f"is {got}, but the replica returned {logged}")
+        return OutputSummary(
+            segment=seg_index, prompt_len=start, response_len=end - start,
+            mask_override=None if mask == logged_mask else mask,
+            has_logprobs=output.response_logprobs is not None,
+            reward_score=output.reward_score, num_turns=output.num_turns,
+            metrics=output.metrics, extra_fields=output.extra_fields)
+
+
+def _is_prefix(prefix: list[int], seq: list[int]) -> bool:
+    return len(prefix) <= len(seq) and seq[: len(prefix)] == prefix
+
+
+def _first_difference(a: list[int], b: list[int]) -> int:
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return min(len(a), len(b))

@@ -1,0 +1,278 @@
+"""The replay-buffer processor: rollout.turns in, rollout.trajectories out, exactly once.
+
+Guarantee on this hop: exactly-once, by Kafka transactions (consume-transform-produce
+with confluent-kafka; Faust's exactly-once mode is experimental upstream). Per poll batch:
+
+1. fold the new turn events; collect the groups they complete;
+2. begin a transaction; produce every trajectory of those groups (and any dead letters);
+3. send the consumer offsets to the transaction: per partition, the low watermark (first
+   event of the oldest open group) with metadata naming the trajectory offset from which
+   a restart must rescan to learn which later groups were already released;
+4. commit the transaction. Trainers read with isolation.level=read_committed.
+
+On partition assignment the processor reads that metadata, rescans the trajectory
+partition from the named offset, and skips the groups it finds there. A uid maps to the
+same partition number on every topic, so partition p of the turns feeds partition p of
+the trajectories and one transactional writer owns it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import threading
+import time
+from typing import Any
+
+from confluent_kafka import (
+    OFFSET_BEGINNING,
+    Consumer,
+    KafkaError,
+    KafkaException,
+    Message,
+    Producer,
+    TopicPartition,
+)
+from pydantic import ValidationError
+
+from rolloutbus.config import Config
+from rolloutbus.errors import BrokerError, SchemaError
+from rolloutbus.metrics import ReplayBufferMetrics, start_metrics_server
+from rolloutbus.schemas.dlq import DeadLetter
+from rolloutbus.schemas.trajectories import Trajectory, TrajectoryStatus, encode_trajectory
+from rolloutbus.schemas.turns import decode_turn_event
+from rolloutbus.streams.fold import build_group_trajectories
+from rolloutbus.streams.group_fold import PartitionFold, ReleasedGroup
+from rolloutbus.topics import Topics, uid_of_key
+
+log = logging.getLogger(__name__)
+
+POLL_BATCH = 500  # records per consume() call
+POLL_TIMEOUT_S = 0.5  # seconds; also the idle commit cadence
+COMMIT_IDLE_S = 5.0  # seconds between watermark-only commits when nothing is released
+TXN_TIMEOUT_S = 30.0  # seconds for init/commit of a transaction
+
+
+class ReplayBuffer:
+    def __init__(self, cfg: Config, *, metrics: ReplayBufferMetrics | None = None):
+        self.cfg = cfg
+        self.topics = Topics.from_config(cfg.kafka)
+        self.metrics = metrics or ReplayBufferMetrics()
+        self.partitions: dict[int, PartitionFold] = {}
+        self._stop = threading.Event()
+        self._consumer = Consumer({
+            **cfg.kafka.client_settings(),
+            "group.id": cfg.replay_buffer.group_id,
+            "enable.auto.commit": False,
+            "isolation.level": "read_committed",
+            "auto.offset.reset": "earliest",
+            "fetch.max.bytes": cfg.kafka.max_message_bytes,
+            "max.partition.fetch.bytes": cfg.kafka.max_message_bytes,
+        })
+        self._producer = Producer({
+            **cfg.kafka.client_settings(),
+            "transactional.id": cfg.replay_buffer.transactional_id,
+            "message.max.bytes": cfg.kafka.max_message_bytes,
+            "linger.ms": 5,
+            "compression.type": "lz4",
+        })
+        self._dirty = False
+        self._last_commit = time.monotonic()
+
+    # -- lifecycle -------------------------------------------------------------
+    def stop(self) -> None:
+        self._stop.set()
+
+    def run(self) -> None:
+        """Consume until stop(); every exit path closes the consumer (leaving the group)."""
+        try:
+            self._producer.init_transactions(TXN_TIMEOUT_S)
+        except KafkaException as exc:
+            raise BrokerError(f"replay buffer: init_transactions for "
+                              f"{self.cfg.replay_buffer.transactional_id!r} failed: {exc}") from exc
+        self._consumer.subscribe([self.topics.turns], on_assign=self._on_assign,
+                                 on_revoke=self._on_revoke, on_lost=self._on_revoke)
+        log.info("replay buffer consuming %s", self.topics.turns)
+        try:
+            while not self._stop.is_set():
+                self.step()
+        finally:
+            self._consumer.close()
+
+    def step(self) -> int:
+        """One poll batch, folded and committed in one transaction. Returns records read."""
+        messages = self._consumer.consume(POLL_BATCH, POLL_TIMEOUT_S)
+        outgoing: list[tuple[str, str, bytes, int]] = []  # topic, key, value, partition
+        for msg in messages:
+            outgoing.extend(self._fold_message(msg))
+        idle_commit = self._dirty and time.monotonic() - self._last_commit > COMMIT_IDLE_S
+        if outgoing or idle_commit:
+            self._commit(outgoing)
+        return len(messages)
+
+    # -- folding ---------------------------------------------------------------
+    def _fold_message(self, msg: Message) -> list[tuple[str, str, bytes, int]]:
+        if msg.error():
+            if msg.error().code() == KafkaError._PARTITION_EOF:
+                return []
+            raise BrokerError(f"consuming {self.topics.turns}: {msg.error()}")
+        part, offset = msg.partition(), msg.offset()
+        state = self.partitions.get(part)
+        if state is None:
+            return []  # revoked meanwhile
+        self._dirty = True
+        try:
+            event = decode_turn_event(msg.value())
+        except ValidationError as exc:
+            state.next_offset = offset + 1
+            self.metrics.dead_letters.inc()
+            return [self._dead_letter(msg, f"turn event does not match its schema: {exc}")]
+        self.metrics.events.labels(type=event.type).inc()
+        before = state.ignored
+        released = state.apply(offset, event)
+        if state.ignored > before:
+            self.metrics.duplicates.inc()
+        return self._trajectory_records(part, released) if released else []
+
+    def _trajectory_records(self, part: int, released: ReleasedGroup) -> list[tuple[str, str, bytes, int]]:
+        try:
+            trajectories = build_group_trajectories(released.group, released.sessions,
+                                                    self.cfg.rollout.response_length)
+        except SchemaError as exc:
+            trajectories = _failed_group(released, f"turn log of the group cannot be folded: {exc}")
+        self.metrics.groups.inc()
+        out = []
+        for t in trajectories:
+            self.metrics.trajectories.labels(status=t.status.value).inc()
+            out.append((self.topics.trajectories, t.key, encode_trajectory(t), part))
+        return out
+
+    def _dead_letter(self, msg: Message, reason: str) -> tuple[str, str, bytes, int]:
+        source = f"{msg.topic()}[{msg.partition()}]@{msg.offset()}"
+        log.warning("dead letter from %s: %s", source, reason)
+        letter = DeadLetter.of(msg.value() or b"", stage="replay_buffer", reason=reason, source=source)
+        key = (msg.key() or b"").decode("utf-8", "replace")
+        return (self.topics.dlq, key, letter.model_dump_json().encode(), -1)
+
+    # -- the transaction -------------------------------------------------------
+    def _commit(self, outgoing: list[tuple[str, str, bytes, int]]) -> None:
+        delivered: dict[int, int] = {}
+
+        def on_delivery(err: KafkaError | None, msg: Message) -> None:
+            if err is None and msg.topic() == self.topics.trajectories:
+                delivered[msg.partition()] = max(delivered.get(msg.partition(), -1), msg.offset())
+
+        try:
+            self._producer.begin_transaction()
+            for topic, key, value, partition in outgoing:
+                kwargs: dict[str, Any] = {"partition": partition} if partition >= 0 else {}
+                self._produce(topic, key, value, on_delivery, **kwargs)
+            self._producer.send_offsets_to_transaction(
+                self._offsets(), self._consumer.consumer_group_metadata(), TXN_TIMEOUT_S)
+            self._producer.commit_transaction(TXN_TIMEOUT_S)
+        except KafkaException as exc:
+            self._abort(exc)
+            raise BrokerError(f"replay buffer transaction failed (fenced or broker down): {exc}") from exc
+        for part, last in delivered.items():
+            if part in self.partitions:
+                self.partitions[part].traj_next_offset = last + 1
+        self._dirty = False
+        self._last_commit = time.monotonic()
+
+    def _produce(self, topic: str, key: str, value: bytes, on_delivery: Any, **kwargs: Any) -> None:
+        while True:
+            try:
+                self._producer.produce(topic, key=key, value=value, on_delivery=on_delivery, **kwargs)
+                return
+            except BufferError:
+                self._producer.poll(0.1)  # local queue full: let deliveries drain
+
+    def _offsets(self) -> list[TopicPartition]:
+        return [TopicPartition(self.topics.turns, part, state.low_watermark(),
+                               metadata=json.dumps({"traj_scan_from": state.scan_from()}))
+                for part, state in self.partitions.items()]
+
+    def _abort(self, exc: KafkaException) -> None:
+        err = exc.args[0] if exc.args else None
+        if err is not None and getattr(err, "txn_requires_abort", lambda: False)():
+            try:
+                self._producer.abort_transaction(TXN_TIMEOUT_S)
+            except KafkaException:
+                log.exception("abort_transaction failed")
+
+    # -- rebalancing -----------------------------------------------------------
+    def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        committed = consumer.committed(partitions, timeout=TXN_TIMEOUT_S)
+        for tp in committed:
+            scan_from = _scan_from(tp)
+            released = self._released_since(tp.partition, scan_from) if scan_from is not None else set()
+            start = tp.offset if tp.offset >= 0 else 0
+            _, high = self._trajectory_watermarks(tp.partition)
+            self.partitions[tp.partition] = PartitionFold(start, high, released)
+            log.info("assigned %s[%d] from offset %d; %d released groups remembered",
+                     tp.topic, tp.partition, start, len(released))
+
+    def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        for tp in partitions:
+            self.partitions.pop(tp.partition, None)
+
+    def _trajectory_watermarks(self, partition: int) -> tuple[int, int]:
+        tp = TopicPartition(self.topics.trajectories, partition)
+        return self._consumer.get_watermark_offsets(tp, timeout=TXN_TIMEOUT_S, cached=False)
+
+    def _released_since(self, partition: int, scan_from: int) -> set[str]:
+        """uids whose trajectories were committed to ``partition`` at or after ``scan_from``."""
+        low, high = self._trajectory_watermarks(partition)
+        if high <= max(scan_from, low):
+            return set()
+        scanner = Consumer({**self.cfg.kafka.client_settings(), "group.id": "unused",
+                            "enable.auto.commit": False, "isolation.level": "read_committed",
+                            "enable.partition.eof": True})
+        uids: set[str] = set()
+        try:
+            scanner.assign([TopicPartition(self.topics.trajectories, partition,
+                                           max(scan_from, low) if scan_from >= 0 else OFFSET_BEGINNING)])
+            while True:
+                msg = scanner.poll(TXN_TIMEOUT_S)
+                if msg is None:
+                    raise BrokerError(f"rescan of {self.topics.trajectories}[{partition}] stalled")
+                if msg.error():
+                    if msg.error().code() == KafkaError._PARTITION_EOF:
+                        break
+                    raise BrokerError(f"rescan of {self.topics.trajectories}[{partition}]: {msg.error()}")
+                uids.add(uid_of_key(msg.key().decode()))
+        finally:
+            scanner.close()
+        return uids
+
+
+def _scan_from(tp: TopicPartition) -> int | None:
+    if tp.offset < 0:
+        return None  # never committed: nothing was released by this group
+    try:
+        return int(json.loads(tp.metadata or "{}").get("traj_scan_from", 0))
+    except (ValueError, AttributeError):
+        return 0  # unreadable metadata: rescan the whole partition, slower but safe
+
+
+def _failed_group(released: ReleasedGroup, reason: str) -> list[Trajectory]:
+    from rolloutbus.topics import trajectory_key
+
+    group = released.group
+    return [Trajectory(key=trajectory_key(group.uid, s.session_id, 0), uid=group.uid,
+                       session_id=s.session_id, output_index=0, num_outputs=1,
+                       group_size=len(released.sessions), status=TrajectoryStatus.FAILED,
+                       error=reason, agent_name=s.agent_name, attempt=s.attempt,
+                       global_steps=group.global_steps)
+            for s in released.sessions]
+
+
+def run_replay_buffer(cfg: Config) -> None:
+    """Blocking: run one replay-buffer worker until SIGTERM/SIGINT."""
+    if cfg.replay_buffer.metrics_port is not None:
+        start_metrics_server(cfg.replay_buffer.metrics_port)
+    buffer = ReplayBuffer(cfg)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: buffer.stop())
+    buffer.run()

@@ -1,0 +1,130 @@
+"""Run a prompt group: fan it out into n sessions, each one agent-loop run, every turn logged.
+
+This module is the session processor's algorithm, free of Faust: ``run_group`` takes an
+``emit`` coroutine that puts one event on rollout.turns. ``streams/session_worker.py``
+binds it to a Faust agent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import traceback
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel
+
+from rolloutbus.config import Config
+from rolloutbus.errors import AgentLoopError, RolloutBusError
+from rolloutbus.schemas.agent_loop import AgentLoopOutput
+from rolloutbus.schemas.prompts import PromptGroup
+from rolloutbus.schemas.turns import GroupStarted, SessionFailed, SessionFinished, SessionStarted
+from rolloutbus.streams.agent_loop import registry
+from rolloutbus.streams.agent_loop.base import DictConfigWrap
+from rolloutbus.streams.recorder import Emit, RecordingLLMClient
+from rolloutbus.streams.reward import score_outputs
+
+log = logging.getLogger(__name__)
+
+
+class EmitError(RolloutBusError):
+    """The turn log could not be written: the worker must stop, not record a failure."""
+
+
+@dataclass
+class SessionContext:
+    """What every session of a worker shares: config, tokenizer, LLM client."""
+
+    config: Config
+    tokenizer: Any
+    llm_client: Any
+    processor: Any = None
+
+
+def new_attempt_id() -> str:
+    return uuid.uuid4().hex[:12]
+
+
+async def run_group(ctx: SessionContext, group: PromptGroup, emit: Emit) -> list[BaseModel]:
+    """Log GroupStarted, run n sessions concurrently; siblings survive a failed session."""
+    attempt = new_attempt_id()
+    await emit(GroupStarted(uid=group.uid, attempt=attempt, n=group.n, row=group.row,
+                            validate=group.validate_, global_steps=group.global_steps,
+                            policy_version=group.policy_version))
+    results = await asyncio.gather(
+        *(run_session(ctx, group, session_id, attempt, emit) for session_id in range(group.n)),
+        return_exceptions=True)
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result  # only EmitError and cancellation get here: the log is broken
+    return list(results)
+
+
+async def run_session(ctx: SessionContext, group: PromptGroup, session_id: int, attempt: str,
+                      emit: Emit) -> BaseModel:
+    ids = {"uid": group.uid, "session_id": session_id, "attempt": attempt}
+    agent_name: str | None = None
+
+    async def checked_emit(event: BaseModel) -> None:
+        try:
+            await emit(event)
+        except Exception as exc:  # a broken turn log is fatal for the worker
+            raise EmitError(f"could not log {type(event).__name__} of "
+                            f"{group.uid}_{session_id}: {exc}") from exc
+
+    try:
+        agent_name = registry.resolve_agent_name(
+            group.row, ctx.config.rollout.agent.default_agent_loop)
+        await checked_emit(SessionStarted(**ids, agent_name=agent_name))
+        recorder = RecordingLLMClient(ctx.llm_client, checked_emit, **ids)
+        outputs = await _run_agent_loop(ctx, group, session_id, agent_name, recorder)
+        summaries = recorder.summarize(outputs, ctx.config.rollout.response_length)
+        terminal: BaseModel = SessionFinished(**ids, outputs=summaries)
+    except EmitError:
+        raise
+    except Exception as exc:  # the loop failed: an explicit record, siblings go on
+        log.warning("session %s_%s (agent %r) failed: %s", group.uid, session_id, agent_name,
+                    exc, exc_info=not isinstance(exc, RolloutBusError))
+        terminal = SessionFailed(**ids, agent_name=agent_name, error=_describe(exc),
+                                 retriable=not isinstance(exc, AgentLoopError | ValueError))
+    await checked_emit(terminal)
+    return terminal
+
+
+async def _run_agent_loop(ctx: SessionContext, group: PromptGroup, session_id: int,
+                          agent_name: str | None, recorder: RecordingLLMClient
+                          ) -> list[AgentLoopOutput]:
+    loop = registry.create_agent_loop(
+        agent_name, trainer_config=DictConfigWrap(ctx.config), server_manager=recorder,
+        tokenizer=ctx.tokenizer, processor=ctx.processor)
+    result = await loop.run(group.sampling_params.model_dump(), **_loop_kwargs(group, session_id))
+    outputs = result if isinstance(result, list) else [result]
+    if not outputs:
+        log.warning("agent loop %r returned no output for %s_%s", agent_name, group.uid, session_id)
+    if outputs and group.row.get("reward_model") is not None:
+        score_outputs(outputs, group.row, ctx.tokenizer)
+    return outputs
+
+
+def _loop_kwargs(group: PromptGroup, session_id: int) -> dict[str, Any]:
+    """verl V1 passes the row's columns plus framework fields; messages as ``raw_prompt``."""
+    row = dict(group.row)
+    kwargs: dict[str, Any] = {k: v for k, v in row.items() if k != "prompt"}
+    kwargs["raw_prompt"] = list(row["prompt"])
+    extra_info = row.get("extra_info") or {}
+    kwargs.setdefault("tools_kwargs", extra_info.get("tools_kwargs", {}))
+    kwargs.setdefault("index", extra_info.get("index", 0))
+    kwargs.update(uid=group.uid, session_id=session_id, global_steps=group.global_steps,
+                  validate=group.validate_)
+    return kwargs
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc) or type(exc).__name__
+    if not isinstance(exc, RolloutBusError):
+        frame = traceback.extract_tb(exc.__traceback__)[-1:] if exc.__traceback__ else []
+        where = f" at {frame[0].filename}:{frame[0].lineno}" if frame else ""
+        text = f"{type(exc).__name__}: {text}{where}"
+    return text
