@@ -99,6 +99,7 @@ class ReplayBuffer:
                 self.step()
         finally:
             self._consumer.close()
+            self._producer.flush(TXN_TIMEOUT_S)
 
     def step(self) -> int:
         """One poll batch, folded and committed in one transaction. Returns records read."""

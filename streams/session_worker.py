@@ -60,8 +60,8 @@ def build_app(cfg: Config) -> faust.App:
 
     @app.task
     async def start_session_context() -> None:
-        state["ctx"] = _build_context(cfg)
         state["dlq"] = DeadLetterWriter(cfg.kafka, stage="sessions")
+        state["ctx"] = _build_context(cfg, state["dlq"])
         state["metrics"] = SessionMetrics()
         if cfg.sessions.metrics_port is not None:
             start_metrics_server(cfg.sessions.metrics_port)
@@ -110,11 +110,12 @@ def _parse_group(value: bytes, dlq: DeadLetterWriter, event: Any) -> PromptGroup
         return None
 
 
-def _build_context(cfg: Config) -> SessionContext:
+def _build_context(cfg: Config, dlq: DeadLetterWriter) -> SessionContext:
     if cfg.rollout.agent.agent_loop_config_path:
         registry.load_agent_loop_config(cfg.rollout.agent.agent_loop_config_path)
     return SessionContext(config=cfg, tokenizer=load_tokenizer(cfg.model),
-                          llm_client=LLMClient(cfg.replicas, cfg.rollout))
+                          llm_client=LLMClient(cfg.replicas, cfg.rollout),
+                          dead_letter=lambda original, reason: dlq.write(original, reason))
 
 
 def run_session_worker(cfg: Config, loglevel: str = "info") -> None:

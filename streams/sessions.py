@@ -17,7 +17,9 @@ from typing import Any
 from pydantic import BaseModel
 
 from rolloutbus.config import Config
-from rolloutbus.errors import AgentLoopError, RolloutBusError
+from collections.abc import Callable
+
+from rolloutbus.errors import AgentLoopError, RolloutBusError, UnknownAgentLoopError
 from rolloutbus.schemas.agent_loop import AgentLoopOutput
 from rolloutbus.schemas.prompts import PromptGroup
 from rolloutbus.schemas.turns import GroupStarted, SessionFailed, SessionFinished, SessionStarted
@@ -41,6 +43,8 @@ class SessionContext:
     tokenizer: Any
     llm_client: Any
     processor: Any = None
+    # called with (original bytes, reason) for a session whose row names no usable agent
+    dead_letter: Callable[[bytes, str], None] | None = None
 
 
 def new_attempt_id() -> str:
@@ -89,6 +93,9 @@ async def run_session(ctx: SessionContext, group: PromptGroup, session_id: int, 
                     exc, exc_info=not isinstance(exc, RolloutBusError))
         terminal = SessionFailed(**ids, agent_name=agent_name, error=_describe(exc),
                                  retriable=not isinstance(exc, AgentLoopError | ValueError))
+        if isinstance(exc, UnknownAgentLoopError) and ctx.dead_letter is not None:
+            ctx.dead_letter(group.model_dump_json(by_alias=True).encode(),
+                            f"session {group.uid}_{session_id}: {exc}")
     await checked_emit(terminal)
     return terminal
 

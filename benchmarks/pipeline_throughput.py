@@ -1,0 +1,192 @@
+"""Turn events through the real broker, the replay buffer and the trainer client, against
+plain confluent-kafka produce→consume of the same bytes, in the same run.
+
+Events come from the real session runner path (RecordingLLMClient) driven by an instant
+scripted replica (a test double: no model, fixed tokens), so the bytes are exactly what
+workers write. Each round runs both pipelines; the table gives medians over rounds.
+
+    python benchmarks/pipeline_throughput.py [--groups 200] [--rounds 3] [--bootstrap HOST:PORT]
+
+Without --bootstrap it starts the embedded broker on free ports in a temporary folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+
+from confluent_kafka import Consumer, KafkaError, Producer
+
+from rolloutbus.admin import delete_topics, ensure_topics
+from rolloutbus.config import BrokerConfig, Config, KafkaConfig
+from rolloutbus.consumers.trainer import TrainerClient
+from rolloutbus.schemas.agent_loop import AgentLoopMetrics, AgentLoopOutput, TokenOutput
+from rolloutbus.schemas.turns import GroupStarted, SessionFinished, SessionStarted, encode_turn_event
+from rolloutbus.streams.recorder import RecordingLLMClient
+from rolloutbus.streams.replay_buffer import ReplayBuffer
+from rolloutbus.topics import Topics, partition_for, session_key
+
+N, TURNS, GEN_TOKENS, OBS_TOKENS, PROMPT_TOKENS = 4, 3, 128, 32, 256
+
+
+class InstantReplica:
+    """Test double for a replica: answers at once with fixed tokens and logprobs."""
+
+    async def generate(self, request_id, *, prompt_ids, sampling_params, **kw):
+        return TokenOutput(token_ids=list(range(1000, 1000 + GEN_TOKENS)),
+                           log_probs=[-0.5] * GEN_TOKENS, stop_reason="completed")
+
+
+async def _session_events(uid: str, session_id: int) -> list[tuple[str, bytes]]:
+    events: list = []
+
+    async def emit(e):
+        events.append(e)
+
+    ids = {"uid": uid, "session_id": session_id, "attempt": "bench"}
+    events.append(SessionStarted(**ids, agent_name="tool_agent"))
+    rec = RecordingLLMClient(InstantReplica(), emit, **ids)
+    stream = list(range(PROMPT_TOKENS))
+    mask: list[int] = []
+    for turn in range(TURNS):
+        out = await rec.generate("r", prompt_ids=stream, sampling_params={})
+        stream += out.token_ids
+        mask += [1] * len(out.token_ids)
+        if turn < TURNS - 1:
+            stream += [7] * OBS_TOKENS
+            mask += [0] * OBS_TOKENS
+    response = stream[PROMPT_TOKENS:]
+    output = AgentLoopOutput(prompt_ids=stream[:PROMPT_TOKENS], response_ids=response,
+                             response_mask=mask, response_logprobs=None, num_turns=2 * TURNS,
+                             metrics=AgentLoopMetrics())
+    events.append(SessionFinished(**ids, outputs=rec.summarize([output], 10_000)))
+    return [(session_key(uid, session_id), encode_turn_event(e)) for e in events]
+
+
+def make_events(groups: int) -> list[tuple[str, str, bytes]]:
+    """(uid, key, value) for every event of every group, in log order per group."""
+    out = []
+    for _ in range(groups):
+        uid = uuid.uuid4().hex
+        g = GroupStarted(uid=uid, attempt="bench", n=N, row={"prompt": [{"role": "user", "content": "q"}]})
+        out.append((uid, uid, encode_turn_event(g)))
+        for s in range(N):
+            out.extend((uid, k, v) for k, v in asyncio.run(_session_events(uid, s)))
+    return out
+
+
+def produce_all(kafka: KafkaConfig, topic: str, events) -> None:
+    p = Producer({**kafka.client_settings(), "linger.ms": 5, "enable.idempotence": True,
+                  "message.max.bytes": kafka.max_message_bytes})
+    for uid, key, value in events:
+        while True:
+            try:
+                p.produce(topic, key=key, value=value, partition=partition_for(uid, kafka.partitions))
+                break
+            except BufferError:
+                p.poll(0.05)
+        p.poll(0)
+    p.flush(60)
+
+
+def run_pipeline(kafka: KafkaConfig, events, groups: int) -> float:
+    cfg = Config(kafka=kafka)
+    cfg.replay_buffer.group_id = f"bench-rb-{uuid.uuid4().hex[:6]}"
+    cfg.replay_buffer.transactional_id = f"bench-tx-{uuid.uuid4().hex[:6]}"
+    buffer = ReplayBuffer(cfg)
+    thread = threading.Thread(target=buffer.run, daemon=True)
+    thread.start()
+    started = time.perf_counter()
+    produce_all(kafka, Topics.from_config(kafka).turns, events)
+    with TrainerClient(kafka, f"bench-trainer-{uuid.uuid4().hex[:6]}") as client:
+        received = sum(1 for _ in client.groups(max_groups=groups, timeout_s=120))
+    elapsed = time.perf_counter() - started
+    buffer.stop()
+    thread.join(30)
+    if received != groups:
+        raise SystemExit(f"pipeline delivered {received} of {groups} groups")
+    return elapsed
+
+
+def run_baseline(kafka: KafkaConfig, events) -> float:
+    topic = Topics.from_config(kafka).control + "-baseline"
+    from confluent_kafka.admin import AdminClient, NewTopic
+
+    admin = AdminClient(kafka.client_settings())
+    admin.create_topics([NewTopic(topic, kafka.partitions, 1,
+                                  config={"max.message.bytes": str(kafka.max_message_bytes)})])[topic].result()
+    c = Consumer({**kafka.client_settings(), "group.id": f"bench-base-{uuid.uuid4().hex[:6]}",
+                  "auto.offset.reset": "earliest", "enable.partition.eof": False})
+    c.subscribe([topic])
+    started = time.perf_counter()
+    produce_all(kafka, topic, events)
+    seen = 0
+    while seen < len(events):
+        for msg in c.consume(500, 1.0):
+            if not msg.error() or msg.error().code() != KafkaError._PARTITION_EOF:
+                seen += 1
+    elapsed = time.perf_counter() - started
+    c.close()
+    admin.delete_topics([topic])
+    return elapsed
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--groups", type=int, default=200)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--bootstrap", default=None)
+    args = ap.parse_args()
+    broker_cfg = None
+    if args.bootstrap is None:
+        from rolloutbus.broker import start_broker
+
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+        from helpers import free_port
+
+        port, cport = free_port(), free_port()
+        broker_cfg = Config(broker=BrokerConfig(data_dir=Path(tempfile.mkdtemp()), port=port,
+                                                controller_port=cport),
+                            kafka=KafkaConfig(bootstrap_servers=f"127.0.0.1:{port}"))
+        print(f"starting a broker on 127.0.0.1:{port}", file=sys.stderr)
+        start_broker(broker_cfg)
+        args.bootstrap = broker_cfg.kafka.bootstrap_servers
+    try:
+        print(f"generating {args.groups} groups x {N} sessions x {TURNS} turns", file=sys.stderr)
+        events = make_events(args.groups)
+        total_bytes = sum(len(v) for _, _, v in events)
+        pipe_s, base_s = [], []
+        for r in range(args.rounds):
+            kafka = KafkaConfig(bootstrap_servers=args.bootstrap, topic_prefix=f"bench{uuid.uuid4().hex[:6]}",
+                                partitions=2)
+            ensure_topics(kafka)
+            base_s.append(run_baseline(kafka, events))
+            pipe_s.append(run_pipeline(kafka, events, args.groups))
+            delete_topics(kafka, Topics.from_config(kafka).all())
+            print(f"round {r + 1}: pipeline {pipe_s[-1]:.2f} s, baseline {base_s[-1]:.2f} s", file=sys.stderr)
+        pm, bm = statistics.median(pipe_s), statistics.median(base_s)
+        print(f"events: {len(events)} ({total_bytes / 1e6:.1f} MB), groups: {args.groups}, "
+              f"trajectories: {args.groups * N}, rounds: {args.rounds}")
+        print(f"{'path':<52} {'events/s':>10} {'MB/s':>7} {'groups/s':>9}")
+        print(f"{'plain confluent-kafka produce->consume (baseline)':<52} {len(events) / bm:>10.0f} "
+              f"{total_bytes / 1e6 / bm:>7.1f} {args.groups / bm:>9.1f}")
+        print(f"{'turns -> replay buffer (txn) -> trainer client':<52} {len(events) / pm:>10.0f} "
+              f"{total_bytes / 1e6 / pm:>7.1f} {args.groups / pm:>9.1f}")
+        print(f"ratio pipeline/baseline throughput: {bm / pm:.2f}")
+    finally:
+        if broker_cfg is not None:
+            from rolloutbus.broker import stop_broker
+
+            stop_broker(broker_cfg)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,209 @@
+"""The ``rolloutbus`` command line. Data goes to stdout, logs and progress to stderr.
+
+Exit codes: 0 success, 1 a runtime failure (broker down, replica error), 2 bad usage or
+configuration (argparse's convention).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from rolloutbus.config import Config, load_config
+from rolloutbus.errors import ConfigError, RolloutBusError
+
+log = logging.getLogger("rolloutbus")
+Handler = Callable[[argparse.Namespace, Config], int]
+
+
+def _add_config(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-c", "--config", type=Path, default=None,
+                   help="YAML config file (ROLLOUTBUS__SECTION__KEY env vars override it)")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging on stderr")
+
+
+# -- broker and topics ----------------------------------------------------------------
+def cmd_broker(args: argparse.Namespace, cfg: Config) -> int:
+    from rolloutbus import broker
+
+    if args.action == "start":
+        status = broker.start_broker(cfg)
+        print(f"broker running: pid {status.pid}, bootstrap {status.bootstrap}")
+        from rolloutbus.admin import ensure_topics
+
+        created = ensure_topics(cfg.kafka)
+        print(f"topics ready ({len(created)} created)")
+    elif args.action == "stop":
+        stopped = broker.stop_broker(cfg)
+        print("broker stopped" if stopped else "broker was not running")
+    else:
+        status = broker.broker_status(cfg)
+        print(f"broker {'running' if status.running else 'stopped'}: pid {status.pid}, "
+              f"bootstrap {status.bootstrap}, data {status.data_dir}")
+        return 0 if status.running else 3
+    return 0
+
+
+def cmd_topics(args: argparse.Namespace, cfg: Config) -> int:
+    from rolloutbus.admin import ensure_topics
+
+    created = ensure_topics(cfg.kafka)
+    for name in created:
+        print(name)
+    print(f"{len(created)} topics created; the rest already existed", file=sys.stderr)
+    return 0
+
+
+# -- services -------------------------------------------------------------------------
+def cmd_replica(args: argparse.Namespace, cfg: Config) -> int:
+    from rolloutbus.replica.server import serve_replica
+
+    if args.port is not None:
+        cfg.replica.port = args.port
+    if args.model is not None:
+        cfg.model.name = args.model
+    serve_replica(cfg)
+    return 0
+
+
+def cmd_sessions(args: argparse.Namespace, cfg: Config) -> int:
+    from rolloutbus.streams.session_worker import run_session_worker
+
+    run_session_worker(cfg, loglevel="debug" if args.verbose else "info")
+    return 0
+
+
+def cmd_replay_buffer(args: argparse.Namespace, cfg: Config) -> int:
+    from rolloutbus.streams.replay_buffer import run_replay_buffer
+
+    run_replay_buffer(cfg)
+    return 0
+
+
+# -- data in and out ------------------------------------------------------------------
+def cmd_publish(args: argparse.Namespace, cfg: Config) -> int:
+    from rolloutbus.producers.publish import PromptPublisher
+
+    report = PromptPublisher(cfg).publish_file(args.dataset, validate=args.validate,
+                                               global_steps=args.global_steps,
+                                               progress=not args.quiet)
+    for uid in report.uids or []:
+        print(uid)
+    print(f"read {report.read} rows: {report.published} published, "
+          f"{report.dead_lettered} to the dead-letter topic", file=sys.stderr)
+    return 0
+
+
+def cmd_consume(args: argparse.Namespace, cfg: Config) -> int:
+    from rolloutbus.consumers.report import consume_and_report
+
+    consume_and_report(cfg, max_groups=args.max_groups, timeout_s=args.timeout,
+                       out=args.out, group_id=args.group_id or cfg.trainer.group_id)
+    return 0
+
+
+def cmd_dataset(args: argparse.Namespace, cfg: Config) -> int:
+    from rolloutbus.producers.datasets import make_arithmetic_rows, write_jsonl
+
+    rows = make_arithmetic_rows(args.count, seed=args.seed, tool_fraction=args.tool_fraction)
+    path = write_jsonl(rows, args.out)
+    print(path)
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace, cfg: Config) -> int:
+    from rolloutbus.demo import run_demo
+
+    return run_demo(cfg, rows=args.rows, out=args.out, timeout_s=args.timeout)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="rolloutbus", description="verl's Agent Loop as an event-sourced streaming system on Kafka")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("broker", help="start, stop or inspect the embedded single-node Kafka broker")
+    p.add_argument("action", choices=["start", "stop", "status"])
+    _add_config(p)
+    p.set_defaults(handler=cmd_broker)
+
+    p = sub.add_parser("topics", help="create the rollout topics (idempotent)")
+    _add_config(p)
+    p.set_defaults(handler=cmd_topics)
+
+    p = sub.add_parser("replica", help="serve the embedded torch model over vLLM's HTTP subset")
+    p.add_argument("action", choices=["serve"])
+    p.add_argument("--port", type=int, default=None, help="override replica.port")
+    p.add_argument("--model", default=None, help="override model.name (smollm2-135m, tiny-qwen3, or a folder)")
+    _add_config(p)
+    p.set_defaults(handler=cmd_replica)
+
+    p = sub.add_parser("sessions", help="run a session-processor worker (Faust): prompts -> turns")
+    p.add_argument("action", choices=["run"])
+    _add_config(p)
+    p.set_defaults(handler=cmd_sessions)
+
+    p = sub.add_parser("replay-buffer", help="run a replay-buffer worker: turns -> trajectories, exactly once")
+    p.add_argument("action", choices=["run"])
+    _add_config(p)
+    p.set_defaults(handler=cmd_replay_buffer)
+
+    p = sub.add_parser("publish", help="publish a parquet/jsonl dataset (verl row format) as prompt groups")
+    p.add_argument("dataset", type=Path)
+    p.add_argument("--validate", action="store_true", help="validation rows: val_kwargs apply")
+    p.add_argument("--global-steps", type=int, default=0, help="trainer step at dispatch")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    _add_config(p)
+    p.set_defaults(handler=cmd_publish)
+
+    p = sub.add_parser("consume", help="receive complete groups as the trainer would; print a table")
+    p.add_argument("--max-groups", type=int, default=None)
+    p.add_argument("--timeout", type=float, default=30.0, help="seconds without a new group before stopping")
+    p.add_argument("--out", type=Path, default=None, help="write the trajectories to this Arrow file")
+    p.add_argument("--group-id", default=None, help="consumer group (default trainer.group_id)")
+    _add_config(p)
+    p.set_defaults(handler=cmd_consume)
+
+    p = sub.add_parser("dataset", help="write the bundled arithmetic dataset (verl rows) as jsonl")
+    p.add_argument("out", type=Path)
+    p.add_argument("--count", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tool-fraction", type=float, default=0.5)
+    _add_config(p)
+    p.set_defaults(handler=cmd_dataset)
+
+    p = sub.add_parser("demo", help="the main job: broker, replica, workers, publish, consume, stop")
+    p.add_argument("--rows", type=int, default=6, help="prompt rows to publish")
+    p.add_argument("--out", type=Path, default=Path("out/trajectories.arrow"))
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for all groups")
+    _add_config(p)
+    p.set_defaults(handler=cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        cfg = load_config(args.config)
+    except ConfigError as exc:
+        print(f"rolloutbus: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return args.handler(args, cfg)
+    except ConfigError as exc:
+        print(f"rolloutbus: {exc}", file=sys.stderr)
+        return 2
+    except RolloutBusError as exc:
+        print(f"rolloutbus: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,131 @@
+"""End to end on real parts: broker, replica over HTTP (tiny Qwen3, real tokenizer),
+the Faust session worker and the transactional replay buffer as separate processes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from helpers import free_port, unique_name
+from pipeline import dead_letters, read_topic, receive_groups, running, spawn, wait_http_ok, write_config
+
+from rolloutbus.admin import ensure_topics
+from rolloutbus.config import Config, KafkaConfig
+from rolloutbus.models import load_tokenizer
+from rolloutbus.producers.datasets import make_arithmetic_rows, write_jsonl
+from rolloutbus.producers.publish import PromptPublisher
+from rolloutbus.topics import Topics
+
+FIXTURES = Path(__file__).parent / "fixtures"
+N = 2
+
+
+@pytest.fixture(scope="module")
+def pipeline(kafka_bootstrap: str, tmp_path_factory: pytest.TempPathFactory):
+    tmp = tmp_path_factory.mktemp("pipeline")
+    replica_port = free_port()
+    registry_yaml = tmp / "agent_loops.yaml"
+    registry_yaml.write_text(
+        "- name: my_single_turn\n  _target_: my_agent_loop.MySingleTurnLoop\n")
+    cfg = Config.model_validate({
+        "kafka": {"bootstrap_servers": kafka_bootstrap, "topic_prefix": unique_name("p"),
+                  "partitions": 2},
+        "model": {"name": "tiny-qwen3"},
+        "replica": {"port": replica_port, "max_batch_size": 16},
+        "replicas": {"urls": [f"http://127.0.0.1:{replica_port}"], "request_timeout_s": 120},
+        "rollout": {"n": N, "prompt_length": 64, "response_length": 16,
+                    "agent": {"agent_loop_config_path": str(registry_yaml)}},
+        "sessions": {"app_id": unique_name("sessions"), "concurrency": 4},
+        "replay_buffer": {"group_id": unique_name("rb"), "transactional_id": unique_name("rbtx")},
+    })
+    ensure_topics(cfg.kafka)
+    config_path = write_config(cfg, tmp / "config.yaml")
+    logs = {name: tmp / f"{name}.log" for name in ("replica", "sessions", "replay")}
+    import os
+
+    os.environ["PYTHONPATH"] = f"{FIXTURES}:{os.environ.get('PYTHONPATH', '')}"
+    replica = spawn(["replica", "serve"], config_path, logs["replica"])
+    with running([replica]):
+        wait_http_ok(f"http://127.0.0.1:{replica_port}/health", replica, logs["replica"])
+        workers = [spawn(["sessions", "run"], config_path, logs["sessions"]),
+                   spawn(["replay-buffer", "run"], config_path, logs["replay"])]
+        with running(workers):
+            yield cfg, tmp, logs
+
+
+def _publish(cfg: Config, rows: list[dict], path: Path):
+    return PromptPublisher(cfg).publish_file(write_jsonl(rows, path), progress=False)
+
+
+def test_prompt_groups_become_complete_trajectory_groups(pipeline):
+    cfg, tmp, _ = pipeline
+    rows = make_arithmetic_rows(3, seed=1, tool_fraction=0.0)
+    report = _publish(cfg, rows, tmp / "plain.jsonl")
+    groups = receive_groups(cfg, set(report.uids))
+    tok = load_tokenizer(cfg.model)
+    for uid, group in groups.items():
+        assert len(group) == N
+        rows_out = group.batch.to_pylist()
+        assert sorted(r["key"] for r in rows_out) == [f"{uid}_{i}_0" for i in range(N)]
+        for r in rows_out:
+            assert r["status"] in ("completed", "truncated")
+            assert r["agent_name"] == "single_turn_agent" and r["num_turns"] == 2
+            assert 0 < len(r["responses"]) <= 16
+            assert len(r["responses"]) == len(r["response_mask"]) == len(r["rollout_log_probs"])
+            assert set(r["response_mask"]) == {1}
+            assert all(lp <= 0.0 for lp in r["rollout_log_probs"])
+            assert r["prompt_len"] <= 64 and r["prompts"][-3:] == tok.encode("<|im_start|>assistant\n")[-3:]
+            assert r["num_preempted"] == -1 or r["num_preempted"] >= 0
+            assert r["reward_score"] in (0.0, 1.0)  # scored by the arithmetic rule
+    # each key exactly once on the topic
+    keys = [m.key().decode() for m in read_topic(cfg, Topics.from_config(cfg.kafka).trajectories)]
+    mine = [k for k in keys if k.split("_")[0] in groups]
+    assert len(mine) == len(set(mine)) == N * len(groups)
+
+
+def test_seed_custom_loop_registered_through_yaml_runs_end_to_end(pipeline):
+    cfg, tmp, _ = pipeline
+    rows = [dict(r, agent_name="my_single_turn") for r in make_arithmetic_rows(2, seed=2, tool_fraction=0)]
+    report = _publish(cfg, rows, tmp / "custom.jsonl")
+    groups = receive_groups(cfg, set(report.uids))
+    for group in groups.values():
+        for r in group.batch.to_pylist():
+            assert r["agent_name"] == "my_single_turn" and r["status"] != "failed", r["error"]
+            assert len(r["responses"]) == len(r["rollout_log_probs"]) > 0
+
+
+def test_bad_input_goes_to_dead_letters_and_counts_add_up(pipeline):
+    cfg, tmp, _ = pipeline
+    good = make_arithmetic_rows(1, seed=3, tool_fraction=0)[0]
+    long_prompt = dict(good, prompt=[{"role": "user", "content": "seven " * 400}])
+    path = tmp / "bad.jsonl"
+    lines = [
+        json.dumps(good),
+        "{not json",
+        json.dumps({"data_source": "x", "reward_model": {"ground_truth": "1"}}),  # no prompt
+        json.dumps(dict(good, agent_name=None)),
+        json.dumps(dict(good, agent_name="no_such_loop")),
+        json.dumps(long_prompt),
+    ]
+    path.write_text("\n".join(lines) + "\n")
+    before = len(dead_letters(cfg))
+    report = PromptPublisher(cfg).publish_file(path, progress=False)
+    assert (report.published, report.dead_lettered) == (4, 2)
+    groups = receive_groups(cfg, set(report.uids))
+    by_agent = {}
+    for g in groups.values():
+        rows_out = g.batch.to_pylist()
+        assert len(rows_out) == N  # failed sessions are explicit records, never a short group
+        by_agent[rows_out[0]["agent_name"]] = rows_out
+    assert all(r["status"] == "failed" and "no_such_loop" in r["error"] for r in by_agent["no_such_loop"])
+    null_rows = by_agent[None]
+    assert all(r["status"] == "failed" and "agent_name" in r["error"] for r in null_rows)
+    long_rows = [rows for name, rows in by_agent.items() if name == "single_turn_agent"]
+    assert any(all(r["prompt_len"] == 64 for r in rows) for rows in long_rows)  # left-truncated
+    letters = dead_letters(cfg)[before:]
+    reasons = " | ".join(d["reason"] for d in letters)
+    assert "not valid JSON" in reasons and "prompt" in reasons
+    assert "no_such_loop" in reasons
+    # in = out + dlq: 6 rows read; 4 groups out (2 with failed sessions), 2 rows dead-lettered
+    assert report.read == len(groups) + report.dead_lettered
