@@ -1,0 +1,164 @@
+"""Topic administration: the five rollout topics, created idempotently.
+
+Works against any cluster (the embedded broker or the user's own). Every confluent-kafka
+error is translated here into :class:`BrokerError`, naming the topic and the bootstrap.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+from confluent_kafka import KafkaError, KafkaException
+from confluent_kafka.admin import AdminClient, ClusterMetadata, NewTopic
+
+from rolloutbus.config import KafkaConfig
+from rolloutbus.errors import BrokerError
+from rolloutbus.topics import Topics
+
+__all__ = ["delete_topics", "ensure_topics", "topic_configs", "topic_partitions"]
+
+# Policy versions are a single ordered stream that every worker reads in full, so the
+# control topic has one partition; the others share kafka.partitions (see topics.py).
+CONTROL_PARTITIONS = 1
+ADMIN_TIMEOUT_S = 30.0  # seconds per admin round trip; a busy two-core broker answers in <1 s
+VISIBLE_POLL_S = 0.1  # seconds between metadata polls while new topics propagate
+
+
+def topic_partitions(kafka: KafkaConfig) -> dict[str, int]:
+    """The partition count of each rollout topic, by name."""
+    topics = Topics.from_config(kafka)
+    counts = {name: kafka.partitions for name in topics.all()}
+    counts[topics.control] = CONTROL_PARTITIONS
+    return counts
+
+
+def topic_configs(kafka: KafkaConfig) -> dict[str, str]:
+    """Topic-level settings shared by every rollout topic."""
+    return {
+        "cleanup.policy": "delete",
+        "retention.ms": str(kafka.retention_ms),
+        "max.message.bytes": str(kafka.max_message_bytes),
+    }
+
+
+def ensure_topics(kafka: KafkaConfig, timeout_s: float = ADMIN_TIMEOUT_S) -> list[str]:
+    """Create the missing rollout topics; return the names created (empty if none).
+
+    An existing topic is left alone, but its partition count must match: a uid maps to
+    the same partition number on every topic only if the counts agree.
+    """
+    admin = _admin(kafka)
+    wanted = topic_partitions(kafka)
+    existing = _partition_counts(admin, kafka, timeout_s)
+    _check_partition_counts(kafka, wanted, existing)
+    missing = [name for name in wanted if name not in existing]
+    created = _create(admin, kafka, missing, wanted, timeout_s)
+    if created:
+        _wait_until_visible(admin, kafka, wanted, created, timeout_s)
+    # A topic that a concurrent caller created between our listing and our create has
+    # not been checked yet.
+    raced = [name for name in missing if name not in created]
+    if raced:
+        _check_partition_counts(kafka, wanted, _partition_counts(admin, kafka, timeout_s))
+    return created
+
+
+def delete_topics(kafka: KafkaConfig, names: Iterable[str], timeout_s: float = ADMIN_TIMEOUT_S) -> None:
+    """Delete topics by name; a topic that does not exist is not an error (for tests)."""
+    names = list(names)
+    if not names:
+        return
+    admin = _admin(kafka)  # held until the futures resolve: a dropped client fails them
+    futures = admin.delete_topics(names, operation_timeout=timeout_s, request_timeout=timeout_s)
+    for name, future in futures.items():
+        try:
+            future.result()
+        except KafkaException as exc:
+            if _code(exc) != KafkaError.UNKNOWN_TOPIC_OR_PART:
+                raise _broker_error(f"deleting topic {name}", kafka, exc) from exc
+
+
+def _admin(kafka: KafkaConfig) -> AdminClient:
+    return AdminClient(kafka.client_settings())
+
+
+def _partition_counts(admin: AdminClient, kafka: KafkaConfig, timeout_s: float) -> dict[str, int]:
+    return {name: len(meta.partitions) for name, meta in _metadata(admin, kafka, timeout_s).topics.items()}
+
+
+def _metadata(admin: AdminClient, kafka: KafkaConfig, timeout_s: float) -> ClusterMetadata:
+    try:
+        return admin.list_topics(timeout=timeout_s)
+    except KafkaException as exc:
+        raise _broker_error(f"listing topics ({kafka.topic_prefix}.*)", kafka, exc) from exc
+
+
+def _check_partition_counts(kafka: KafkaConfig, wanted: dict[str, int], existing: dict[str, int]) -> None:
+    for name, count in wanted.items():
+        if name in existing and existing[name] != count:
+            raise BrokerError(
+                f"topic {name} on {kafka.bootstrap_servers} has {existing[name]} partitions but "
+                f"the config asks for {count} (kafka.partitions): a uid would map to different "
+                "partitions on different topics; use another kafka.topic_prefix or recreate it"
+            )
+
+
+def _create(admin: AdminClient, kafka: KafkaConfig, names: list[str], wanted: dict[str, int],
+            timeout_s: float) -> list[str]:
+    if not names:
+        return []
+    configs = topic_configs(kafka)
+    new_topics = [
+        NewTopic(name, num_partitions=wanted[name], replication_factor=kafka.replication_factor, config=configs)
+        for name in names
+    ]
+    futures = admin.create_topics(new_topics, operation_timeout=timeout_s, request_timeout=timeout_s)
+    created = []
+    for name, future in futures.items():
+        try:
+            future.result()
+        except KafkaException as exc:
+            if _code(exc) == KafkaError.TOPIC_ALREADY_EXISTS:
+                continue  # created concurrently by another caller: checked afterwards
+            raise _broker_error(f"creating topic {name}", kafka, exc) from exc
+        created.append(name)
+    return [name for name in names if name in created]  # in the order of Topics.all()
+
+
+def _wait_until_visible(admin: AdminClient, kafka: KafkaConfig, wanted: dict[str, int],
+                        names: list[str], timeout_s: float) -> None:
+    """Wait until the broker's metadata shows every new partition with a leader.
+
+    create_topics returns once the controller has committed the topic; a producer that
+    starts in that instant could still see UNKNOWN_TOPIC_OR_PART from the broker.
+    """
+    deadline = time.monotonic() + timeout_s
+    pending = list(names)
+    while pending:
+        topics = _metadata(admin, kafka, timeout_s).topics
+        pending = [name for name in pending if not _has_leaders(topics.get(name), wanted[name])]
+        if pending and time.monotonic() > deadline:
+            raise BrokerError(
+                f"topics {', '.join(pending)} on {kafka.bootstrap_servers} were created but have "
+                f"no leader for every partition after {timeout_s:.0f} s"
+            )
+        if pending:
+            time.sleep(VISIBLE_POLL_S)
+
+
+def _has_leaders(meta, count: int) -> bool:
+    if meta is None or meta.error is not None or len(meta.partitions) != count:
+        return False
+    return all(p.leader >= 0 and p.error is None for p in meta.partitions.values())
+
+
+def _code(exc: KafkaException) -> int | None:
+    err = exc.args[0] if exc.args else None
+    return err.code() if isinstance(err, KafkaError) else None
+
+
+def _broker_error(action: str, kafka: KafkaConfig, exc: KafkaException) -> BrokerError:
+    err = exc.args[0] if exc.args else exc
+    detail = err.str() if isinstance(err, KafkaError) else str(err)
+    return BrokerError(f"{action} on {kafka.bootstrap_servers} failed: {detail}")

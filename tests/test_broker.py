@@ -1,0 +1,239 @@
+"""The embedded broker and topic administration, against a real Kafka broker."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+from pathlib import Path
+
+import pytest
+from confluent_kafka import Consumer, TopicPartition
+from confluent_kafka.admin import AdminClient, ConfigResource
+from helpers import free_port, unique_name
+
+from rolloutbus import broker
+from rolloutbus.admin import delete_topics, ensure_topics, topic_partitions
+from rolloutbus.broker import (
+    broker_status,
+    parse_java_major,
+    server_properties,
+    start_broker,
+    stop_broker,
+)
+from rolloutbus.config import BrokerConfig, Config, KafkaConfig
+from rolloutbus.errors import BrokerError
+from rolloutbus.topics import Topics
+
+LARGE_RECORD_BYTES = 2 * 1024 * 1024  # over every 1 MB Kafka/librdkafka default
+POLL_TIMEOUT_S = 30.0  # seconds to wait for a record that was just produced
+
+
+def _describe_topic_configs(kafka: KafkaConfig, name: str) -> dict[str, str]:
+    admin = AdminClient(kafka.client_settings())
+    futures = admin.describe_configs([ConfigResource(ConfigResource.Type.TOPIC, name)])
+    (entries,) = (f.result() for f in futures.values())
+    return {key: entry.value for key, entry in entries.items()}
+
+
+def _partition_counts(kafka: KafkaConfig) -> dict[str, int]:
+    topics = AdminClient(kafka.client_settings()).list_topics(timeout=10).topics
+    return {name: len(meta.partitions) for name, meta in topics.items()}
+
+
+def _consume_one(consumer, timeout_s: float = POLL_TIMEOUT_S):
+    msg = consumer.poll(timeout_s)
+    assert msg is not None, f"no record within {timeout_s} s"
+    assert msg.error() is None, msg.error()
+    return msg
+
+
+# --- the running broker -------------------------------------------------------------------
+
+
+def test_status_reports_running(embedded_broker: Config | None, kafka_bootstrap: str) -> None:
+    if embedded_broker is None:  # external broker: all we can check is that it answers
+        AdminClient({"bootstrap.servers": kafka_bootstrap}).list_topics(timeout=10)
+        return
+    status = broker_status(embedded_broker)
+    assert status.running
+    assert status.pid is not None
+    assert status.bootstrap == kafka_bootstrap
+    assert status.data_dir == embedded_broker.broker.data_dir.resolve()
+    assert (status.data_dir / "logs" / "server.log").exists()
+
+
+def test_start_when_running_returns_the_same_broker(embedded_broker: Config | None) -> None:
+    if embedded_broker is None:
+        return
+    before = broker_status(embedded_broker)
+    again = start_broker(embedded_broker)
+    assert again.running and again.pid == before.pid
+
+
+# --- topics ---------------------------------------------------------------------------------
+
+
+def test_ensure_topics_creates_all_five(kafka_bootstrap: str) -> None:
+    kafka = KafkaConfig(bootstrap_servers=kafka_bootstrap, topic_prefix=unique_name("t"), partitions=3)
+    topics = Topics.from_config(kafka)
+    try:
+        assert ensure_topics(kafka) == topics.all()
+        counts = _partition_counts(kafka)
+        assert {name: counts[name] for name in topics.all()} == topic_partitions(kafka)
+        assert counts[topics.turns] == 3 and counts[topics.control] == 1
+    finally:
+        delete_topics(kafka, topics.all())
+
+
+def test_ensure_topics_is_idempotent(kafka_config: KafkaConfig) -> None:
+    assert ensure_topics(kafka_config) == []  # the fixture already created them
+    assert ensure_topics(kafka_config) == []
+
+
+def test_topics_carry_size_retention_and_cleanup(kafka_config: KafkaConfig) -> None:
+    for name in Topics.from_config(kafka_config).all():
+        configs = _describe_topic_configs(kafka_config, name)
+        assert configs["max.message.bytes"] == str(kafka_config.max_message_bytes), name
+        assert configs["retention.ms"] == str(kafka_config.retention_ms), name
+        assert configs["cleanup.policy"] == "delete", name
+
+
+def test_partition_count_mismatch_names_topic(kafka_config: KafkaConfig) -> None:
+    other = kafka_config.model_copy(update={"partitions": 3})
+    with pytest.raises(BrokerError) as info:
+        ensure_topics(other)
+    message = str(info.value)
+    assert Topics.from_config(kafka_config).prompts in message
+    assert "2 partitions" in message and "asks for 3" in message
+
+
+def test_delete_topics_ignores_missing(kafka_bootstrap: str) -> None:
+    kafka = KafkaConfig(bootstrap_servers=kafka_bootstrap)
+    delete_topics(kafka, [unique_name("missing")])
+
+
+def test_unreachable_bootstrap_gives_broker_error() -> None:
+    bootstrap = f"127.0.0.1:{free_port()}"  # nothing listens there
+    kafka = KafkaConfig(bootstrap_servers=bootstrap, topic_prefix=unique_name("t"))
+    with pytest.raises(BrokerError, match=bootstrap) as info:
+        ensure_topics(kafka, timeout_s=2.0)
+    assert kafka.topic_prefix in str(info.value)
+
+
+# --- records ------------------------------------------------------------------------------
+
+
+def test_two_megabyte_record_round_trip(kafka_config: KafkaConfig, make_producer, make_consumer) -> None:
+    topic = Topics.from_config(kafka_config).turns
+    payload = bytes(range(256)) * (LARGE_RECORD_BYTES // 256)
+    producer = make_producer(kafka=kafka_config)
+    errors = []
+    producer.produce(topic, key=b"u1_0", value=payload, partition=1,
+                     on_delivery=lambda err, msg: errors.append(err))
+    assert producer.flush(POLL_TIMEOUT_S) == 0
+    assert errors == [None]
+    consumer = make_consumer(kafka=kafka_config)
+    consumer.assign([TopicPartition(topic, 1, 0)])
+    msg = _consume_one(consumer)
+    assert msg.key() == b"u1_0"
+    assert msg.value() == payload
+
+
+# --- start-up checks that need no JVM -------------------------------------------------------
+
+
+@pytest.mark.parametrize("busy", ["port", "controller_port"])
+def test_busy_port_is_named_before_any_jvm_starts(tmp_path: Path, busy: str) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        busy_port = listener.getsockname()[1]
+        ports = {"port": free_port(), "controller_port": free_port(), busy: busy_port}
+        cfg = Config(broker=BrokerConfig(data_dir=tmp_path, **ports))
+        with pytest.raises(BrokerError) as info:
+            start_broker(cfg)
+    message = str(info.value)
+    assert f"port {busy_port}" in message and f"broker.{busy}" in message
+    assert "rolloutbus broker stop" in message
+    assert not (tmp_path / "server.properties").exists()  # failed before writing or launching
+    assert broker_status(cfg).pid is None
+
+
+def test_server_properties_allow_large_records(tmp_path: Path) -> None:
+    cfg = Config(kafka=KafkaConfig(max_message_bytes=32 * 1024 * 1024),
+                 broker=BrokerConfig(port=29092, controller_port=29093))
+    props = dict(
+        line.split("=", 1) for line in server_properties(cfg, tmp_path).splitlines()
+        if line and not line.startswith("#")
+    )
+    assert int(props["message.max.bytes"]) >= 32 * 1024 * 1024
+    assert int(props["replica.fetch.max.bytes"]) >= 32 * 1024 * 1024
+    assert int(props["socket.request.max.bytes"]) > 32 * 1024 * 1024
+    assert props["listeners"] == "PLAINTEXT://127.0.0.1:29092,CONTROLLER://127.0.0.1:29093"
+    assert props["log.dirs"] == str(tmp_path / "kraft-logs")
+    assert props["auto.create.topics.enable"] == "false"
+    assert props["transaction.state.log.replication.factor"] == "1"
+
+
+def test_missing_tools_are_named(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    real_which = shutil.which
+    monkeypatch.setattr(broker, "kafka_libs_dir", lambda: tmp_path / "libs")  # not fetched
+    monkeypatch.setattr(shutil, "which", lambda name: None if name == "mvn" else real_which(name))
+    with pytest.raises(BrokerError, match="`mvn` not found"):
+        broker.fetch_kafka_jars()
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    with pytest.raises(BrokerError, match="`java` not found.*Java 17"):
+        broker.fetch_kafka_jars()
+
+
+def test_java_version_parsing() -> None:
+    assert parse_java_major('openjdk version "17.0.15" 2025-04-15') == 17
+    assert parse_java_major('openjdk version "21" 2023-09-19') == 21
+    assert parse_java_major('java version "1.8.0_392"') == 8
+    assert parse_java_major("no version here") is None
+
+
+def test_jvm_that_exits_is_reported_with_its_log(tmp_path: Path) -> None:
+    # A heap too small for the JVM to initialise: it exits at once, after formatting.
+    cfg = Config(broker=BrokerConfig(data_dir=tmp_path, port=free_port(), controller_port=free_port(),
+                                     heap="1k"))
+    with pytest.raises(BrokerError, match="exited during start-up") as info:
+        start_broker(cfg)
+    assert "stdout.log" in str(info.value) and "heap" in str(info.value).lower()
+    assert not (tmp_path / "broker.pid").exists()
+
+
+# --- a second broker of its own: restart keeps the data -------------------------------------
+
+
+@pytest.mark.slow
+def test_restart_keeps_topics_and_records(tmp_path: Path, make_producer) -> None:
+    port = free_port()
+    cfg = Config(
+        broker=BrokerConfig(data_dir=tmp_path / "kafka", port=port, controller_port=free_port(),
+                            heap="256m", start_timeout_s=120.0),
+        kafka=KafkaConfig(bootstrap_servers=f"127.0.0.1:{port}", topic_prefix="r", partitions=1),
+    )
+    try:
+        assert start_broker(cfg).running
+        assert ensure_topics(cfg.kafka) == Topics.from_config(cfg.kafka).all()
+        producer = make_producer(kafka=cfg.kafka)
+        producer.produce("r.turns", key=b"k", value=b"survives")
+        assert producer.flush(POLL_TIMEOUT_S) == 0
+
+        assert stop_broker(cfg) is True
+        assert broker_status(cfg) == broker.BrokerStatus(False, None, cfg.kafka.bootstrap_servers,
+                                                         cfg.broker.data_dir.resolve())
+        assert stop_broker(cfg) is False
+
+        assert start_broker(cfg).running
+        assert ensure_topics(cfg.kafka) == []
+        # Not the make_consumer fixture: this consumer must close before its broker stops.
+        consumer = Consumer({**cfg.kafka.client_settings(), "group.id": unique_name("g")})
+        try:
+            consumer.assign([TopicPartition("r.turns", 0, 0)])
+            assert _consume_one(consumer).value() == b"survives"
+        finally:
+            consumer.close()
+    finally:
+        stop_broker(cfg)
