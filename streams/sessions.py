@@ -111,7 +111,7 @@ async def _run_agent_loop(ctx: SessionContext, group: PromptGroup, session_id: i
     if not outputs:
         log.warning("agent loop %r returned no output for %s_%s", agent_name, group.uid, session_id)
     if outputs and group.row.get("reward_model") is not None:
-        score_outputs(outputs, group.row, ctx.tokenizer)
+        await asyncio.to_thread(score_outputs, outputs, group.row, ctx.tokenizer)
     return outputs
 
 

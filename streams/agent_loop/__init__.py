@@ -1,0 +1,46 @@
+"""Agent loops: verl's public API, so a verl user's custom loop ports by changing imports.
+
+verl: ``from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopOutput, register``
+here: ``from rolloutbus.streams.agent_loop import AgentLoopBase, AgentLoopOutput, register``
+(``rolloutbus.streams.agent_loop.agent_loop`` also works, mirroring verl's module path).
+Importing this package registers the built-ins ``single_turn_agent`` and ``tool_agent``.
+"""
+
+from rolloutbus.schemas.agent_loop import AgentLoopMetrics, AgentLoopOutput, TokenOutput
+from rolloutbus.streams.agent_loop.base import AgentLoopBase, DictConfigWrap
+from rolloutbus.streams.agent_loop.continuous_token import ContinuousTokenBuilder, ObservationTokens
+from rolloutbus.streams.agent_loop.registry import (
+    _agent_loop_registry,
+    create_agent_loop,
+    load_agent_loop_config,
+    register,
+    registered_agent_loops,
+    resolve_agent_name,
+)
+from rolloutbus.streams.agent_loop.single_turn import SingleTurnAgentLoop
+from rolloutbus.streams.agent_loop.timing import simple_timer
+from rolloutbus.streams.agent_loop.tool_agent import AgentData, AgentState, ToolAgentLoop
+from rolloutbus.streams.agent_loop.tool_parser import FunctionCall, ToolParser
+
+__all__ = [
+    "AgentData",
+    "AgentLoopBase",
+    "AgentLoopMetrics",
+    "AgentLoopOutput",
+    "AgentState",
+    "ContinuousTokenBuilder",
+    "DictConfigWrap",
+    "FunctionCall",
+    "ObservationTokens",
+    "SingleTurnAgentLoop",
+    "TokenOutput",
+    "ToolAgentLoop",
+    "ToolParser",
+    "_agent_loop_registry",
+    "create_agent_loop",
+    "load_agent_loop_config",
+    "register",
+    "registered_agent_loops",
+    "resolve_agent_name",
+    "simple_timer",
+]

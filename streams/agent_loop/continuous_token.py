@@ -1,0 +1,169 @@
+"""Continuous Token (CT): observation tokens from the incremental chat template.
+
+An agent loop's token stream is append-only: the prompt, then each assistant turn exactly
+as the replica sampled it (never decoded and re-encoded), then each observation. An
+observation is rendered without touching the history:
+
+1. render a synthetic prefix ``[system, user, assistant-with-tool_calls]``;
+2. render the same prefix plus the new tool/user/system messages, with the generation
+   prompt;
+3. the observation is the token suffix of (2) after (1) — the prefix must be a token
+   prefix, else the template is not append-only here and we raise;
+4. in front of it go the *boundary tokens*: the part of the template's end-of-turn
+   (Qwen: ``<|im_end|>\\n``) that the model did not sample. Qwen's models stop at
+   ``<|im_end|>``, so the boundary is the ``\\n`` that a full render has after it
+   (verl #6501 / PR #6921). Boundary tokens are not actions: mask 0, logprob 0.0.
+
+Where Qwen3's template itself is not append-only (so no incremental stream can equal a
+full re-render), see ``tests/test_continuous_token.py``:
+
+- an assistant turn *before the last real user query* loses its ``<think>…</think>``
+  block in a full render;
+- the *last* assistant turn gets ``<think>\\n\\n</think>\\n\\n`` inserted in a full render
+  when the model emitted no think block;
+- a full render ends with ``<|im_end|>\\n``; the stream ends where the model stopped.
+
+The stream is right and the re-render is wrong in each case: the stream is what the
+policy saw and sampled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from rolloutbus.errors import AgentLoopError
+
+OBSERVATION_ROLES = frozenset({"tool", "user", "system"})
+
+_NOOP_TOOL = "rolloutbus_noop"
+_SYNTHETIC_PREFIX: list[dict[str, Any]] = [
+    {"role": "system", "content": "You are a helpful assistant."},
+    {"role": "user", "content": "Hi."},
+    {
+        "role": "assistant",
+        "content": "",
+        # Qwen3 renders the LAST assistant turn with a think block, earlier ones without
+        # unless they carry reasoning: with reasoning the prefix renders the same either way.
+        "reasoning_content": "Calling a tool.",
+        "tool_calls": [{"type": "function", "function": {"name": _NOOP_TOOL, "arguments": {}}}],
+    },
+]
+_END_PROBE = "Rolloutbus end-of-turn probe."
+
+
+def render_ids(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    *,
+    tools: list[dict[str, Any]] | None = None,
+    add_generation_prompt: bool = False,
+    **template_kwargs: Any,
+) -> list[int]:
+    """Render ``messages`` with the tokenizer's chat template and encode the text."""
+    text = tokenizer.apply_chat_template(
+        messages,
+        tools=tools or None,
+        add_generation_prompt=add_generation_prompt,
+        tokenize=False,
+        **template_kwargs,
+    )
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+@dataclass(frozen=True)
+class ObservationTokens:
+    """The tokens one observation appends to the stream; all get mask 0 and logprob 0.0."""
+
+    boundary_ids: list[int] = field(default_factory=list)  # closes the assistant turn
+    message_ids: list[int] = field(default_factory=list)  # the messages + generation prompt
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.boundary_ids + self.message_ids
+
+
+class ContinuousTokenBuilder:
+    """Template-diff CT builder; works for any chat template that renders messages in order.
+
+    One instance per tokenizer (the end-of-turn tokens are computed once).
+    """
+
+    def __init__(self, tokenizer: Any, **template_kwargs: Any):
+        self.tokenizer = tokenizer
+        self.template_kwargs = template_kwargs
+        self.end_of_turn_ids = self._end_of_turn_ids()
+
+    def _end_of_turn_ids(self) -> list[int]:
+        """What the template writes after an assistant message's content (Qwen: <|im_end|>\\n)."""
+        messages = [*_SYNTHETIC_PREFIX[:2], {"role": "assistant", "content": _END_PROBE}]
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, **self.template_kwargs)
+        tail = text[text.rindex(_END_PROBE) + len(_END_PROBE):]
+        return list(self.tokenizer.encode(tail, add_special_tokens=False))
+
+    def boundary_ids(self, stream_ids: list[int]) -> list[int]:
+        """The end-of-turn tokens the model did not sample.
+
+        The longest start of the end-of-turn sequence that the stream already ends with
+        stays as sampled; the rest is added. A model stopped at <|im_end|> gets "\\n"; a
+        turn cut off mid-text gets the whole "<|im_end|>\\n", as a full render would have.
+        """
+        end = self.end_of_turn_ids
+        for k in range(len(end), 0, -1):
+            if stream_ids[-k:] == end[:k]:
+                return end[k:]
+        return list(end)
+
+    def _suffix_ids(self, new_messages: list[dict[str, Any]]) -> list[int]:
+        """Tokens that ``new_messages`` + the generation prompt add after the synthetic prefix.
+
+        Usually the prefix text is a plain prefix of the longer render. Qwen3 re-renders the
+        synthetic assistant turn when a *user* message follows (it drops the think block
+        of turns before the last user query), so then the suffix is found after the
+        prefix's end-of-turn anchor instead. Either way the suffix must also be a token
+        suffix of the full render, or we raise.
+        """
+        kwargs = self.template_kwargs
+        prefix_text = self.tokenizer.apply_chat_template(_SYNTHETIC_PREFIX, tokenize=False, **kwargs)
+        full_text = self.tokenizer.apply_chat_template(
+            [*_SYNTHETIC_PREFIX, *new_messages], tokenize=False, add_generation_prompt=True, **kwargs
+        )
+        if full_text.startswith(prefix_text):
+            suffix_text = full_text[len(prefix_text):]
+        else:
+            anchor = prefix_text[prefix_text.rindex(_NOOP_TOOL):]
+            start = full_text.find(anchor, full_text.find(_NOOP_TOOL))
+            if start < 0:
+                raise AgentLoopError(
+                    "the chat template is not append-only: new messages changed how the turn before them renders"
+                )
+            suffix_text = full_text[start + len(anchor):]
+        full = list(self.tokenizer.encode(full_text, add_special_tokens=False))
+        suffix = list(self.tokenizer.encode(suffix_text, add_special_tokens=False))
+        if not suffix or full[-len(suffix):] != suffix:
+            raise AgentLoopError("the chat template is not append-only: the new messages merge with the tokens before them")
+        return suffix
+
+    def observation(self, stream_ids: list[int], new_messages: list[dict[str, Any]]) -> ObservationTokens:
+        """Boundary + rendered ``new_messages`` + generation prompt, to append to ``stream_ids``."""
+        if not new_messages:
+            raise AgentLoopError("an observation needs at least one message")
+        bad = [m.get("role") for m in new_messages if m.get("role") not in OBSERVATION_ROLES]
+        if bad:
+            raise AgentLoopError(
+                f"only tool, user or system messages can be appended to a token stream, got roles {bad}"
+            )
+        message_ids = self._suffix_ids(new_messages)
+        return ObservationTokens(boundary_ids=self.boundary_ids(stream_ids), message_ids=message_ids)
+
+
+_builders: dict[tuple[int, tuple[tuple[str, Any], ...]], ContinuousTokenBuilder] = {}
+
+
+def get_builder(tokenizer: Any, **template_kwargs: Any) -> ContinuousTokenBuilder:
+    """A cached builder per (tokenizer, template kwargs)."""
+    key = (id(tokenizer), tuple(sorted((k, repr(v)) for k, v in template_kwargs.items())))
+    builder = _builders.get(key)
+    if builder is None or builder.tokenizer is not tokenizer:
+        builder = _builders[key] = ContinuousTokenBuilder(tokenizer, **template_kwargs)
+    return builder

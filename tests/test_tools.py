@@ -1,0 +1,121 @@
+"""Tools: the calculator (ast, never eval), FunctionTool schemas, YAML and function-file loading."""
+
+from typing import Literal
+
+import pytest
+from rolloutbus.streams.tools import (
+    CalculatorTool,
+    FunctionTool,
+    ToolResponse,
+    evaluate_arithmetic,
+    load_function_tools,
+    load_tool_catalog,
+    load_tools_from_config,
+)
+
+from rolloutbus.errors import AgentLoopError
+
+
+@pytest.mark.parametrize("expr, value", [
+    ("18 * 7", 126), ("(1 + 2) * -3", -9), ("7 / 2", 3.5), ("7 // 2", 3), ("7 % 4", 3), ("2 ** 10", 1024),
+    ("-(-4)", 4), ("1.5 + 2", 3.5), ("+3", 3), ("18 × 7", 126),
+])
+def test_calculator_arithmetic(expr, value):
+    assert evaluate_arithmetic(expr) == value
+
+
+@pytest.mark.parametrize("expr, message", [
+    ("__import__('os').system('true')", "unsupported"),
+    ("abs(-1)", "unsupported"),
+    ("x + 1", "unsupported"),
+    ("'a' * 3", "unsupported"),
+    ("2 ** 1000", "exponent"),
+    ("10 ** 10 ** 10", "exponent"),
+    ("(2 ** 100) ** 100", "digits"),
+    ("1 / 0", "division by zero"),
+    ("1 +", "not an arithmetic"),
+    ("1" * 600, "longer than"),
+    ("(-8) ** 0.5", "not a real"),
+])
+def test_calculator_rejects_everything_else(expr, message):
+    with pytest.raises(ValueError, match=message):
+        evaluate_arithmetic(expr)
+
+
+async def test_calculator_tool():
+    tool = CalculatorTool()
+    assert tool.name == "calculator"
+    assert tool.get_openai_tool_schema()["function"]["parameters"]["required"] == ["expression"]
+    instance, _ = await tool.create()
+    response, reward, metrics = await tool.execute(instance, {"expression": "6 / 3"})
+    assert response == ToolResponse(text="2") and reward is None and metrics == {}
+    await tool.release(instance)
+
+
+def add(a: int, b: float = 1.0, mode: Literal["fast", "slow"] = "fast", tags: list[str] | None = None) -> str:
+    """Add two numbers.
+
+    Args:
+        a: the first number
+        b (float): the second number
+    """
+    return str(a + b)
+
+
+def test_function_tool_schema_from_signature_and_docstring():
+    schema = FunctionTool(add).get_openai_tool_schema()
+    fn = schema["function"]
+    assert schema["type"] == "function" and fn["name"] == "add" and fn["description"] == "Add two numbers."
+    props = fn["parameters"]["properties"]
+    assert props["a"] == {"type": "integer", "description": "the first number"}
+    assert props["b"] == {"type": "number", "description": "the second number"}
+    assert props["mode"] == {"type": "string", "enum": ["fast", "slow"]}
+    assert props["tags"] == {"type": "array", "items": {"type": "string"}}
+    assert fn["parameters"]["required"] == ["a"]
+
+
+async def test_function_tool_call_sync_async_and_reward():
+    async def scored(x: int):
+        """Scored."""
+        return f"x={x}", 1.0
+
+    assert await FunctionTool(add).call({"a": 1, "b": 2}) == (ToolResponse(text="3"), None, {})
+    assert await FunctionTool(scored).call({"x": 2}) == (ToolResponse(text="x=2"), 1.0, {})
+    assert (await FunctionTool(lambda: {"k": 1}, name="j", description="d").call({}))[0].text == '{"k": 1}'
+
+
+def test_tools_from_verl_yaml(tmp_path):
+    path = tmp_path / "tools.yaml"
+    path.write_text(
+        "tools:\n"
+        "  - class_name: rolloutbus.streams.tools.CalculatorTool\n"
+        "    config: {type: native}\n"
+        "    tool_schema:\n"
+        "      type: function\n"
+        "      function:\n"
+        "        name: calc\n"
+        "        description: arithmetic\n"
+        "        parameters: {type: object, properties: {expression: {type: string}}, required: [expression]}\n")
+    [tool] = load_tools_from_config(path)
+    assert isinstance(tool, CalculatorTool) and tool.name == "calc" and tool.config == {"type": "native"}
+
+
+def test_bad_tool_config(tmp_path):
+    path = tmp_path / "tools.yaml"
+    path.write_text("tools:\n  - class_name: no.such.Tool\n")
+    with pytest.raises(AgentLoopError, match="no.such.Tool"):
+        load_tools_from_config(path)
+    with pytest.raises(AgentLoopError, match="not found"):
+        load_tools_from_config(tmp_path / "missing.yaml")
+
+
+def test_function_tools_from_a_file_and_catalog_cache(tmp_path):
+    path = tmp_path / "my_tools.py"
+    path.write_text(
+        "import json\n\n"
+        "def lookup(key: str) -> str:\n    \"\"\"Look a key up.\"\"\"\n    return key\n\n"
+        "def _private():\n    pass\n")
+    tools = load_function_tools(str(path))
+    assert [t.name for t in tools] == ["lookup"]
+    first = load_tool_catalog(None, str(path))
+    assert load_tool_catalog(None, str(path)) is first  # loaded once per process
