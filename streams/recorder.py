@@ -48,11 +48,12 @@ class RecordingLLMClient:
             started = time.monotonic()
             out: TokenOutput = await self._client.generate(
                 request_id, prompt_ids=prompt_ids, sampling_params=sampling_params, **kwargs)
-            version = (out.extra_fields or {}).get("global_steps")
+            extra = out.extra_fields or {}
+            version = extra.get("global_steps", extra.get("weight_version"))
             await self._emit(Generation(
                 **self._ids, segment=segment, turn=self._turn, token_ids=out.token_ids,
-                logprobs=out.log_probs, replica=str((out.extra_fields or {}).get("replica", "")),
-                engine_request_id=str((out.extra_fields or {}).get("engine_request_id", "")),
+                logprobs=out.log_probs, replica=str(extra.get("replica_id", "")),
+                engine_request_id=str(extra.get("engine_request_id", "")),
                 policy_version=version, stop_reason=out.stop_reason,
                 num_preempted=out.num_preempted, latency_s=time.monotonic() - started))
             self.segments[segment].add_generation(out.token_ids, out.log_probs, version)

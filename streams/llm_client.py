@@ -1,0 +1,400 @@
+"""The agent loops' ``generate()``: token-in/token-out over HTTP to inference replicas.
+
+verl's ``LLMServerClient.generate`` is a Ray actor call; here it is an HTTP call to a
+vLLM (or SGLang, or the embedded) replica, with the same signature and the same
+``TokenOutput``. One call, step by step:
+
+1. acquire a replica for the trajectory's ``request_id`` (sticky, least in-flight);
+2. POST the prompt tokens with a fresh engine request id (a new uuid every turn: the
+   trajectory id only drives stickiness, as in verl);
+3. release the replica in ``finally``, however the call ended.
+
+A replica that times out, refuses the connection or answers 5xx is taken out of routing
+and the turn is sent again, with the same prompt tokens, to another replica (at most
+``replicas.max_retries`` times). A 4xx is the request's fault, not the replica's: it is
+raised at once. A background task probes ``GET /health`` and brings replicas back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+import uuid
+from typing import Any
+
+import httpx
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+from pydantic import ValidationError
+from rolloutbus.schemas.agent_loop import TokenOutput
+from rolloutbus.streams.backends import (
+    Backend,
+    EngineCall,
+    SamplingParams,
+    backend_for,
+    error_message,
+)
+from rolloutbus.streams.routing import LoadBalancer
+
+from rolloutbus.config import ReplicasConfig, RolloutConfig
+from rolloutbus.errors import NoReplicaAvailableError, ReplicaError
+
+__all__ = ["ClientMetrics", "LLMClient", "ReplicaRequestError", "per_turn_max_tokens"]
+
+log = logging.getLogger(__name__)
+
+# seconds; a connection that is not up by then is a dead or unreachable replica, even
+# when the whole request may take many minutes of decoding.
+CONNECT_TIMEOUT_S = 10.0
+
+# seconds; from a millisecond CPU test double to a 32k-token decode on a busy GPU replica.
+LATENCY_BUCKETS_S = (
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600,
+)
+
+
+class ReplicaRequestError(ReplicaError):
+    """One generate call to one replica failed; says which replica and whether to retry."""
+
+    def __init__(
+        self, replica: str, message: str, *, outcome: str, retriable: bool,
+        status_code: int | None = None,
+    ) -> None:
+        super().__init__(f"replica {replica}: {message}")
+        self.replica = replica
+        self.outcome = outcome  # the requests_total label: timeout, server_error, ...
+        self.retriable = retriable
+        self.status_code = status_code
+
+
+def per_turn_max_tokens(
+    prompt_len: int, rollout: RolloutConfig, requested: int | None = None
+) -> int:
+    """verl's per-turn budget: what is left of the trajectory's response_length.
+
+    ``min(response_length, prompt_length + response_length - len(prompt_ids))``,
+    clamped to ``[1, max_model_len - len(prompt_ids)]``; an explicit smaller
+    ``max_tokens`` in sampling_params wins. ``max_model_len`` defaults to
+    prompt_length + response_length, as in verl.
+    """
+    total = rollout.prompt_length + rollout.response_length
+    max_model_len = rollout.max_model_len or total
+    budget = min(rollout.response_length, total - prompt_len)
+    if requested is not None:
+        budget = min(budget, requested)
+    return max(1, min(budget, max_model_len - prompt_len))
+
+
+class ClientMetrics:
+    """Prometheus series of one LLM client, prefix ``rolloutbus_client_``."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry = REGISTRY if registry is None else registry
+        self.in_flight = Gauge(
+            "rolloutbus_client_in_flight", "generate calls in flight from this process",
+            ["replica"], registry=registry,
+        )
+        self.healthy = Gauge(
+            "rolloutbus_client_replica_healthy", "1 while a replica is routed to, else 0",
+            ["replica"], registry=registry,
+        )
+        self.requests = Counter(
+            "rolloutbus_client_requests", "generate calls by replica and outcome "
+            "(completed, aborted, timeout, connection_error, server_error, bad_request, "
+            "bad_response)", ["replica", "outcome"], registry=registry,
+        )
+        self.retries = Counter(
+            "rolloutbus_client_retries", "turns sent again to another replica",
+            registry=registry,
+        )
+        self.latency = Histogram(
+            "rolloutbus_client_request_latency_seconds",
+            "seconds from sending a generate call to its parsed answer",
+            ["replica"], buckets=LATENCY_BUCKETS_S, registry=registry,
+        )
+
+    def forget(self, replica: str) -> None:
+        """Drop a removed replica's gauges (counters keep their history)."""
+        for gauge in (self.in_flight, self.healthy):
+            try:
+                gauge.remove(replica)
+            except KeyError:
+                pass
+
+
+class LLMClient:
+    """verl's ``generate()`` over HTTP, routed over a changing set of replicas.
+
+    Use one client per worker process (its load balancer's in-flight counts are per
+    process; see ``streams/routing.py``), as ``async with LLMClient(...) as client``
+    or with an explicit ``await client.close()``.
+    """
+
+    def __init__(
+        self,
+        replicas: ReplicasConfig,
+        rollout: RolloutConfig,
+        *,
+        registry: CollectorRegistry | None = None,
+        rng: random.Random | None = None,
+        health_timeout_s: float | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self._config = replicas
+        self._rollout = rollout
+        self._backend: Backend = backend_for(replicas.backend)
+        self._balancer = LoadBalancer(
+            (_normalize(url) for url in replicas.urls),
+            sticky_cache_size=replicas.sticky_cache_size,
+            full_determinism=rollout.full_determinism,
+            rng=rng,
+        )
+        # seconds; a probe slower than the probe interval counts as a failed probe.
+        self._health_timeout_s = health_timeout_s or replicas.health_interval_s
+        self._metrics = ClientMetrics(registry)
+        self._http = httpx.AsyncClient(
+            timeout=httpx.Timeout(
+                replicas.request_timeout_s,
+                connect=min(CONNECT_TIMEOUT_S, replicas.request_timeout_s),
+            ),
+            # No pool cap: concurrency is bounded upstream (sessions.concurrency x n).
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+            transport=transport,
+        )
+        self._health_task: asyncio.Task[None] | None = None
+        self._closed = False
+        for replica in self._balancer.replicas:
+            self._publish_replica(replica)
+
+    # -- verl's API ----------------------------------------------------------------
+
+    async def generate(
+        self,
+        request_id: str,
+        *,
+        prompt_ids: list[int],
+        sampling_params: dict[str, Any],
+        image_data: Any = None,
+        video_data: Any = None,
+        audio_data: Any = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> TokenOutput:
+        """Sample one turn for trajectory ``request_id``; returns the tokens as sampled.
+
+        ``kwargs`` takes verl's extras: ``priority`` is sent to vLLM when non-zero;
+        others (``global_steps`` ...) are accepted and ignored here.
+        ``extra_fields`` of the result carries ``finish_reason`` (the engine's own
+        word), ``replica_id``, ``engine_request_id`` and ``weight_version`` when the
+        engine reports one.
+        """
+        if image_data is not None or video_data is not None or audio_data is not None:
+            raise NotImplementedError(
+                "multimodal generate() is not supported by the HTTP token-in/token-out client"
+            )
+        self._ensure_started()
+        params = SamplingParams.model_validate(sampling_params)
+        max_tokens = per_turn_max_tokens(len(prompt_ids), self._rollout, params.max_tokens)
+        priority = int(kwargs.get("priority") or 0)
+        if not self._backend.name.startswith("vllm"):
+            priority = 0
+        last_error: ReplicaRequestError | None = None
+        for attempt in range(self._config.max_retries + 1):
+            replica = self._acquire(request_id, last_error)
+            call = EngineCall(
+                engine_request_id=self._engine_request_id(request_id),
+                prompt_ids=prompt_ids,
+                sampling=params,
+                max_tokens=max_tokens,
+                model=self._config.model,
+                priority=priority,
+            )
+            try:
+                return await self._call_replica(replica, call)
+            except ReplicaRequestError as exc:
+                if not exc.retriable:
+                    raise
+                self._take_out(replica, exc)
+                last_error = exc
+                if attempt < self._config.max_retries:
+                    self._metrics.retries.inc()
+            finally:
+                self._release(replica)
+        assert last_error is not None
+        raise last_error
+
+    def _acquire(self, request_id: str, last_error: ReplicaRequestError | None) -> str:
+        try:
+            replica = self._balancer.acquire(request_id)
+        except NoReplicaAvailableError as exc:
+            if last_error is None:
+                raise
+            raise NoReplicaAvailableError(f"{exc}; last failure: {last_error}") from last_error
+        self._metrics.in_flight.labels(replica).set(self._balancer.in_flight[replica])
+        return replica
+
+    def _release(self, replica: str) -> None:
+        self._balancer.release(replica)
+        if replica in self._balancer.in_flight:
+            self._metrics.in_flight.labels(replica).set(self._balancer.in_flight[replica])
+
+    def _engine_request_id(self, request_id: str) -> str:
+        # verl keeps the caller's id under full determinism, a fresh uuid otherwise.
+        return request_id if self._rollout.full_determinism else uuid.uuid4().hex
+
+    def _take_out(self, replica: str, exc: ReplicaRequestError) -> None:
+        log.warning("taking replica %s out of routing: %s", replica, exc)
+        self._balancer.mark_unhealthy(replica)
+        self._publish_replica(replica)
+
+    # -- one HTTP call, errors translated at this one boundary ----------------------
+
+    async def _call_replica(self, replica: str, call: EngineCall) -> TokenOutput:
+        body = self._backend.build_request(call)
+        started = time.monotonic()
+        response = await self._post(replica, body)
+        if response.status_code >= 400:
+            self._raise_for_status(replica, response)
+        try:
+            output = self._backend.parse_response(response.json())
+        except (ValueError, ValidationError) as exc:
+            self._count(replica, "bad_response")
+            raise ReplicaRequestError(
+                replica, f"unparseable {self._backend.name} response: {exc}",
+                outcome="bad_response", retriable=False, status_code=response.status_code,
+            ) from exc
+        self._metrics.latency.labels(replica).observe(time.monotonic() - started)
+        self._count(replica, "aborted" if output.stop_reason == "aborted" else "completed")
+        output.extra_fields.update(replica_id=replica, engine_request_id=call.engine_request_id)
+        return output
+
+    async def _post(self, replica: str, body: dict[str, Any]) -> httpx.Response:
+        url = replica + self._backend.path
+        timeout_s = self._config.request_timeout_s
+        try:
+            async with asyncio.timeout(timeout_s):  # total, not per read
+                return await self._http.post(url, json=body)
+        except (TimeoutError, httpx.TimeoutException) as exc:
+            self._count(replica, "timeout")
+            raise ReplicaRequestError(
+                replica, f"POST {self._backend.path} timed out after {timeout_s} s",
+                outcome="timeout", retriable=True,
+            ) from exc
+        except httpx.TransportError as exc:
+            self._count(replica, "connection_error")
+            raise ReplicaRequestError(
+                replica, f"POST {self._backend.path} failed: {type(exc).__name__}: {exc}",
+                outcome="connection_error", retriable=True,
+            ) from exc
+
+    def _raise_for_status(self, replica: str, response: httpx.Response) -> None:
+        server_side = response.status_code >= 500
+        outcome = "server_error" if server_side else "bad_request"
+        self._count(replica, outcome)
+        raise ReplicaRequestError(
+            replica,
+            f"POST {self._backend.path} answered {response.status_code}: "
+            f"{error_message(response.text)}",
+            outcome=outcome, retriable=server_side, status_code=response.status_code,
+        )
+
+    def _count(self, replica: str, outcome: str) -> None:
+        self._metrics.requests.labels(replica, outcome).inc()
+
+    # -- replicas at run time --------------------------------------------------------
+
+    def add_replica(self, url: str) -> None:
+        """Route to one more replica from now on (healthy until a probe says otherwise)."""
+        replica = _normalize(url)
+        self._balancer.add_replicas([replica])
+        self._publish_replica(replica)
+
+    def remove_replica(self, url: str) -> None:
+        """Stop routing to a replica; its trajectories move elsewhere on their next turn."""
+        replica = _normalize(url)
+        self._balancer.remove_replicas([replica])
+        self._metrics.forget(replica)
+
+    @property
+    def balancer(self) -> LoadBalancer:
+        return self._balancer
+
+    @property
+    def replicas(self) -> tuple[str, ...]:
+        return self._balancer.replicas
+
+    @property
+    def metrics(self) -> ClientMetrics:
+        return self._metrics
+
+    def _publish_replica(self, replica: str) -> None:
+        self._metrics.healthy.labels(replica).set(1 if self._balancer.is_healthy(replica) else 0)
+        self._metrics.in_flight.labels(replica).set(self._balancer.in_flight.get(replica, 0))
+
+    # -- health ----------------------------------------------------------------------
+
+    async def check_health(self) -> dict[str, bool]:
+        """Probe every replica once; mark each healthy or not. Returns what it saw."""
+        replicas = self._balancer.replicas
+        results = await asyncio.gather(*(self._probe(r) for r in replicas))
+        for replica, healthy in zip(replicas, results, strict=True):
+            if replica not in self._balancer.in_flight:
+                continue  # removed while the probe ran
+            was_healthy = self._balancer.is_healthy(replica)
+            if healthy:
+                self._balancer.mark_healthy(replica)
+            else:
+                self._balancer.mark_unhealthy(replica)
+            if healthy != was_healthy:
+                log.warning("replica %s is %s", replica, "back" if healthy else "unhealthy")
+            self._publish_replica(replica)
+        return dict(zip(replicas, results, strict=True))
+
+    async def _probe(self, replica: str) -> bool:
+        try:
+            async with asyncio.timeout(self._health_timeout_s):
+                response = await self._http.get(replica + "/health")
+        except (TimeoutError, httpx.HTTPError):
+            return False
+        return response.status_code == 200
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._config.health_interval_s)
+            await self.check_health()
+
+    def _ensure_started(self) -> None:
+        if self._closed:
+            raise ReplicaError("LLMClient is closed")
+        if self._health_task is None:
+            self._health_task = asyncio.get_running_loop().create_task(
+                self._health_loop(), name="rolloutbus-replica-health"
+            )
+
+    async def start(self) -> LLMClient:
+        """Start the health checker (``generate()`` also starts it on first use)."""
+        self._ensure_started()
+        return self
+
+    async def close(self) -> None:
+        """Stop the health checker and close connections. Idempotent."""
+        self._closed = True
+        if self._health_task is not None:
+            self._health_task.cancel()
+            try:
+                await self._health_task
+            except asyncio.CancelledError:
+                pass
+            self._health_task = None
+        await self._http.aclose()
+
+    async def __aenter__(self) -> LLMClient:
+        return await self.start()
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+
+def _normalize(url: str) -> str:
+    return url.rstrip("/")
