@@ -1,0 +1,73 @@
+"""The embedded inference replica: a torch causal LM behind vLLM's token-in/token-out API.
+
+``DecodeEngine`` (continuous batching over a KV cache) or ``ScriptedEngine`` (a test
+double) sits behind one aiohttp server (``start_replica`` / ``serve_replica``). Names
+that need torch are imported on first use, so a client importing the scripted double
+does not pay for torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from rolloutbus.replica.generation import (
+    Engine,
+    EngineStats,
+    GenerationRequest,
+    GenerationResult,
+    RequestRejectedError,
+    SamplingParams,
+    Timings,
+)
+from rolloutbus.replica.scripted import ScriptedEngine, ScriptedTurn
+
+if TYPE_CHECKING:
+    from rolloutbus.replica.engine import DecodeEngine
+    from rolloutbus.replica.server import (
+        ReplicaHandle,
+        build_app,
+        replica_in_thread,
+        serve_replica,
+        start_replica,
+    )
+    from rolloutbus.replica.weights import load_causal_lm, smollm2_tokenizer
+
+__all__ = [
+    "DecodeEngine",
+    "Engine",
+    "EngineStats",
+    "GenerationRequest",
+    "GenerationResult",
+    "ReplicaHandle",
+    "RequestRejectedError",
+    "SamplingParams",
+    "ScriptedEngine",
+    "ScriptedTurn",
+    "Timings",
+    "build_app",
+    "load_causal_lm",
+    "replica_in_thread",
+    "serve_replica",
+    "smollm2_tokenizer",
+    "start_replica",
+]
+
+_LAZY = {
+    "DecodeEngine": "rolloutbus.replica.engine",
+    "ReplicaHandle": "rolloutbus.replica.server",
+    "build_app": "rolloutbus.replica.server",
+    "replica_in_thread": "rolloutbus.replica.server",
+    "serve_replica": "rolloutbus.replica.server",
+    "start_replica": "rolloutbus.replica.server",
+    "load_causal_lm": "rolloutbus.replica.weights",
+    "smollm2_tokenizer": "rolloutbus.replica.weights",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'rolloutbus.replica' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)

@@ -1,0 +1,120 @@
+"""What an engine is asked and what it answers: one token-in/token-out generation.
+
+Both engines (the torch ``DecodeEngine`` and the ``ScriptedEngine`` test double) take a
+``GenerationRequest`` and return a ``GenerationResult``; the HTTP server translates the
+vLLM and SGLang request shapes into these and back.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Literal, Protocol, runtime_checkable
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from rolloutbus.errors import ReplicaError
+
+__all__ = [
+    "Engine",
+    "EngineStats",
+    "FinishReason",
+    "GenerationRequest",
+    "GenerationResult",
+    "RequestRejectedError",
+    "SamplingParams",
+    "Timings",
+]
+
+FinishReason = Literal["stop", "length", "abort"]
+MAX_TOP_LOGPROBS = 20  # vLLM's --max-logprobs default
+
+
+class RequestRejectedError(ReplicaError, ValueError):
+    """The request itself is wrong (too long, bad token id): the client's mistake, an HTTP 400."""
+
+
+class SamplingParams(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    temperature: float = Field(default=1.0, ge=0.0)  # 0 = greedy
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=-1, ge=-1)  # -1 or 0 = off (vLLM: -1; SGLang: -1 / 0)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class GenerationRequest(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    request_id: str
+    prompt_ids: list[int] = Field(min_length=1)
+    max_tokens: int = Field(default=16, ge=1)
+    sampling: SamplingParams = Field(default_factory=SamplingParams)
+    seed: int | None = None  # None: a fresh random seed per request
+    stop_token_ids: list[int] = Field(default_factory=list)  # besides the model's eos
+    ignore_eos: bool = False
+    top_logprobs: int = Field(default=0, ge=0, le=MAX_TOP_LOGPROBS)  # alternatives per step
+
+
+class Timings(BaseModel):
+    """Seconds, measured inside the engine (monotonic clock)."""
+
+    queue_s: float = 0.0  # submit -> prefill starts
+    ttft_s: float = 0.0  # submit -> first token sampled
+    e2e_s: float = 0.0  # submit -> finished
+
+
+class GenerationResult(BaseModel):
+    request_id: str
+    prompt_ids: list[int]
+    token_ids: list[int]
+    # Log-probability of each sampled token after temperature / top-k / top-p
+    # (vLLM's processed_logprobs); the plain log_softmax for greedy requests.
+    logprobs: list[float]
+    # One {token_id: logprob} per step when top_logprobs > 0, else None.
+    top_logprobs: list[dict[int, float]] | None = None
+    finish_reason: FinishReason
+    stop_reason: int | None = None  # the stop token that ended it, when not the eos
+    timings: Timings = Field(default_factory=Timings)
+
+
+@dataclass
+class EngineStats:
+    """Counters an engine keeps for /metrics; read without a lock (ints are atomic)."""
+
+    running: int = 0
+    waiting: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    steps: int = 0
+    preemptions: int = 0  # the embedded engine never preempts; kept for vLLM parity
+    batch_sizes: Counter[int] = field(default_factory=Counter)  # decode-step batch size -> steps
+
+    @property
+    def max_batch_size_seen(self) -> int:
+        return max(self.batch_sizes, default=0)
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """What the HTTP server needs from an engine."""
+
+    model_name: str
+    owned_by: str
+    max_model_len: int
+    stats: EngineStats
+
+    @property
+    def tokenizer(self): ...  # may be None: the server then returns empty text
+
+    @property
+    def healthy(self) -> bool: ...
+
+    async def submit(self, request: GenerationRequest) -> GenerationResult: ...
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...

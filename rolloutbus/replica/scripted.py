@@ -1,0 +1,147 @@
+"""A TEST DOUBLE engine: it answers with scripted token ids, not a model.
+
+Served by the same HTTP server as the real engine, so an LLM client cannot tell them
+apart except by ``GET /v1/models`` (``owned_by: "scripted-test-double"``). Tests of
+tool-calling agents use it because the small real models cannot emit tool calls; fault
+tests use ``hang()`` and ``fail()``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from rolloutbus.errors import ReplicaError
+from rolloutbus.replica.generation import (
+    EngineStats,
+    GenerationRequest,
+    GenerationResult,
+    RequestRejectedError,
+    Timings,
+)
+
+__all__ = ["ScriptedEngine", "ScriptedTurn"]
+
+SCRIPTED_OWNER = "scripted-test-double"
+DEFAULT_LOGPROB = -0.5  # a plausible, non-zero logprob when the script gives none
+
+
+@dataclass(frozen=True)
+class ScriptedTurn:
+    """What one generate() call returns; ``logprobs`` defaults to DEFAULT_LOGPROB each."""
+
+    token_ids: list[int]
+    logprobs: list[float] | None = None
+    finish_reason: str | None = None  # None: "stop" if the last token is a stop/eos, else "length"
+
+
+Script = Iterable[ScriptedTurn | list[int]] | Callable[[list[int]], ScriptedTurn | list[int]]
+
+
+@dataclass
+class ScriptedEngine:
+    """Returns scripted tokens per call: from a list consumed in order, or a callable of the prompt ids."""
+
+    script: Script
+    token_delay_s: float = 0.0  # seconds per output token, to look like a decode
+    tokenizer: Any = None  # optional: lets the server fill in ``text``
+    model_name: str = "scripted"
+    max_model_len: int = 4096
+    eos_token_ids: frozenset[int] = frozenset()
+    owned_by: str = SCRIPTED_OWNER
+    stats: EngineStats = field(default_factory=EngineStats)
+    calls: list[GenerationRequest] = field(default_factory=list)  # every request, in order
+
+    def __post_init__(self) -> None:
+        self._turns = None if callable(self.script) else iter(list(self.script))
+        self._fault: str | None = None
+        self._fault_message = ""
+        self._release = asyncio.Event()
+        self._running = False
+
+    # -- faults for tests ---------------------------------------------------------------
+
+    def hang(self) -> None:
+        """Calls from now on wait until ``recover()`` (or until the client gives up)."""
+        self._fault = "hang"
+        self._release = asyncio.Event()
+
+    def fail(self, message: str = "scripted failure") -> None:
+        """Calls from now on raise ReplicaError (HTTP 500) and /health answers 503."""
+        self._fault, self._fault_message = "fail", message
+
+    def recover(self) -> None:
+        self._fault = None
+        self._release.set()
+
+    # -- the Engine interface -----------------------------------------------------------
+
+    @property
+    def healthy(self) -> bool:
+        return self._running and self._fault != "fail"
+
+    def start(self) -> None:
+        self._running = True
+
+    def stop(self) -> None:
+        self._running = False
+        self._release.set()
+
+    async def submit(self, request: GenerationRequest) -> GenerationResult:
+        if len(request.prompt_ids) + request.max_tokens > self.max_model_len:
+            raise RequestRejectedError(
+                f"this model's maximum context length is {self.max_model_len} tokens, but "
+                f"{len(request.prompt_ids)} prompt tokens + max_tokens {request.max_tokens} exceed it"
+            )
+        self.calls.append(request)
+        start = asyncio.get_running_loop().time()
+        await self._apply_fault()
+        turn = self._next_turn(request.prompt_ids)
+        self.stats.running += 1
+        try:
+            if self.token_delay_s:
+                await asyncio.sleep(self.token_delay_s * min(len(turn.token_ids), request.max_tokens))
+        finally:
+            self.stats.running -= 1
+        return self._result(request, turn, asyncio.get_running_loop().time() - start)
+
+    async def _apply_fault(self) -> None:
+        if self._fault == "hang":
+            await self._release.wait()
+        if self._fault == "fail":
+            raise ReplicaError(f"{self.model_name}: {self._fault_message}")
+
+    def _next_turn(self, prompt_ids: list[int]) -> ScriptedTurn:
+        if self._turns is None:
+            turn = self.script(prompt_ids)  # type: ignore[operator]
+        else:
+            try:
+                turn = next(self._turns)
+            except StopIteration:
+                raise ReplicaError(f"{self.model_name}: the script has no turn left for call {len(self.calls)}") from None
+        return turn if isinstance(turn, ScriptedTurn) else ScriptedTurn(token_ids=list(turn))
+
+    def _result(self, request: GenerationRequest, turn: ScriptedTurn, elapsed: float) -> GenerationResult:
+        token_ids = list(turn.token_ids[: request.max_tokens])
+        logprobs = list(turn.logprobs[: len(token_ids)]) if turn.logprobs else [DEFAULT_LOGPROB] * len(token_ids)
+        stops = set(request.stop_token_ids) | (set() if request.ignore_eos else set(self.eos_token_ids))
+        for i, token in enumerate(token_ids):  # a stop token ends the turn, as in a real decode
+            if token in stops:
+                token_ids, logprobs = token_ids[: i + 1], logprobs[: i + 1]
+                break
+        last = token_ids[-1] if token_ids else None
+        reason = turn.finish_reason or ("stop" if last in stops or len(token_ids) < request.max_tokens else "length")
+        self.stats.prompt_tokens += len(request.prompt_ids)
+        self.stats.generation_tokens += len(token_ids)
+        self.stats.batch_sizes[1] += 1
+        return GenerationResult(
+            request_id=request.request_id,
+            prompt_ids=list(request.prompt_ids),
+            token_ids=token_ids,
+            logprobs=logprobs,
+            finish_reason=reason,
+            stop_reason=last if last in request.stop_token_ids else None,
+            timings=Timings(ttft_s=elapsed, e2e_s=elapsed),
+        )

@@ -1,0 +1,528 @@
+"""The replica's HTTP server: vLLM's and SGLang's token-in/token-out subset over an engine.
+
+Endpoints:
+- ``POST /v1/completions`` (vLLM ``CompletionRequest`` with ``prompt`` as token ids)
+- ``POST /inference/v1/generate`` (vLLM's token-in/token-out ``GenerateRequest``)
+- ``POST /generate`` (SGLang)
+- ``GET /health``, ``GET /v1/models``, ``GET /metrics`` (Prometheus, ``rolloutbus_replica_*``)
+
+A client mistake is an HTTP 400 whose JSON ``error.message`` names the field; an engine
+failure is a 500; a dead engine makes ``/health`` answer 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from pydantic import BaseModel, ValidationError
+
+from rolloutbus.config import Config
+from rolloutbus.errors import ReplicaError
+from rolloutbus.replica.generation import (
+    Engine,
+    GenerationRequest,
+    GenerationResult,
+    RequestRejectedError,
+    SamplingParams,
+)
+from rolloutbus.replica.protocol import (
+    CompletionBody,
+    GenerateBody,
+    SGLangGenerateBody,
+    describe_validation_error,
+)
+
+__all__ = ["ReplicaHandle", "build_app", "replica_in_thread", "serve_replica", "start_replica"]
+
+log = logging.getLogger(__name__)
+
+METRIC_PREFIX = "rolloutbus_replica"
+PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# seconds; CPU decoding: a 16-token tiny-model reply takes ~0.05 s, a 512-token SmolLM2 one ~60 s
+E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640)
+# seconds; a prefill on CPU: ~10 ms for a short prompt, seconds behind a long queue
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # rows per decode step
+
+ENGINE_KEY = web.AppKey("engine", Engine)
+METRICS_KEY: web.AppKey[_RequestMetrics] = web.AppKey("metrics")
+REGISTRY_KEY = web.AppKey("registry", CollectorRegistry)
+CREATED_KEY = web.AppKey("created", int)
+
+
+# -- errors -----------------------------------------------------------------------------
+
+
+class HTTPProblem(Exception):
+    """An error answer with a vLLM-style JSON body."""
+
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+    def response(self) -> web.Response:
+        kind = {400: "BadRequestError", 404: "NotFoundError"}.get(self.status, "InternalServerError")
+        body = {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.status}}
+        return web.json_response(body, status=self.status)
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@web.middleware
+async def _problems_as_json(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except HTTPProblem as problem:
+        return problem.response()
+    except RequestRejectedError as exc:
+        return HTTPProblem(400, str(exc)).response()
+    except ReplicaError as exc:
+        log.error("%s %s failed: %s", request.method, request.path, exc)
+        return HTTPProblem(500, str(exc)).response()
+
+
+async def _parse(request: web.Request, model: type[BaseModel]) -> Any:
+    try:
+        raw = await request.json()
+    except json.JSONDecodeError as exc:
+        raise HTTPProblem(400, f"request body is not valid JSON: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise HTTPProblem(400, f"request body must be a JSON object, got {type(raw).__name__}")
+    try:
+        return model.model_validate(raw)
+    except ValidationError as exc:
+        message, param = describe_validation_error(exc)
+        raise HTTPProblem(400, message, param) from exc
+
+
+def _check_model(engine: Engine, requested: str | None) -> None:
+    if requested is not None and requested != engine.model_name:
+        raise HTTPProblem(404, f"The model `{requested}` does not exist; this replica serves `{engine.model_name}`.", "model")
+
+
+def _max_tokens(engine: Engine, requested: int | None, prompt_len: int) -> int:
+    if requested is not None:
+        return requested
+    room = engine.max_model_len - prompt_len
+    if room < 1:
+        raise HTTPProblem(400, f"prompt has {prompt_len} tokens; this model's maximum context length is {engine.max_model_len}", "prompt")
+    return room
+
+
+# -- metrics ----------------------------------------------------------------------------
+
+
+class _EngineCollector:
+    """Engine-side gauges, counters and the batch-size histogram, read at scrape time."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def collect(self):
+        stats, model = self.engine.stats, [self.engine.model_name]
+        yield _gauge("requests_running", "Requests in the decode batch.", stats.running, model)
+        yield _gauge("requests_waiting", "Requests queued for a batch slot.", stats.waiting, model)
+        yield _counter("prompt_tokens", "Prefilled prompt tokens.", stats.prompt_tokens, model)
+        yield _counter("generation_tokens", "Sampled tokens.", stats.generation_tokens, model)
+        yield _counter("num_preemptions", "Preemptions (always 0: the engine never preempts).", stats.preemptions, model)
+        yield _counter("decode_steps", "Decode steps run.", stats.steps, model)
+        # dict() copies under the GIL: the decode thread may add a key meanwhile.
+        yield self._batch_histogram(dict(stats.batch_sizes), model)
+
+    @staticmethod
+    def _batch_histogram(sizes: dict[int, int], model: list[str]) -> HistogramMetricFamily:
+        family = HistogramMetricFamily(f"{METRIC_PREFIX}_batch_size", "Rows per decode step.", labels=["model_name"])
+        buckets = [(str(float(b)), sum(n for s, n in sizes.items() if s <= b)) for b in BATCH_BUCKETS]
+        buckets.append(("+Inf", sum(sizes.values())))
+        family.add_metric(model, buckets, sum_value=float(sum(s * n for s, n in sizes.items())))
+        return family
+
+
+def _gauge(name: str, doc: str, value: float, labels: list[str]) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(f"{METRIC_PREFIX}_{name}", doc, labels=["model_name"])
+    family.add_metric(labels, value)
+    return family
+
+
+def _counter(name: str, doc: str, value: float, labels: list[str]) -> CounterMetricFamily:
+    family = CounterMetricFamily(f"{METRIC_PREFIX}_{name}", doc, labels=["model_name"])
+    family.add_metric(labels, value)
+    return family
+
+
+class _RequestMetrics:
+    """Per-request metrics, observed when a request finishes."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        self.model_name = model_name
+        p = METRIC_PREFIX
+        self.success = Counter(f"{p}_request_success", "Finished requests.", ["model_name", "finished_reason"], registry=registry)
+        self.errors = Counter(f"{p}_request_errors", "Requests answered with an HTTP error.", ["model_name", "code"], registry=registry)
+        self.e2e = Histogram(f"{p}_e2e_request_latency_seconds", "Submit to last token.", ["model_name"], buckets=E2E_BUCKETS, registry=registry)
+        self.ttft = Histogram(f"{p}_time_to_first_token_seconds", "Submit to first token.", ["model_name"], buckets=TTFT_BUCKETS, registry=registry)
+        self.queue = Histogram(f"{p}_request_queue_time_seconds", "Submit to prefill.", ["model_name"], buckets=TTFT_BUCKETS, registry=registry)
+
+    def observe(self, result: GenerationResult) -> None:
+        m = self.model_name
+        self.success.labels(m, result.finish_reason).inc()
+        self.e2e.labels(m).observe(result.timings.e2e_s)
+        self.ttft.labels(m).observe(result.timings.ttft_s)
+        self.queue.labels(m).observe(result.timings.queue_s)
+
+
+@web.middleware
+async def _count_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    response = await handler(request)
+    if response.status >= 400 and request.path != "/health":
+        request.app[METRICS_KEY].errors.labels(request.app[ENGINE_KEY].model_name, str(response.status)).inc()
+    return response
+
+
+# -- shared generation path -------------------------------------------------------------
+
+
+async def _generate(request: web.Request, gen: GenerationRequest) -> GenerationResult:
+    result = await request.app[ENGINE_KEY].submit(gen)
+    request.app[METRICS_KEY].observe(result)
+    return result
+
+
+def _sampling(temperature: float | None, top_p: float | None, top_k: int | None) -> SamplingParams:
+    return SamplingParams(
+        temperature=1.0 if temperature is None else temperature,
+        top_p=1.0 if top_p is None else top_p,
+        top_k=-1 if top_k is None else top_k,
+    )
+
+
+def _usage(result: GenerationResult) -> dict[str, int]:
+    prompt, completion = len(result.prompt_ids), len(result.token_ids)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _decode(engine: Engine, token_ids: list[int], skip_special: bool = True) -> str:
+    if engine.tokenizer is None:
+        return ""
+    return engine.tokenizer.decode(token_ids, skip_special_tokens=skip_special)
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+# -- POST /v1/completions -----------------------------------------------------------------
+
+
+async def completions(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_KEY]
+    body: CompletionBody = await _parse(request, CompletionBody)
+    _check_model(engine, body.model)
+    prompt_ids = _prompt_ids(engine, body.prompt)
+    request_id = body.request_id or request.headers.get("X-Request-Id") or _new_id("cmpl")
+    gen = _completion_generation(body, request_id, prompt_ids, _max_tokens(engine, body.max_tokens, len(prompt_ids)))
+    result = await _generate(request, gen)
+    return web.json_response(_completion_response(engine, body, request_id, result))
+
+
+def _prompt_ids(engine: Engine, prompt: list[int] | str) -> list[int]:
+    if isinstance(prompt, list):
+        return prompt
+    if engine.tokenizer is None:
+        raise HTTPProblem(400, "field 'prompt': text prompts need a tokenizer; send token ids", "prompt")
+    if not prompt:
+        raise HTTPProblem(400, "field 'prompt': must not be empty", "prompt")
+    return engine.tokenizer.encode(prompt, add_special_tokens=False)
+
+
+def _completion_generation(body: CompletionBody, request_id: str, prompt_ids: list[int], max_tokens: int) -> GenerationRequest:
+    return GenerationRequest(
+        request_id=request_id,
+        prompt_ids=prompt_ids,
+        max_tokens=max_tokens,
+        sampling=_sampling(body.temperature, body.top_p, body.top_k),
+        seed=body.seed,
+        stop_token_ids=body.stop_token_ids or [],
+        ignore_eos=body.ignore_eos,
+        top_logprobs=body.logprobs or 0,
+    )
+
+
+def _completion_response(engine: Engine, body: CompletionBody, request_id: str, result: GenerationResult) -> dict[str, Any]:
+    choice = {
+        "index": 0,
+        "text": _decode(engine, result.token_ids, body.skip_special_tokens),
+        "logprobs": _completion_logprobs(engine, body, result) if body.logprobs is not None else None,
+        "finish_reason": result.finish_reason,
+        "stop_reason": result.stop_reason,
+        "token_ids": result.token_ids if body.return_token_ids else None,
+        "prompt_token_ids": result.prompt_ids if body.return_token_ids else None,
+        "prompt_logprobs": None,
+    }
+    return {
+        "id": request_id if request_id.startswith("cmpl") else f"cmpl-{request_id}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": engine.model_name,
+        "choices": [choice],
+        "usage": _usage(result),
+        "system_fingerprint": None,
+    }
+
+
+def _completion_logprobs(engine: Engine, body: CompletionBody, result: GenerationResult) -> dict[str, Any]:
+    as_ids = body.return_tokens_as_token_ids or engine.tokenizer is None
+
+    def name(token_id: int) -> str:
+        return f"token_id:{token_id}" if as_ids else engine.tokenizer.decode([token_id])
+
+    tokens = [name(t) for t in result.token_ids]
+    tops = result.top_logprobs or [{t: lp} for t, lp in zip(result.token_ids, result.logprobs, strict=True)]
+    offsets, offset = [], 0
+    for token in tokens:  # offsets into the returned text, as vLLM reports them without echo
+        offsets.append(offset)
+        offset += 0 if as_ids else len(token)
+    return {
+        "tokens": tokens,
+        "token_logprobs": result.logprobs,
+        "top_logprobs": [{name(t): lp for t, lp in top.items()} for top in tops],
+        "text_offset": offsets,
+    }
+
+
+# -- POST /inference/v1/generate ------------------------------------------------------------
+
+
+async def vllm_generate(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_KEY]
+    body: GenerateBody = await _parse(request, GenerateBody)
+    _check_model(engine, body.model)
+    sp = body.sampling_params
+    request_id = body.request_id or _new_id("gen")
+    gen = GenerationRequest(
+        request_id=request_id,
+        prompt_ids=body.token_ids,
+        max_tokens=_max_tokens(engine, sp.max_tokens, len(body.token_ids)),
+        sampling=_sampling(sp.temperature, sp.top_p, sp.top_k),
+        seed=sp.seed,
+        stop_token_ids=sp.stop_token_ids or [],
+        ignore_eos=sp.ignore_eos,
+        top_logprobs=sp.logprobs or 0,
+    )
+    result = await _generate(request, gen)
+    choice = {
+        "index": 0,
+        "finish_reason": result.finish_reason,
+        "stop_reason": result.stop_reason,
+        "token_ids": result.token_ids,
+        "logprobs": _generate_logprobs(result) if sp.logprobs is not None else None,
+    }
+    return web.json_response({
+        "request_id": request_id,
+        "model": engine.model_name,
+        "created": int(time.time()),
+        "choices": [choice],
+        "usage": _usage(result),
+        "prompt_token_ids": None,
+        "prompt_logprobs": None,
+    })
+
+
+def _generate_logprobs(result: GenerationResult) -> dict[str, Any]:
+    content = []
+    for i, (token, logprob) in enumerate(zip(result.token_ids, result.logprobs, strict=True)):
+        top = result.top_logprobs[i] if result.top_logprobs else {}
+        content.append({
+            "token_id": token,
+            "logprob": logprob,
+            "top_logprobs": [{"token_id": t, "logprob": lp} for t, lp in top.items()],
+        })
+    return {"content": content}
+
+
+# -- POST /generate (SGLang) ------------------------------------------------------------------
+
+
+async def sglang_generate(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_KEY]
+    body: SGLangGenerateBody = await _parse(request, SGLangGenerateBody)
+    sp = body.sampling_params
+    rid = body.rid or uuid.uuid4().hex
+    gen = GenerationRequest(
+        request_id=rid,
+        prompt_ids=body.input_ids,
+        max_tokens=_max_tokens(engine, sp.max_new_tokens, len(body.input_ids)),
+        sampling=_sampling(sp.temperature, sp.top_p, sp.top_k if sp.top_k != 0 else -1),
+        seed=sp.sampling_seed,
+        stop_token_ids=sp.stop_token_ids or [],
+        ignore_eos=sp.ignore_eos,
+        top_logprobs=body.top_logprobs_num if body.return_logprob else 0,
+    )
+    result = await _generate(request, gen)
+    meta: dict[str, Any] = {
+        "id": rid,
+        "finish_reason": _sglang_finish_reason(result),
+        "prompt_tokens": len(result.prompt_ids),
+        "completion_tokens": len(result.token_ids),
+        "cached_tokens": 0,
+        "e2e_latency": result.timings.e2e_s,
+    }
+    if body.return_logprob:
+        meta["output_token_logprobs"] = [[lp, t, None] for t, lp in zip(result.token_ids, result.logprobs, strict=True)]
+        meta["input_token_logprobs"] = None
+    return web.json_response({"text": _decode(engine, result.token_ids), "output_ids": result.token_ids, "meta_info": meta})
+
+
+def _sglang_finish_reason(result: GenerationResult) -> dict[str, Any]:
+    if result.finish_reason == "stop":
+        return {"type": "stop", "matched": result.token_ids[-1] if result.token_ids else None}
+    if result.finish_reason == "length":
+        return {"type": "length", "length": len(result.token_ids)}
+    return {"type": "abort", "message": "aborted"}
+
+
+# -- GET endpoints ----------------------------------------------------------------------------
+
+
+async def health(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_KEY]
+    if engine.healthy:
+        return web.json_response({"status": "ok"})
+    return web.json_response({"status": "unhealthy"}, status=503)
+
+
+async def models(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_KEY]
+    entry = {
+        "id": engine.model_name,
+        "object": "model",
+        "created": request.app[CREATED_KEY],
+        "owned_by": engine.owned_by,
+        "root": engine.model_name,
+        "parent": None,
+        "max_model_len": engine.max_model_len,
+    }
+    return web.json_response({"object": "list", "data": [entry]})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    text = generate_latest(request.app[REGISTRY_KEY])
+    return web.Response(body=text, headers={"Content-Type": PROMETHEUS_CONTENT_TYPE})
+
+
+# -- app and lifecycle ------------------------------------------------------------------------
+
+
+def build_app(engine: Engine) -> web.Application:
+    """The aiohttp app over a started engine; metrics live in the app's own registry."""
+    app = web.Application(middlewares=[_count_errors, _problems_as_json], client_max_size=64 * 1024 * 1024)
+    registry = CollectorRegistry()
+    registry.register(_EngineCollector(engine))
+    app[ENGINE_KEY] = engine
+    app[METRICS_KEY] = _RequestMetrics(registry, engine.model_name)
+    app[REGISTRY_KEY] = registry
+    app[CREATED_KEY] = int(time.time())
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/inference/v1/generate", vllm_generate)
+    app.router.add_post("/generate", sglang_generate)
+    app.router.add_get("/health", health)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/metrics", metrics)
+    return app
+
+
+@dataclass
+class ReplicaHandle:
+    """A running replica in this process: its base URL, engine, and ``await stop()``."""
+
+    url: str
+    engine: Engine
+    runner: web.AppRunner
+
+    async def stop(self) -> None:
+        await self.runner.cleanup()
+        await asyncio.to_thread(self.engine.stop)
+
+    async def __aenter__(self) -> ReplicaHandle:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.stop()
+
+
+async def start_replica(cfg: Config, engine: Engine | None = None) -> ReplicaHandle:
+    """Start a replica on ``cfg.replica.host:port`` (port 0: any free port).
+
+    Without ``engine``, loads ``cfg.model`` into a ``DecodeEngine``.
+    """
+    if engine is None:
+        from rolloutbus.replica.engine import DecodeEngine
+
+        engine = await asyncio.to_thread(DecodeEngine.from_config, cfg)
+    engine.start()
+    # handler_cancellation: a client that hangs up aborts its request in the engine.
+    runner = web.AppRunner(build_app(engine), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, cfg.replica.host, cfg.replica.port)
+    try:
+        await site.start()
+    except OSError as exc:
+        await runner.cleanup()
+        engine.stop()
+        raise ReplicaError(f"cannot listen on {cfg.replica.host}:{cfg.replica.port}: {exc}") from exc
+    host, port = runner.addresses[0][:2]
+    return ReplicaHandle(url=f"http://{host}:{port}", engine=engine, runner=runner)
+
+
+@contextlib.contextmanager
+def replica_in_thread(cfg: Config, engine: Engine | None = None) -> Iterator[ReplicaHandle]:
+    """A replica on its own event loop in a background thread, for synchronous callers
+    (tests, scripts): ``with replica_in_thread(cfg) as handle: httpx.get(handle.url)``."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="rolloutbus-replica-http", daemon=True)
+    thread.start()
+    try:
+        handle = asyncio.run_coroutine_threadsafe(start_replica(cfg, engine), loop).result()
+        try:
+            yield handle
+        finally:
+            asyncio.run_coroutine_threadsafe(handle.stop(), loop).result()
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join()
+        loop.close()
+
+
+def serve_replica(cfg: Config) -> None:
+    """Serve until SIGTERM or SIGINT (blocking); for ``rolloutbus replica serve``."""
+    if not logging.getLogger().handlers:
+        logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    asyncio.run(_serve(cfg))
+
+
+async def _serve(cfg: Config) -> None:
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stopping.set)
+    handle = await start_replica(cfg)
+    log.info("replica ready on %s model=%s", handle.url, handle.engine.model_name)
+    try:
+        await stopping.wait()
+    finally:
+        log.info("replica on %s stopping", handle.url)
+        await handle.stop()
