@@ -28,7 +28,12 @@ from rolloutbus.admin import delete_topics, ensure_topics
 from rolloutbus.config import BrokerConfig, Config, KafkaConfig
 from rolloutbus.consumers.trainer import TrainerClient
 from rolloutbus.schemas.agent_loop import AgentLoopMetrics, AgentLoopOutput, TokenOutput
-from rolloutbus.schemas.turns import GroupStarted, SessionFinished, SessionStarted, encode_turn_event
+from rolloutbus.schemas.turns import (
+    GroupStarted,
+    SessionFinished,
+    SessionStarted,
+    encode_turn_event,
+)
 from rolloutbus.streams.recorder import RecordingLLMClient
 from rolloutbus.streams.replay_buffer import ReplayBuffer
 from rolloutbus.topics import Topics, partition_for, session_key

@@ -6,7 +6,14 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import (
+    REGISTRY,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    start_http_server,
+)
 
 # seconds; a prompt group on CPU takes seconds, on a busy GPU fleet up to half an hour
 GROUP_SECONDS_BUCKETS = (0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800)

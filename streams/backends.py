@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, Protocol
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator
+
 from rolloutbus.schemas.agent_loop import TokenOutput
 
 __all__ = [

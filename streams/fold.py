@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rolloutbus.errors import SchemaError
+from rolloutbus.schemas.trajectories import Trajectory, TrajectoryStatus
 from rolloutbus.schemas.turns import (
     Generation,
     GroupStarted,
@@ -22,7 +23,6 @@ from rolloutbus.schemas.turns import (
     SessionFinished,
     SessionStarted,
 )
-from rolloutbus.schemas.trajectories import Trajectory, TrajectoryStatus
 from rolloutbus.topics import trajectory_key
 
 

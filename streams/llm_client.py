@@ -27,6 +27,9 @@ from typing import Any
 import httpx
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 from pydantic import ValidationError
+
+from rolloutbus.config import ReplicasConfig, RolloutConfig
+from rolloutbus.errors import NoReplicaAvailableError, ReplicaError
 from rolloutbus.schemas.agent_loop import TokenOutput
 from rolloutbus.streams.backends import (
     Backend,
@@ -36,9 +39,6 @@ from rolloutbus.streams.backends import (
     error_message,
 )
 from rolloutbus.streams.routing import LoadBalancer
-
-from rolloutbus.config import ReplicasConfig, RolloutConfig
-from rolloutbus.errors import NoReplicaAvailableError, ReplicaError
 
 __all__ = ["ClientMetrics", "LLMClient", "ReplicaRequestError", "per_turn_max_tokens"]
 

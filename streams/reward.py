@@ -13,9 +13,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from rolloutbus.schemas.agent_loop import AgentLoopOutput
-
 from rolloutbus.errors import AgentLoopError
+from rolloutbus.schemas.agent_loop import AgentLoopOutput
 
 ComputeScore = Callable[[str, str, Any, dict[str, Any] | None], float | dict[str, Any]]
 

@@ -18,9 +18,9 @@ import faust
 from pydantic import BaseModel, ValidationError
 
 from rolloutbus.config import Config
-from rolloutbus.producers.dlq import DeadLetterWriter
 from rolloutbus.metrics import SessionMetrics, start_metrics_server
 from rolloutbus.models import load_tokenizer
+from rolloutbus.producers.dlq import DeadLetterWriter
 from rolloutbus.schemas.prompts import PromptGroup
 from rolloutbus.schemas.turns import SessionFailed, encode_turn_event
 from rolloutbus.streams.agent_loop import registry

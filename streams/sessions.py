@@ -11,14 +11,13 @@ import asyncio
 import logging
 import traceback
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel
 
 from rolloutbus.config import Config
-from collections.abc import Callable
-
 from rolloutbus.errors import AgentLoopError, RolloutBusError, UnknownAgentLoopError
 from rolloutbus.schemas.agent_loop import AgentLoopOutput
 from rolloutbus.schemas.prompts import PromptGroup

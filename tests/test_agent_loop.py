@@ -7,13 +7,15 @@ import pytest
 
 TESTS = Path(__file__).parent
 sys.path.insert(0, str(TESTS))
-import rolloutbus.streams.agent_loop as agent_loop  # noqa: E402
 from fixtures.scripted_server import (  # noqa: E402
     ScriptedServerManager,
     make_config,
     qwen3_tokenizer,
     scripted_turn,
 )
+
+import rolloutbus.streams.agent_loop as agent_loop  # noqa: E402
+from rolloutbus.errors import AgentLoopError, PromptTooLongError, UnknownAgentLoopError  # noqa: E402
 from rolloutbus.schemas.agent_loop import AgentLoopMetrics, AgentLoopOutput, TokenOutput  # noqa: E402
 from rolloutbus.streams.agent_loop import (  # noqa: E402
     AgentLoopBase,
@@ -26,8 +28,6 @@ from rolloutbus.streams.agent_loop import (  # noqa: E402
     resolve_agent_name,
     simple_timer,
 )
-
-from rolloutbus.errors import AgentLoopError, PromptTooLongError, UnknownAgentLoopError  # noqa: E402
 
 ROW = {"prompt": [{"role": "user", "content": "计算 18 * 7"}], "data_source": "my/math"}
 
@@ -162,7 +162,8 @@ def test_resolve_agent_name_default_only_when_absent():
 def test_null_or_unknown_agent_name_fails_naming_it(tok, name):
     with pytest.raises(UnknownAgentLoopError) as err:
         create_agent_loop(resolve_agent_name({"agent_name": name}, "single_turn_agent"), **loop_kwargs(tok, None))
-    assert repr(name) in str(err.value) and "single_turn_agent" in str(err.value)
+    named = "agent_name is null" if name is None else repr(name)
+    assert named in str(err.value) and "single_turn_agent" in str(err.value)
 
 
 def test_fresh_instance_per_trajectory(tok):

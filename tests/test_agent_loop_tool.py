@@ -14,6 +14,7 @@ from fixtures.scripted_server import (  # noqa: E402
     qwen3_tokenizer,
     scripted_turn,
 )
+
 from rolloutbus.schemas.agent_loop import TokenOutput  # noqa: E402
 from rolloutbus.streams.agent_loop import DictConfigWrap, ToolAgentLoop, create_agent_loop  # noqa: E402
 from rolloutbus.streams.agent_loop.tool_agent import (  # noqa: E402

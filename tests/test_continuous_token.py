@@ -7,9 +7,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from fixtures.scripted_server import qwen3_tokenizer  # noqa: E402
-from rolloutbus.streams.agent_loop.continuous_token import ContinuousTokenBuilder, render_ids  # noqa: E402
 
 from rolloutbus.errors import AgentLoopError  # noqa: E402
+from rolloutbus.streams.agent_loop.continuous_token import ContinuousTokenBuilder, render_ids  # noqa: E402
 
 CALL_TEXT = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "18 * 7"}}\n</tool_call>'
 TOOL_CALLS = [{"type": "function", "function": {"name": "calculator", "arguments": {"expression": "18 * 7"}}}]

@@ -6,18 +6,18 @@ import pytest
 
 from rolloutbus.errors import AgentLoopError, TokenDriftError
 from rolloutbus.schemas.agent_loop import AgentLoopMetrics, AgentLoopOutput, TokenOutput
+from rolloutbus.schemas.trajectories import (
+    TrajectoryStatus,
+    batch_to_trajectories,
+    decode_trajectory_batch,
+    encode_trajectory,
+)
 from rolloutbus.schemas.turns import (
     GroupStarted,
     SessionFailed,
     SessionFinished,
     decode_turn_event,
     encode_turn_event,
-)
-from rolloutbus.schemas.trajectories import (
-    TrajectoryStatus,
-    batch_to_trajectories,
-    decode_trajectory_batch,
-    encode_trajectory,
 )
 from rolloutbus.streams.fold import SessionFold, build_group_trajectories
 from rolloutbus.streams.group_fold import PartitionFold
@@ -46,7 +46,7 @@ async def _record_two_turns():
 
     client = ScriptedClient([([10, 11], [-0.5, -0.25]), ([20, 21, 22], [-1.0, -0.5, -0.125])])
     rec = RecordingLLMClient(client, emit, uid="u1", session_id=0, attempt="a")
-    P, A1, O = [1, 2, 3], [10, 11], [7, 8]
+    P, A1, O = [1, 2, 3], [10, 11], [7, 8]  # noqa: E741 (the seed chapter's names)
     await rec.generate("r", prompt_ids=P, sampling_params={})
     await rec.generate("r", prompt_ids=P + A1 + O, sampling_params={})
     out = AgentLoopOutput(prompt_ids=P, response_ids=A1 + O + [20, 21, 22],

@@ -18,10 +18,10 @@ import pytest
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
-from rolloutbus.streams.llm_client import LLMClient, ReplicaRequestError
 
 from rolloutbus.config import ReplicasConfig, RolloutConfig
 from rolloutbus.errors import NoReplicaAvailableError
+from rolloutbus.streams.llm_client import LLMClient, ReplicaRequestError
 
 TOKENS = [101, 102, 103]
 LOGPROBS = [-0.5, -0.25, -0.125]

@@ -8,6 +8,8 @@ import io
 import numpy as np
 import pytest
 from pydantic import ValidationError
+
+from rolloutbus.config import RolloutConfig
 from rolloutbus.streams.backends import (
     EngineCall,
     SamplingParams,
@@ -19,8 +21,6 @@ from rolloutbus.streams.backends import (
     map_finish_reason,
 )
 from rolloutbus.streams.llm_client import per_turn_max_tokens
-
-from rolloutbus.config import RolloutConfig
 
 
 @pytest.mark.parametrize(

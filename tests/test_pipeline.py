@@ -8,10 +8,18 @@ from pathlib import Path
 
 import pytest
 from helpers import free_port, unique_name
-from pipeline import dead_letters, read_topic, receive_groups, running, spawn, wait_http_ok, write_config
+from pipeline import (
+    dead_letters,
+    read_topic,
+    receive_groups,
+    running,
+    spawn,
+    wait_http_ok,
+    write_config,
+)
 
 from rolloutbus.admin import ensure_topics
-from rolloutbus.config import Config, KafkaConfig
+from rolloutbus.config import Config
 from rolloutbus.models import load_tokenizer
 from rolloutbus.producers.datasets import make_arithmetic_rows, write_jsonl
 from rolloutbus.producers.publish import PromptPublisher

@@ -13,7 +13,12 @@ from rolloutbus.config import Config
 from rolloutbus.replica.scripted import ScriptedEngine, ScriptedTurn
 from rolloutbus.replica.server import replica_in_thread
 from rolloutbus.schemas.prompts import PromptGroup, SamplingParams
-from rolloutbus.schemas.turns import GroupStarted, SessionFinished, decode_turn_event, encode_turn_event
+from rolloutbus.schemas.turns import (
+    GroupStarted,
+    SessionFinished,
+    decode_turn_event,
+    encode_turn_event,
+)
 from rolloutbus.streams.fold import SessionFold, build_group_trajectories
 from rolloutbus.streams.llm_client import LLMClient
 from rolloutbus.streams.sessions import SessionContext, run_session

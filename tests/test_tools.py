@@ -3,6 +3,8 @@
 from typing import Literal
 
 import pytest
+
+from rolloutbus.errors import AgentLoopError
 from rolloutbus.streams.tools import (
     CalculatorTool,
     FunctionTool,
@@ -12,8 +14,6 @@ from rolloutbus.streams.tools import (
     load_tool_catalog,
     load_tools_from_config,
 )
-
-from rolloutbus.errors import AgentLoopError
 
 
 @pytest.mark.parametrize("expr, value", [

@@ -13,15 +13,14 @@ import uuid
 from abc import ABC, abstractmethod
 from typing import Any
 
+from rolloutbus.config import Config
+from rolloutbus.errors import AgentLoopError, PromptTooLongError
 from rolloutbus.schemas.agent_loop import AgentLoopOutput
 from rolloutbus.streams.agent_loop.continuous_token import (
     ContinuousTokenBuilder,
     get_builder,
     render_ids,
 )
-
-from rolloutbus.config import Config
-from rolloutbus.errors import AgentLoopError, PromptTooLongError
 
 logger = logging.getLogger(__name__)
 

@@ -13,14 +13,13 @@ import logging
 from enum import Enum
 from typing import Any
 
+from rolloutbus.errors import AgentLoopError
 from rolloutbus.schemas.agent_loop import AgentLoopMetrics, AgentLoopOutput, TokenOutput
 from rolloutbus.streams.agent_loop.base import AgentLoopBase, DictConfigWrap, multi_modal_inputs
 from rolloutbus.streams.agent_loop.registry import register
 from rolloutbus.streams.agent_loop.timing import simple_timer
 from rolloutbus.streams.agent_loop.tool_parser import FunctionCall, ToolParser, assistant_tool_calls
 from rolloutbus.streams.tools import BaseTool, FunctionTool, ToolResponse, load_tool_catalog
-
-from rolloutbus.errors import AgentLoopError
 
 logger = logging.getLogger(__name__)
 
