@@ -19,8 +19,29 @@ from prometheus_client import (
 GROUP_SECONDS_BUCKETS = (0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800)
 
 
-class SessionMetrics:
+class _PerRegistry:
+    """One instance per (class, registry): several workers in one process (tests,
+    benchmarks) share the series instead of registering them twice."""
+
+    _instances: dict[tuple[type, int], object] = {}
+
+    def __new__(cls, registry: CollectorRegistry = REGISTRY):
+        key = (cls, id(registry))
+        if key not in cls._instances:
+            instance = super().__new__(cls)
+            instance._init(registry)
+            cls._instances[key] = instance
+        return cls._instances[key]
+
     def __init__(self, registry: CollectorRegistry = REGISTRY):
+        pass  # built once in _init
+
+    def _init(self, registry: CollectorRegistry) -> None:
+        raise NotImplementedError
+
+
+class SessionMetrics(_PerRegistry):
+    def _init(self, registry: CollectorRegistry) -> None:
         self.groups_in_flight = Gauge("rolloutbus_sessions_groups_in_flight",
                                       "Prompt groups being rolled out by this worker",
                                       registry=registry)
@@ -44,8 +65,8 @@ class SessionMetrics:
         self.sessions.labels(outcome="failed" if failed else "finished").inc()
 
 
-class ReplayBufferMetrics:
-    def __init__(self, registry: CollectorRegistry = REGISTRY):
+class ReplayBufferMetrics(_PerRegistry):
+    def _init(self, registry: CollectorRegistry) -> None:
         self.events = Counter("rolloutbus_replay_buffer_events_total",
                               "Turn events consumed, by type", ["type"], registry=registry)
         self.trajectories = Counter("rolloutbus_replay_buffer_trajectories_total",

@@ -155,10 +155,23 @@ def batch_to_trajectories(batch: pa.RecordBatch | pa.Table) -> list[Trajectory]:
 
 def encode_trajectory(t: Trajectory) -> bytes:
     """One Kafka record value: an Arrow IPC stream with one row."""
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, TRAJECTORY_SCHEMA) as writer:
-        writer.write_batch(trajectories_to_batch([t]))
-    return sink.getvalue().to_pybytes()
+    return encode_trajectories([t])[0]
+
+
+def encode_trajectories(trajectories: list[Trajectory]) -> list[bytes]:
+    """One record value per trajectory; the Arrow batch is built once for all of them
+    (per-call overhead dominates one-row batches) and each row is written as a slice."""
+    batch = trajectories_to_batch(trajectories)
+    out = []
+    for i in range(batch.num_rows):
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_stream(sink, TRAJECTORY_SCHEMA, options=_IPC_OPTIONS) as writer:
+            writer.write_batch(batch.slice(i, 1))
+        out.append(sink.getvalue().to_pybytes())
+    return out
+
+
+_IPC_OPTIONS = pa.ipc.IpcWriteOptions(use_legacy_format=False)
 
 
 def decode_trajectory_batch(data: bytes) -> pa.RecordBatch:

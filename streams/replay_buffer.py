@@ -40,7 +40,7 @@ from rolloutbus.config import Config
 from rolloutbus.errors import BrokerError, SchemaError
 from rolloutbus.metrics import ReplayBufferMetrics, start_metrics_server
 from rolloutbus.schemas.dlq import DeadLetter
-from rolloutbus.schemas.trajectories import Trajectory, TrajectoryStatus, encode_trajectory
+from rolloutbus.schemas.trajectories import Trajectory, TrajectoryStatus, encode_trajectories
 from rolloutbus.schemas.turns import decode_turn_event
 from rolloutbus.streams.fold import build_group_trajectories
 from rolloutbus.streams.group_fold import PartitionFold, ReleasedGroup
@@ -143,11 +143,10 @@ class ReplayBuffer:
         except SchemaError as exc:
             trajectories = _failed_group(released, f"turn log of the group cannot be folded: {exc}")
         self.metrics.groups.inc()
-        out = []
         for t in trajectories:
             self.metrics.trajectories.labels(status=t.status.value).inc()
-            out.append((self.topics.trajectories, t.key, encode_trajectory(t), part))
-        return out
+        return [(self.topics.trajectories, t.key, value, part)
+                for t, value in zip(trajectories, encode_trajectories(trajectories), strict=True)]
 
     def _dead_letter(self, msg: Message, reason: str) -> tuple[str, str, bytes, int]:
         source = f"{msg.topic()}[{msg.partition()}]@{msg.offset()}"
