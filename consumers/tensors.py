@@ -18,7 +18,7 @@ def to_jagged(batch: pa.RecordBatch, column: str, dtype: torch.dtype | None = No
     """A nested (jagged) tensor of one ragged column: rows keep their own lengths."""
     values, offsets = _ragged(batch.column(column))
     lengths = np.diff(offsets)
-    t_values = torch.from_numpy(np.ascontiguousarray(values))
+    t_values = torch.from_numpy(np.array(values))  # writable copy: torch refuses read-only
     if dtype is not None:
         t_values = t_values.to(dtype)
     max_len = int(lengths.max()) if len(lengths) else 0
@@ -30,8 +30,8 @@ def _pad_rows(column: pa.Array, width: int, pad: float, left: bool, dtype: torch
     values, offsets = _ragged(column)
     out = torch.full((len(offsets) - 1, width), pad, dtype=dtype)
     for i in range(len(offsets) - 1):
-        row = torch.from_numpy(np.ascontiguousarray(values[offsets[i]:offsets[i + 1]]))[-width:] \
-            if left else torch.from_numpy(np.ascontiguousarray(values[offsets[i]:offsets[i + 1]]))[:width]
+        values_i = np.array(values[offsets[i]:offsets[i + 1]])  # a writable copy for torch
+        row = torch.from_numpy(values_i[-width:] if left else values_i[:width])
         if left:
             out[i, width - len(row):] = row.to(dtype)
         else:

@@ -1,0 +1,71 @@
+"""Pure tests: Arrow trajectories to torch (verl-V0 padding, jagged), and the config loader."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rolloutbus.config import load_config
+from rolloutbus.consumers.tensors import to_jagged, to_padded
+from rolloutbus.errors import ConfigError
+from rolloutbus.schemas.trajectories import Trajectory, trajectories_to_batch
+
+PAD = 0
+
+
+def _traj(i: int, prompt: list[int], response: list[int], mask: list[int], lp=None) -> Trajectory:
+    return Trajectory(key=f"u_{i}_0", uid="u", session_id=i, output_index=0, num_outputs=1,
+                      group_size=2, status="completed", prompts=prompt, responses=response,
+                      response_mask=mask, rollout_log_probs=lp, reward_score=1.0,
+                      rm_scores=[0.0] * (len(response) - 1) + [1.0])
+
+
+@pytest.fixture
+def batch():
+    a = _traj(0, [11, 12, 13], [21, 31, 22], [1, 0, 1], [-0.5, 0.0, -0.25])
+    b = _traj(1, [14], [23, 24], [1, 1], [-1.0, -2.0])
+    # slice so the batch does not start at offset 0 (the ragged slicing trap)
+    full = trajectories_to_batch([_traj(9, [1], [2], [1], [-0.1]), a, b])
+    return full.slice(1, 2)
+
+
+def test_v0_padding_layout(batch):
+    out = to_padded(batch, prompt_length=4, response_length=4, pad_token_id=PAD)
+    assert out["prompts"].tolist() == [[0, 11, 12, 13], [0, 0, 0, 14]]  # left-padded
+    assert out["responses"].tolist() == [[21, 31, 22, 0], [23, 24, 0, 0]]  # right-padded
+    assert out["input_ids"].tolist() == [[0, 11, 12, 13, 21, 31, 22, 0], [0, 0, 0, 14, 23, 24, 0, 0]]
+    # observations are attended to (the model reads them) but never in the loss
+    assert out["attention_mask"].tolist() == [[0, 1, 1, 1, 1, 1, 1, 0], [0, 0, 0, 1, 1, 1, 0, 0]]
+    assert out["response_mask"].tolist() == [[1, 0, 1, 0], [1, 1, 0, 0]]
+    assert out["position_ids"].tolist() == [[0, 0, 1, 2, 3, 4, 5, 0], [0, 0, 0, 0, 1, 2, 0, 0]]
+    assert torch.allclose(out["rollout_log_probs"],
+                          torch.tensor([[-0.5, 0.0, -0.25, 0.0], [-1.0, -2.0, 0.0, 0.0]]))
+    assert out["rm_scores"].tolist() == [[0.0, 0.0, 1.0, 0.0], [0.0, 1.0, 0.0, 0.0]]
+
+
+def test_v0_padding_truncates_to_the_budgets(batch):
+    out = to_padded(batch, prompt_length=2, response_length=2, pad_token_id=PAD)
+    assert out["prompts"].tolist() == [[12, 13], [0, 14]]  # keeps the prompt's end
+    assert out["responses"].tolist() == [[21, 31], [23, 24]]
+
+
+def test_jagged_keeps_true_lengths(batch):
+    nt = to_jagged(batch, "responses", dtype=torch.long)
+    assert [t.tolist() for t in nt.unbind()] == [[21, 31, 22], [23, 24]]
+
+
+def test_config_unknown_key_is_named(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("rollout:\n  multi_turn:\n    max_tool_response_lenght: 10\n")
+    with pytest.raises(ConfigError, match=r"unknown config key 'rollout\.multi_turn\.max_tool_response_lenght'"):
+        load_config(path, env={})
+
+
+def test_config_env_overrides_yaml(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("rollout:\n  n: 2\n  val_kwargs: {n: 3}\n")
+    cfg = load_config(path, env={"ROLLOUTBUS__ROLLOUT__N": "8", "ROLLOUTBUS__KAFKA__TOPIC_PREFIX": "exp1"})
+    assert (cfg.rollout.n, cfg.rollout.val_kwargs.n, cfg.kafka.topic_prefix) == (8, 3, "exp1")
+    assert cfg.rollout.agent.default_agent_loop == "single_turn_agent"
+    with pytest.raises(ConfigError, match="rollout.n"):
+        load_config(None, env={"ROLLOUTBUS__ROLLOUT__N": "0"})
