@@ -13,7 +13,6 @@ Without --bootstrap it starts the embedded broker on free ports in a temporary f
 from __future__ import annotations
 
 import argparse
-import asyncio
 import statistics
 import sys
 import tempfile
@@ -27,64 +26,12 @@ from confluent_kafka import Consumer, KafkaError, Producer
 from rolloutbus.admin import delete_topics, ensure_topics
 from rolloutbus.config import BrokerConfig, Config, KafkaConfig
 from rolloutbus.consumers.trainer import TrainerClient
-from rolloutbus.schemas.agent_loop import AgentLoopMetrics, AgentLoopOutput, TokenOutput
-from rolloutbus.schemas.turns import (
-    GroupStarted,
-    SessionFinished,
-    SessionStarted,
-    encode_turn_event,
-)
-from rolloutbus.streams.recorder import RecordingLLMClient
 from rolloutbus.streams.replay_buffer import ReplayBuffer
-from rolloutbus.topics import Topics, partition_for, session_key
+from rolloutbus.topics import Topics, partition_for
 
-N, TURNS, GEN_TOKENS, OBS_TOKENS, PROMPT_TOKENS = 4, 3, 128, 32, 256
-
-
-class InstantReplica:
-    """Test double for a replica: answers at once with fixed tokens and logprobs."""
-
-    async def generate(self, request_id, *, prompt_ids, sampling_params, **kw):
-        return TokenOutput(token_ids=list(range(1000, 1000 + GEN_TOKENS)),
-                           log_probs=[-0.5] * GEN_TOKENS, stop_reason="completed")
-
-
-async def _session_events(uid: str, session_id: int) -> list[tuple[str, bytes]]:
-    events: list = []
-
-    async def emit(e):
-        events.append(e)
-
-    ids = {"uid": uid, "session_id": session_id, "attempt": "bench"}
-    events.append(SessionStarted(**ids, agent_name="tool_agent"))
-    rec = RecordingLLMClient(InstantReplica(), emit, **ids)
-    stream = list(range(PROMPT_TOKENS))
-    mask: list[int] = []
-    for turn in range(TURNS):
-        out = await rec.generate("r", prompt_ids=stream, sampling_params={})
-        stream += out.token_ids
-        mask += [1] * len(out.token_ids)
-        if turn < TURNS - 1:
-            stream += [7] * OBS_TOKENS
-            mask += [0] * OBS_TOKENS
-    response = stream[PROMPT_TOKENS:]
-    output = AgentLoopOutput(prompt_ids=stream[:PROMPT_TOKENS], response_ids=response,
-                             response_mask=mask, response_logprobs=None, num_turns=2 * TURNS,
-                             metrics=AgentLoopMetrics())
-    events.append(SessionFinished(**ids, outputs=rec.summarize([output], 10_000)))
-    return [(session_key(uid, session_id), encode_turn_event(e)) for e in events]
-
-
-def make_events(groups: int) -> list[tuple[str, str, bytes]]:
-    """(uid, key, value) for every event of every group, in log order per group."""
-    out = []
-    for _ in range(groups):
-        uid = uuid.uuid4().hex
-        g = GroupStarted(uid=uid, attempt="bench", n=N, row={"prompt": [{"role": "user", "content": "q"}]})
-        out.append((uid, uid, encode_turn_event(g)))
-        for s in range(N):
-            out.extend((uid, k, v) for k, v in asyncio.run(_session_events(uid, s)))
-    return out
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from helpers import free_port  # noqa: E402
+from synthetic import TURNS, N, make_events  # noqa: E402
 
 
 def produce_all(kafka: KafkaConfig, topic: str, events) -> None:
@@ -152,9 +99,6 @@ def main() -> int:
     broker_cfg = None
     if args.bootstrap is None:
         from rolloutbus.broker import start_broker
-
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-        from helpers import free_port
 
         port, cport = free_port(), free_port()
         broker_cfg = Config(broker=BrokerConfig(data_dir=Path(tempfile.mkdtemp()), port=port,

@@ -152,7 +152,10 @@ class SessionsConfig(_Section):
 
 class ReplayBufferConfig(_Section):
     group_id: str = "rolloutbus-replay-buffer"
-    transactional_id: str = "rolloutbus-replay-buffer-0"
+    transactional_id: str = "rolloutbus-replay-buffer-0"  # unique per worker process
+    # seconds of trajectory history rescanned on partition assignment, so a group that a
+    # restarted session worker re-runs after its first release is still recognised
+    rescan_lookback_s: float = 3600.0
     metrics_port: int | None = None
 
 

@@ -11,7 +11,9 @@ with confluent-kafka; Faust's exactly-once mode is experimental upstream). Per p
 4. commit the transaction. Trainers read with isolation.level=read_committed.
 
 On partition assignment the processor reads that metadata, rescans the trajectory
-partition from the named offset, and skips the groups it finds there. A uid maps to the
+partition from the named offset (or from ``rescan_lookback_s`` ago, if earlier: a prompt
+redelivered to a restarted session worker re-runs a group that may have been released
+before the rescan point), and skips the groups it finds there. A uid maps to the
 same partition number on every topic, so partition p of the turns feeds partition p of
 the trajectories and one transactional writer owns it.
 """
@@ -206,6 +208,8 @@ class ReplayBuffer:
         committed = consumer.committed(partitions, timeout=TXN_TIMEOUT_S)
         for tp in committed:
             scan_from = _scan_from(tp)
+            if scan_from is not None:
+                scan_from = min(scan_from, self._lookback_offset(tp.partition))
             released = self._released_since(tp.partition, scan_from) if scan_from is not None else set()
             start = tp.offset if tp.offset >= 0 else 0
             _, high = self._trajectory_watermarks(tp.partition)
@@ -216,6 +220,15 @@ class ReplayBuffer:
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         for tp in partitions:
             self.partitions.pop(tp.partition, None)
+
+    def _lookback_offset(self, partition: int) -> int:
+        """First trajectory offset written within ``rescan_lookback_s`` (a bounded rescan)."""
+        since_ms = int((time.time() - self.cfg.replay_buffer.rescan_lookback_s) * 1000)
+        [tp] = self._consumer.offsets_for_times(
+            [TopicPartition(self.topics.trajectories, partition, since_ms)], timeout=TXN_TIMEOUT_S)
+        if tp.offset >= 0:
+            return tp.offset
+        return self._trajectory_watermarks(partition)[1]  # nothing that recent: scan nothing extra
 
     def _trajectory_watermarks(self, partition: int) -> tuple[int, int]:
         tp = TopicPartition(self.topics.trajectories, partition)

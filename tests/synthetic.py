@@ -1,0 +1,68 @@
+"""Synthetic turn logs made by the real session recorder, driven by an instant scripted
+replica (a test double: no model, fixed tokens). Used by tests and the throughput benchmark."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+from rolloutbus.schemas.agent_loop import AgentLoopMetrics, AgentLoopOutput, TokenOutput
+from rolloutbus.schemas.turns import (
+    GroupStarted,
+    SessionFinished,
+    SessionStarted,
+    encode_turn_event,
+)
+from rolloutbus.streams.recorder import RecordingLLMClient
+from rolloutbus.topics import session_key
+
+N, TURNS, GEN_TOKENS, OBS_TOKENS, PROMPT_TOKENS = 4, 3, 128, 32, 256
+
+
+class InstantReplica:
+    """Test double for a replica: answers at once with fixed tokens and logprobs."""
+
+    async def generate(self, request_id, *, prompt_ids, sampling_params, **kw):
+        return TokenOutput(token_ids=list(range(1000, 1000 + GEN_TOKENS)),
+                           log_probs=[-0.5] * GEN_TOKENS, stop_reason="completed")
+
+
+async def _session_events(uid: str, session_id: int, attempt: str) -> list[tuple[str, bytes]]:
+    events: list = []
+
+    async def emit(e):
+        events.append(e)
+
+    ids = {"uid": uid, "session_id": session_id, "attempt": attempt}
+    events.append(SessionStarted(**ids, agent_name="tool_agent"))
+    rec = RecordingLLMClient(InstantReplica(), emit, **ids)
+    stream = list(range(PROMPT_TOKENS))
+    mask: list[int] = []
+    for turn in range(TURNS):
+        out = await rec.generate("r", prompt_ids=stream, sampling_params={})
+        stream += out.token_ids
+        mask += [1] * len(out.token_ids)
+        if turn < TURNS - 1:
+            stream += [7] * OBS_TOKENS
+            mask += [0] * OBS_TOKENS
+    output = AgentLoopOutput(prompt_ids=stream[:PROMPT_TOKENS], response_ids=stream[PROMPT_TOKENS:],
+                             response_mask=mask, response_logprobs=None, num_turns=2 * TURNS,
+                             metrics=AgentLoopMetrics())
+    events.append(SessionFinished(**ids, outputs=rec.summarize([output], 10_000)))
+    return [(session_key(uid, session_id), encode_turn_event(e)) for e in events]
+
+
+def group_events(uid: str, attempt: str = "a") -> list[tuple[str, str, bytes]]:
+    """(uid, key, value) for every event of one group of N sessions, in log order."""
+    started = GroupStarted(uid=uid, attempt=attempt, n=N, row={"prompt": [{"role": "user", "content": "q"}]})
+    out = [(uid, uid, encode_turn_event(started))]
+    for s in range(N):
+        out.extend((uid, k, v) for k, v in asyncio.run(_session_events(uid, s, attempt)))
+    return out
+
+
+def make_events(groups: int) -> list[tuple[str, str, bytes]]:
+    out = []
+    for _ in range(groups):
+        out.extend(group_events(uuid.uuid4().hex))
+    return out
