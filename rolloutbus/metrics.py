@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -19,28 +20,29 @@ from prometheus_client import (
 GROUP_SECONDS_BUCKETS = (0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800)
 
 
-class _PerRegistry:
+class PerRegistry:
     """One instance per (class, registry): several workers in one process (tests,
     benchmarks) share the series instead of registering them twice."""
 
-    _instances: dict[tuple[type, int], object] = {}
+    _instances: dict[type, weakref.WeakKeyDictionary] = {}
 
-    def __new__(cls, registry: CollectorRegistry = REGISTRY):
-        key = (cls, id(registry))
-        if key not in cls._instances:
+    def __new__(cls, registry: CollectorRegistry | None = None):
+        registry = REGISTRY if registry is None else registry
+        per_class = PerRegistry._instances.setdefault(cls, weakref.WeakKeyDictionary())
+        if registry not in per_class:
             instance = super().__new__(cls)
             instance._init(registry)
-            cls._instances[key] = instance
-        return cls._instances[key]
+            per_class[registry] = instance
+        return per_class[registry]
 
-    def __init__(self, registry: CollectorRegistry = REGISTRY):
+    def __init__(self, registry: CollectorRegistry | None = None):
         pass  # built once in _init
 
     def _init(self, registry: CollectorRegistry) -> None:
         raise NotImplementedError
 
 
-class SessionMetrics(_PerRegistry):
+class SessionMetrics(PerRegistry):
     def _init(self, registry: CollectorRegistry) -> None:
         self.groups_in_flight = Gauge("rolloutbus_sessions_groups_in_flight",
                                       "Prompt groups being rolled out by this worker",
@@ -65,7 +67,7 @@ class SessionMetrics(_PerRegistry):
         self.sessions.labels(outcome="failed" if failed else "finished").inc()
 
 
-class ReplayBufferMetrics(_PerRegistry):
+class ReplayBufferMetrics(PerRegistry):
     def _init(self, registry: CollectorRegistry) -> None:
         self.events = Counter("rolloutbus_replay_buffer_events_total",
                               "Turn events consumed, by type", ["type"], registry=registry)

@@ -200,6 +200,7 @@ class VllmCompletionRequest(_Wire):
     logprobs: int | None = None  # 0: the sampled token's logprob, nothing more
     return_token_ids: bool = True  # choices[0].token_ids, exactly as sampled
     return_tokens_as_token_ids: bool = True  # logprobs.tokens as "token_id:123"
+    return_weight_versions: bool = True  # choices[0].weight_versions: which policy sampled
     request_id: str
     priority: int | None = None
     stream: bool = False

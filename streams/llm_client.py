@@ -25,11 +25,12 @@ import uuid
 from typing import Any
 
 import httpx
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from pydantic import ValidationError
 
 from rolloutbus.config import ReplicasConfig, RolloutConfig
 from rolloutbus.errors import NoReplicaAvailableError, ReplicaError
+from rolloutbus.metrics import PerRegistry
 from rolloutbus.schemas.agent_loop import TokenOutput
 from rolloutbus.streams.backends import (
     Backend,
@@ -86,11 +87,11 @@ def per_turn_max_tokens(
     return max(1, min(budget, max_model_len - prompt_len))
 
 
-class ClientMetrics:
-    """Prometheus series of one LLM client, prefix ``rolloutbus_client_``."""
+class ClientMetrics(PerRegistry):
+    """Prometheus series of the LLM clients of a process, prefix ``rolloutbus_client_``."""
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        self.registry = registry = REGISTRY if registry is None else registry
+    def _init(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
         self.in_flight = Gauge(
             "rolloutbus_client_in_flight", "generate calls in flight from this process",
             ["replica"], registry=registry,

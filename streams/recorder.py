@@ -49,7 +49,7 @@ class RecordingLLMClient:
             out: TokenOutput = await self._client.generate(
                 request_id, prompt_ids=prompt_ids, sampling_params=sampling_params, **kwargs)
             extra = out.extra_fields or {}
-            version = extra.get("global_steps", extra.get("weight_version"))
+            version = _as_version(extra.get("global_steps", extra.get("weight_version")))
             await self._emit(Generation(
                 **self._ids, segment=segment, turn=self._turn, token_ids=out.token_ids,
                 logprobs=out.log_probs, replica=str(extra.get("replica_id", "")),
@@ -127,6 +127,14 @@ class RecordingLLMClient:
             has_logprobs=output.response_logprobs is not None,
             reward_score=output.reward_score, num_turns=output.num_turns,
             metrics=output.metrics, extra_fields=output.extra_fields)
+
+
+def _as_version(value: Any) -> int | None:
+    """Versions are trainer steps (ints); a replica may report them as strings."""
+    try:
+        return int(value) if value is not None else None
+    except (TypeError, ValueError):
+        return None
 
 
 def _is_prefix(prefix: list[int], seq: list[int]) -> bool:

@@ -170,7 +170,7 @@ async def test_vllm_completions_request_and_response(make_replicas, make_client)
         "max_tokens": 512, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0,
         "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
         "seed": 7, "stop_token_ids": [2], "ignore_eos": False, "logprobs": 0,
-        "return_token_ids": True, "return_tokens_as_token_ids": True,
+        "return_token_ids": True, "return_tokens_as_token_ids": True, "return_weight_versions": True,
         "request_id": req["request_id"], "stream": False,
     }
     assert out.token_ids == TOKENS and out.log_probs == LOGPROBS

@@ -45,6 +45,7 @@ class CompletionBody(_Body):
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     return_token_ids: bool | None = None
     return_tokens_as_token_ids: bool | None = None
+    return_weight_versions: bool | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
@@ -178,3 +179,9 @@ def _drop_union_tags(loc: tuple[Any, ...]) -> str:
     # pydantic adds the union member ("list[int]") to the location; the client never wrote it.
     keep = [str(p) for p in loc if not (isinstance(p, str) and ("[" in p or p in {"str", "int"}))]
     return ".".join(keep)
+
+
+class UpdateWeightVersionBody(_Body):
+    """vLLM's ``POST /update_weight_version`` body."""
+
+    new_version: int | str

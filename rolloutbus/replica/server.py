@@ -43,6 +43,7 @@ from rolloutbus.replica.protocol import (
     CompletionBody,
     GenerateBody,
     SGLangGenerateBody,
+    UpdateWeightVersionBody,
     describe_validation_error,
 )
 
@@ -62,6 +63,24 @@ ENGINE_KEY = web.AppKey("engine", Engine)
 METRICS_KEY: web.AppKey[_RequestMetrics] = web.AppKey("metrics")
 REGISTRY_KEY = web.AppKey("registry", CollectorRegistry)
 CREATED_KEY = web.AppKey("created", int)
+
+
+@dataclass
+class WeightVersion:
+    """The policy version the served weights belong to (the trainer's global step).
+
+    Set by the trainer after a weight update (``POST /update_weight_version``, as vLLM's
+    RL endpoint) and stamped on every response, so each logged turn records which policy
+    sampled it.
+    """
+
+    value: int | str = 0
+
+    def spans(self, num_tokens: int) -> list[dict[str, Any]]:
+        return [{"version": self.value, "start": 0, "end": num_tokens}]
+
+
+WEIGHT_VERSION_KEY = web.AppKey("weight_version", WeightVersion)
 
 
 # -- errors -----------------------------------------------------------------------------
@@ -236,7 +255,8 @@ async def completions(request: web.Request) -> web.Response:
     request_id = body.request_id or request.headers.get("X-Request-Id") or _new_id("cmpl")
     gen = _completion_generation(body, request_id, prompt_ids, _max_tokens(engine, body.max_tokens, len(prompt_ids)))
     result = await _generate(request, gen)
-    return web.json_response(_completion_response(engine, body, request_id, result))
+    return web.json_response(_completion_response(engine, body, request_id, result,
+                                                  request.app[WEIGHT_VERSION_KEY]))
 
 
 def _prompt_ids(engine: Engine, prompt: list[int] | str) -> list[int]:
@@ -262,7 +282,8 @@ def _completion_generation(body: CompletionBody, request_id: str, prompt_ids: li
     )
 
 
-def _completion_response(engine: Engine, body: CompletionBody, request_id: str, result: GenerationResult) -> dict[str, Any]:
+def _completion_response(engine: Engine, body: CompletionBody, request_id: str, result: GenerationResult,
+                         weight_version: WeightVersion) -> dict[str, Any]:
     choice = {
         "index": 0,
         "text": _decode(engine, result.token_ids, body.skip_special_tokens),
@@ -273,6 +294,8 @@ def _completion_response(engine: Engine, body: CompletionBody, request_id: str, 
         "prompt_token_ids": result.prompt_ids if body.return_token_ids else None,
         "prompt_logprobs": None,
     }
+    if body.return_weight_versions:
+        choice["weight_versions"] = weight_version.spans(len(result.token_ids))
     return {
         "id": request_id if request_id.startswith("cmpl") else f"cmpl-{request_id}",
         "object": "text_completion",
@@ -330,6 +353,7 @@ async def vllm_generate(request: web.Request) -> web.Response:
         "stop_reason": result.stop_reason,
         "token_ids": result.token_ids,
         "logprobs": _generate_logprobs(result) if sp.logprobs is not None else None,
+        "weight_versions": request.app[WEIGHT_VERSION_KEY].spans(len(result.token_ids)),
     }
     return web.json_response({
         "request_id": request_id,
@@ -380,6 +404,7 @@ async def sglang_generate(request: web.Request) -> web.Response:
         "completion_tokens": len(result.token_ids),
         "cached_tokens": 0,
         "e2e_latency": result.timings.e2e_s,
+        "weight_version": request.app[WEIGHT_VERSION_KEY].value,
     }
     if body.return_logprob:
         meta["output_token_logprobs"] = [[lp, t, None] for t, lp in zip(result.token_ids, result.logprobs, strict=True)]
@@ -419,6 +444,12 @@ async def models(request: web.Request) -> web.Response:
     return web.json_response({"object": "list", "data": [entry]})
 
 
+async def update_weight_version(request: web.Request) -> web.Response:
+    body: UpdateWeightVersionBody = await _parse(request, UpdateWeightVersionBody)
+    request.app[WEIGHT_VERSION_KEY].value = body.new_version
+    return web.json_response({"weight_version": body.new_version})
+
+
 async def metrics(request: web.Request) -> web.Response:
     text = generate_latest(request.app[REGISTRY_KEY])
     return web.Response(body=text, headers={"Content-Type": PROMETHEUS_CONTENT_TYPE})
@@ -436,6 +467,8 @@ def build_app(engine: Engine) -> web.Application:
     app[METRICS_KEY] = _RequestMetrics(registry, engine.model_name)
     app[REGISTRY_KEY] = registry
     app[CREATED_KEY] = int(time.time())
+    app[WEIGHT_VERSION_KEY] = WeightVersion()
+    app.router.add_post("/update_weight_version", update_weight_version)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/inference/v1/generate", vllm_generate)
     app.router.add_post("/generate", sglang_generate)
