@@ -99,9 +99,11 @@ def cmd_publish(args: argparse.Namespace, cfg: Config) -> int:
 
 def cmd_consume(args: argparse.Namespace, cfg: Config) -> int:
     from rolloutbus.consumers.report import consume_and_report
+    from rolloutbus.models import load_tokenizer
 
     consume_and_report(cfg, max_groups=args.max_groups, timeout_s=args.timeout,
-                       out=args.out, group_id=args.group_id or cfg.trainer.group_id)
+                       out=args.out, group_id=args.group_id or cfg.trainer.group_id,
+                       tokenizer=load_tokenizer(cfg.model))
     return 0
 
 

@@ -142,6 +142,11 @@ class ReplicasConfig(_Section):
     request_timeout_s: float = 600.0  # seconds; a long decode on a busy replica
     health_interval_s: float = 5.0
     max_retries: int = 3  # per turn, each on another replica
+    # a turn the engine aborted (weights being updated) is resumed with prompt + tokens so
+    # far and the remaining budget, as verl's fully-async client does
+    resume_aborted: bool = True
+    abort_retry_delay_s: float = 1.0  # seconds; verl waits 1 s for the engine to resume
+    max_abort_resumes: int = 8  # then the turn ends "aborted": an engine that never resumes
 
 
 class SessionsConfig(_Section):

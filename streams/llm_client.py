@@ -200,6 +200,44 @@ class LLMClient:
         priority = int(kwargs.get("priority") or 0)
         if not self._backend.name.startswith("vllm"):
             priority = 0
+        out = await self._generate_once(request_id, prompt_ids, params, max_tokens, priority)
+        if out.stop_reason == "aborted" and self._config.resume_aborted:
+            out = await self._resume_aborted(request_id, prompt_ids, params, max_tokens, priority, out)
+        return out
+
+    async def _resume_aborted(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                              max_tokens: int, priority: int, out: TokenOutput) -> TokenOutput:
+        """Partial rollout: continue an aborted turn from prompt + tokens so far.
+
+        The pieces are concatenated (tokens, logprobs), preemptions summed, and the
+        remaining budget shrinks; an exhausted budget ends the turn as "length".
+        """
+        tokens, logprobs = list(out.token_ids), list(out.log_probs or [])
+        preempted, resumes = out.num_preempted, 0
+        first_version = out.extra_fields.get("weight_version")
+        while out.stop_reason == "aborted" and resumes < self._config.max_abort_resumes:
+            remaining = max_tokens - len(tokens)
+            if remaining <= 0:
+                out = out.model_copy(update={"stop_reason": "completed"})
+                out.extra_fields["finish_reason"] = "length"
+                break
+            await asyncio.sleep(self._config.abort_retry_delay_s)
+            resumes += 1
+            out = await self._generate_once(request_id, prompt_ids + tokens, params, remaining, priority)
+            tokens += out.token_ids
+            logprobs += out.log_probs or []
+            if out.num_preempted is not None:
+                preempted = (preempted or 0) + out.num_preempted
+        extra = {**out.extra_fields, "resumed_after_abort": resumes}
+        if first_version is not None:
+            extra["first_weight_version"] = first_version
+        return TokenOutput(token_ids=tokens, log_probs=logprobs if out.log_probs is not None else None,
+                           routed_experts=out.routed_experts, stop_reason=out.stop_reason,
+                           num_preempted=preempted, extra_fields=extra)
+
+    async def _generate_once(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                             max_tokens: int, priority: int) -> TokenOutput:
+        """One turn on one replica, retried on others when a replica fails."""
         last_error: ReplicaRequestError | None = None
         for attempt in range(self._config.max_retries + 1):
             replica = self._acquire(request_id, last_error)

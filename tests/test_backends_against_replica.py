@@ -58,3 +58,37 @@ async def test_weight_version_is_stamped_on_each_turn(replica):
     versions = [e.policy_version for e in events if e.type == "generation"]
     assert versions == [3, 4]
     assert rec.segments[0].versions_until(10_000) == [3, 4]  # the fold's min/max come from these
+
+
+async def test_aborted_turn_is_resumed_from_prompt_plus_tokens_so_far():
+    """Partial rollout (verl's fully-async client): the scripted replica (a test double)
+    aborts the first call, as an engine paused for a weight update does."""
+    from rolloutbus.replica.scripted import ScriptedEngine, ScriptedTurn
+
+    engine = ScriptedEngine([ScriptedTurn([5, 6], [-0.1, -0.2], finish_reason="abort"),
+                             ScriptedTurn([7, 8, 9], [-0.3, -0.4, -0.5], finish_reason="stop")])
+    cfg = Config.model_validate({"replica": {"port": 0}, "rollout": {"response_length": 10},
+                                 "replicas": {"abort_retry_delay_s": 0.0}})
+    with replica_in_thread(cfg, engine) as handle:
+        cfg.replicas.urls = [handle.url]
+        async with LLMClient(cfg.replicas, cfg.rollout) as client:
+            out = await client.generate("t", prompt_ids=[1, 2, 3], sampling_params={"logprobs": True})
+    first, second = engine.calls
+    assert second.prompt_ids == [1, 2, 3, 5, 6]  # prompt + the tokens sampled before the abort
+    assert second.max_tokens == first.max_tokens - 2  # the remaining budget
+    assert out.token_ids == [5, 6, 7, 8, 9]
+    assert out.log_probs == pytest.approx([-0.1, -0.2, -0.3, -0.4, -0.5])
+    assert out.stop_reason == "completed" and out.extra_fields["resumed_after_abort"] == 1
+
+
+async def test_an_engine_that_keeps_aborting_is_given_up_on():
+    from rolloutbus.replica.scripted import ScriptedEngine, ScriptedTurn
+
+    engine = ScriptedEngine(lambda prompt: ScriptedTurn([], [], finish_reason="abort"))
+    cfg = Config.model_validate({"replica": {"port": 0},
+                                 "replicas": {"abort_retry_delay_s": 0.0, "max_abort_resumes": 3}})
+    with replica_in_thread(cfg, engine) as handle:
+        cfg.replicas.urls = [handle.url]
+        async with LLMClient(cfg.replicas, cfg.rollout) as client:
+            out = await client.generate("t", prompt_ids=[1], sampling_params={})
+    assert out.stop_reason == "aborted" and len(engine.calls) == 4

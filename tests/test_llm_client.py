@@ -201,7 +201,7 @@ async def test_vllm_generate_request_and_response(make_replicas, make_client):
 
 async def test_sglang_request_and_response(make_replicas, make_client):
     (rep,) = await make_replicas(1, "sglang", finish="abort")
-    client = make_client([rep], backend="sglang")
+    client = make_client([rep], backend="sglang", resume_aborted=False)  # see the mapping raw
     out = await client.generate("traj", prompt_ids=[9], sampling_params={**SAMPLING, "seed": 3},
                                 priority=5)
     (req,) = rep.requests
