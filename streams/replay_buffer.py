@@ -46,6 +46,7 @@ from rolloutbus.schemas.trajectories import Trajectory, TrajectoryStatus, encode
 from rolloutbus.schemas.turns import decode_turn_event
 from rolloutbus.streams.fold import build_group_trajectories
 from rolloutbus.streams.group_fold import PartitionFold, ReleasedGroup
+from rolloutbus.streams.invariants import as_failed, violations
 from rolloutbus.topics import Topics, uid_of_key
 
 log = logging.getLogger(__name__)
@@ -145,10 +146,23 @@ class ReplayBuffer:
         except SchemaError as exc:
             trajectories = _failed_group(released, f"turn log of the group cannot be folded: {exc}")
         self.metrics.groups.inc()
-        for t in trajectories:
-            self.metrics.trajectories.labels(status=t.status.value).inc()
-        return [(self.topics.trajectories, t.key, value, part)
-                for t, value in zip(trajectories, encode_trajectories(trajectories), strict=True)]
+        letters = []
+        for i, t in enumerate(trajectories):
+            problems = violations(t, self.cfg.rollout)
+            if problems:
+                trajectories[i] = as_failed(t, problems)
+                letters.append(self._invariant_letter(t, problems))
+            self.metrics.trajectories.labels(status=trajectories[i].status.value).inc()
+        return letters + [(self.topics.trajectories, t.key, value, part)
+                          for t, value in zip(trajectories, encode_trajectories(trajectories), strict=True)]
+
+    def _invariant_letter(self, t: Trajectory, problems: list[str]) -> tuple[str, str, bytes, int]:
+        reason = f"trajectory {t.key} released as failed: " + "; ".join(problems)
+        log.warning(reason)
+        self.metrics.dead_letters.inc()
+        letter = DeadLetter.of(encode_trajectories([t])[0], stage="replay_buffer", reason=reason,
+                               source=f"{self.topics.trajectories} key {t.key}")
+        return (self.topics.dlq, t.key, letter.model_dump_json().encode(), -1)
 
     def _dead_letter(self, msg: Message, reason: str) -> tuple[str, str, bytes, int]:
         source = f"{msg.topic()}[{msg.partition()}]@{msg.offset()}"

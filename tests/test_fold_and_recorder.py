@@ -152,3 +152,24 @@ def test_failed_session_is_an_explicit_record():
     assert [t.status for t in trajectories] == [TrajectoryStatus.FAILED] * 2
     assert [t.key for t in trajectories] == ["g_0_0", "g_1_0"]
     assert all(t.group_size == 2 and t.error == "boom" for t in trajectories)
+
+
+def test_invariant_violations_are_named():
+    from rolloutbus.config import RolloutConfig
+    from rolloutbus.schemas.trajectories import Trajectory
+    from rolloutbus.streams.invariants import as_failed, violations
+
+    rollout = RolloutConfig(prompt_length=4, response_length=3)
+    good = Trajectory(key="u_0_0", uid="u", session_id=0, output_index=0, num_outputs=1, group_size=1,
+                      status="completed", prompts=[1, 2], responses=[3, 4, 5], response_mask=[1, 0, 1],
+                      rollout_log_probs=[-0.5, 0.0, -0.1])
+    assert violations(good, rollout) == []
+    bad = good.model_copy(update={"prompts": [1] * 5, "responses": [3, 4, 5, 6],
+                                  "response_mask": [1, 0, 1, 1], "rollout_log_probs": [-0.5, -0.3, -0.1]})
+    problems = violations(bad, rollout)
+    assert any("rollout_log_probs has 3 entries for 4" in p for p in problems)
+    assert any("over prompt_length 4" in p for p in problems)
+    assert any("over response_length 3" in p for p in problems)
+    assert any("non-zero logprob" in p for p in problems)
+    failed = as_failed(bad, problems)
+    assert failed.status == TrajectoryStatus.FAILED and "invariant violated" in failed.error

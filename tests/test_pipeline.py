@@ -35,7 +35,8 @@ def pipeline(kafka_bootstrap: str, tmp_path_factory: pytest.TempPathFactory):
     replica_port = free_port()
     registry_yaml = tmp / "agent_loops.yaml"
     registry_yaml.write_text(
-        "- name: my_single_turn\n  _target_: my_agent_loop.MySingleTurnLoop\n")
+        "- name: my_single_turn\n  _target_: my_agent_loop.MySingleTurnLoop\n"
+        "- name: over_budget\n  _target_: bad_loops.OverBudgetLoop\n")
     cfg = Config.model_validate({
         "kafka": {"bootstrap_servers": kafka_bootstrap, "topic_prefix": unique_name("p"),
                   "partitions": 2},
@@ -139,3 +140,16 @@ def test_bad_input_goes_to_dead_letters_and_counts_add_up(pipeline):
     assert "no_such_loop" in reasons
     # in = out + dlq: 6 rows read; 4 groups out (2 with failed sessions), 2 rows dead-lettered
     assert report.read == len(groups) + report.dead_lettered
+
+
+def test_invariant_breaking_loop_yields_failed_records_and_dead_letters(pipeline):
+    cfg, tmp, _ = pipeline
+    rows = [dict(r, agent_name="over_budget") for r in make_arithmetic_rows(1, seed=4, tool_fraction=0)]
+    report = _publish(cfg, rows, tmp / "over.jsonl")
+    [group] = receive_groups(cfg, set(report.uids)).values()
+    for r in group.batch.to_pylist():
+        assert r["status"] == "failed"
+        assert "over response_length 16" in r["error"]
+        assert r["response_len"] > 16  # the tokens are kept for inspection
+    letters = [d for d in dead_letters(cfg) if group.uid in d["source"]]
+    assert len(letters) == N and all("over response_length" in d["reason"] for d in letters)
