@@ -113,6 +113,7 @@ class ReplayBuffer:
         idle_commit = self._dirty and time.monotonic() - self._last_commit > COMMIT_IDLE_S
         if outgoing or idle_commit:
             self._commit(outgoing)
+        self.metrics.open_groups.set(sum(len(p.open) for p in self.partitions.values()))
         return len(messages)
 
     # -- folding ---------------------------------------------------------------
