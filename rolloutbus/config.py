@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Literal
 
 import yaml
@@ -185,18 +186,42 @@ class Config(_Section):
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     data: DataConfig = Field(default_factory=DataConfig)
 
+    @property
+    def actor_rollout_ref(self) -> SimpleNamespace:
+        """verl's path to the rollout section: ``config.actor_rollout_ref.rollout.n`` works
+        in a ported custom loop exactly as ``config.rollout.n``."""
+        return SimpleNamespace(rollout=self.rollout)
+
 
 def load_config(path: str | Path | None = None, env: dict[str, str] | None = None) -> Config:
     """Read YAML (optional), apply ``ROLLOUTBUS__*`` overrides, validate once."""
     raw: dict[str, Any] = {}
     if path is not None:
         raw = _read_yaml(Path(path))
+    raw = _accept_verl_layout(raw, path)
     for dotted, value in _env_overrides(os.environ if env is None else env).items():
         _set_dotted(raw, dotted, value)
     try:
         return Config.model_validate(raw)
     except ValidationError as exc:
         raise ConfigError(_describe_validation_error(exc, path)) from exc
+
+
+def _accept_verl_layout(raw: dict[str, Any], path: str | Path | None) -> dict[str, Any]:
+    """A verl config's ``actor_rollout_ref.rollout`` block may be pasted as it is."""
+    verl = raw.get("actor_rollout_ref")
+    if verl is None:
+        return raw
+    where = f" in {path}" if path else ""
+    if not isinstance(verl, dict) or set(verl) - {"rollout"}:
+        extra = sorted(set(verl) - {"rollout"}) if isinstance(verl, dict) else verl
+        raise ConfigError(f"config key 'actor_rollout_ref'{where}: only its 'rollout' section is "
+                          f"read here, got {extra}")
+    if "rollout" in raw:
+        raise ConfigError(f"config{where} has both 'rollout' and 'actor_rollout_ref.rollout': keep one")
+    out = {k: v for k, v in raw.items() if k != "actor_rollout_ref"}
+    out["rollout"] = verl.get("rollout") or {}
+    return out
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:

@@ -69,3 +69,15 @@ def test_config_env_overrides_yaml(tmp_path):
     assert cfg.rollout.agent.default_agent_loop == "single_turn_agent"
     with pytest.raises(ConfigError, match="rollout.n"):
         load_config(None, env={"ROLLOUTBUS__ROLLOUT__N": "0"})
+
+
+def test_verl_rollout_block_can_be_pasted_and_read_the_verl_way(tmp_path):
+    path = tmp_path / "verl.yaml"
+    path.write_text("actor_rollout_ref:\n  rollout:\n    n: 5\n    response_length: 77\n"
+                    "    agent: {default_agent_loop: tool_agent}\n")
+    cfg = load_config(path, env={})
+    assert cfg.rollout.n == 5 and cfg.rollout.agent.default_agent_loop == "tool_agent"
+    assert cfg.actor_rollout_ref.rollout.response_length == 77  # as a ported loop reads it
+    path.write_text("actor_rollout_ref:\n  actor: {}\n  rollout: {n: 2}\n")
+    with pytest.raises(ConfigError, match="only its 'rollout' section"):
+        load_config(path, env={})
