@@ -119,6 +119,8 @@ def cmd_dataset(args: argparse.Namespace, cfg: Config) -> int:
 def cmd_demo(args: argparse.Namespace, cfg: Config) -> int:
     from rolloutbus.demo import run_demo
 
+    if args.n is not None:
+        cfg.rollout.n = args.n
     return run_demo(cfg, rows=args.rows, out=args.out, timeout_s=args.timeout)
 
 
@@ -179,6 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="the main job: broker, replica, workers, publish, consume, stop")
     p.add_argument("--rows", type=int, default=6, help="prompt rows to publish")
+    p.add_argument("--n", type=int, default=2, help="sessions per prompt group (overrides rollout.n)")
     p.add_argument("--out", type=Path, default=Path("out/trajectories.arrow"))
     p.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for all groups")
     _add_config(p)

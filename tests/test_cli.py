@@ -62,7 +62,7 @@ def test_demo_main_job_prints_trajectories_and_writes_arrow(kafka_bootstrap, tmp
         "replay_buffer": {"group_id": unique_name("rb"), "transactional_id": unique_name("tx")},
     })
     out = tmp_path / "traj.arrow"
-    result = _cli("demo", "--rows", "2", "--out", str(out), "--config",
+    result = _cli("demo", "--rows", "2", "--n", "2", "--out", str(out), "--config",
                   str(write_config(cfg, tmp_path / "c.yaml")), timeout=400)
     assert result.returncode == 0, result.stderr[-3000:]
     table_rows = [line for line in result.stdout.splitlines() if line[:32].isalnum() and "_" in line[:40]]
