@@ -10,7 +10,7 @@ import pyarrow as pa
 
 from rolloutbus.config import Config
 from rolloutbus.consumers.trainer import TrainerClient, TrajectoryGroup
-from rolloutbus.schemas.trajectories import TRAJECTORY_SCHEMA
+from rolloutbus.schemas.trajectories import TRAJECTORY_SCHEMA, Trajectory, trajectories_to_batch
 
 TEXT_WIDTH = 48  # characters of decoded response shown per row
 
@@ -38,14 +38,24 @@ def write_arrow(groups: list[TrajectoryGroup], path: Path) -> None:
             writer.write_batch(g.batch)
 
 
-def print_table(groups: list[TrajectoryGroup], tokenizer: Any, stream) -> None:
+def write_trajectories(trajectories: list[Trajectory], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, TRAJECTORY_SCHEMA) as writer:
+        if trajectories:
+            writer.write_batch(trajectories_to_batch(trajectories))
+
+
+def print_table(groups: list[TrajectoryGroup], tokenizer: Any, stream,
+                trajectories: list[Trajectory] | None = None) -> None:
     header = f"{'key':<40} {'agent':<18} {'status':<10} {'prompt':>6} {'resp':>5} " \
              f"{'mask1':>5} {'lp':>5} {'turns':>5} {'reward':>6}  text"
     print(header, file=stream)
     print("-" * len(header), file=stream)
-    for g in groups:
-        for row in g.batch.to_pylist():
-            print(_format_row(row, tokenizer), file=stream)
+    rows = [row for g in groups for row in g.batch.to_pylist()]
+    if trajectories:
+        rows += trajectories_to_batch(trajectories).to_pylist()
+    for row in rows:
+        print(_format_row(row, tokenizer), file=stream)
 
 
 def _format_row(row: dict[str, Any], tokenizer: Any) -> str:

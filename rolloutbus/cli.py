@@ -107,6 +107,22 @@ def cmd_consume(args: argparse.Namespace, cfg: Config) -> int:
     return 0
 
 
+def cmd_replay(args: argparse.Namespace, cfg: Config) -> int:
+    from rolloutbus.consumers.replay import replay_turns
+    from rolloutbus.consumers.report import print_table, write_trajectories
+
+    result = replay_turns(cfg, partitions=args.partition, start_offset=args.start_offset,
+                          end_offset=args.end_offset)
+    if args.out is not None:
+        write_trajectories(result.trajectories, args.out)
+    else:
+        print_table([], None, sys.stdout, trajectories=result.trajectories)
+    print(f"replayed {result.events} turn events: {len(result.trajectories)} trajectories, "
+          f"{len(result.open_groups)} groups not settled in range, {result.undecodable} undecodable",
+          file=sys.stderr)
+    return 0
+
+
 def cmd_dataset(args: argparse.Namespace, cfg: Config) -> int:
     from rolloutbus.producers.datasets import make_arithmetic_rows, write_jsonl
 
@@ -170,6 +186,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--group-id", default=None, help="consumer group (default trainer.group_id)")
     _add_config(p)
     p.set_defaults(handler=cmd_consume)
+
+    p = sub.add_parser("replay", help="rebuild trajectories from a range of the turn log (read-only)")
+    p.add_argument("--partition", type=int, action="append", default=None,
+                   help="partition to replay (repeatable; default all)")
+    p.add_argument("--start-offset", type=int, default=0)
+    p.add_argument("--end-offset", type=int, default=None, help="exclusive; default the current end")
+    p.add_argument("--out", type=Path, default=None, help="write an Arrow file instead of a table")
+    _add_config(p)
+    p.set_defaults(handler=cmd_replay)
 
     p = sub.add_parser("dataset", help="write the bundled arithmetic dataset (verl rows) as jsonl")
     p.add_argument("out", type=Path)

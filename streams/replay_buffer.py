@@ -39,14 +39,13 @@ from confluent_kafka import (
 from pydantic import ValidationError
 
 from rolloutbus.config import Config
-from rolloutbus.errors import BrokerError, SchemaError
+from rolloutbus.errors import BrokerError
 from rolloutbus.metrics import ReplayBufferMetrics, start_metrics_server
 from rolloutbus.schemas.dlq import DeadLetter
-from rolloutbus.schemas.trajectories import Trajectory, TrajectoryStatus, encode_trajectories
+from rolloutbus.schemas.trajectories import Trajectory, encode_trajectories
 from rolloutbus.schemas.turns import decode_turn_event
-from rolloutbus.streams.fold import build_group_trajectories
 from rolloutbus.streams.group_fold import PartitionFold, ReleasedGroup
-from rolloutbus.streams.invariants import as_failed, violations
+from rolloutbus.streams.release import finalize_group
 from rolloutbus.topics import Topics, uid_of_key
 
 log = logging.getLogger(__name__)
@@ -141,19 +140,11 @@ class ReplayBuffer:
         return self._trajectory_records(part, released) if released else []
 
     def _trajectory_records(self, part: int, released: ReleasedGroup) -> list[tuple[str, str, bytes, int]]:
-        try:
-            trajectories = build_group_trajectories(released.group, released.sessions,
-                                                    self.cfg.rollout.response_length)
-        except SchemaError as exc:
-            trajectories = _failed_group(released, f"turn log of the group cannot be folded: {exc}")
+        trajectories, broken = finalize_group(released, self.cfg.rollout)
         self.metrics.groups.inc()
-        letters = []
-        for i, t in enumerate(trajectories):
-            problems = violations(t, self.cfg.rollout)
-            if problems:
-                trajectories[i] = as_failed(t, problems)
-                letters.append(self._invariant_letter(t, problems))
-            self.metrics.trajectories.labels(status=trajectories[i].status.value).inc()
+        letters = [self._invariant_letter(v.trajectory, v.problems) for v in broken]
+        for t in trajectories:
+            self.metrics.trajectories.labels(status=t.status.value).inc()
         return letters + [(self.topics.trajectories, t.key, value, part)
                           for t, value in zip(trajectories, encode_trajectories(trajectories), strict=True)]
 
@@ -282,18 +273,6 @@ def _scan_from(tp: TopicPartition) -> int | None:
         return int(json.loads(tp.metadata or "{}").get("traj_scan_from", 0))
     except (ValueError, AttributeError):
         return 0  # unreadable metadata: rescan the whole partition, slower but safe
-
-
-def _failed_group(released: ReleasedGroup, reason: str) -> list[Trajectory]:
-    from rolloutbus.topics import trajectory_key
-
-    group = released.group
-    return [Trajectory(key=trajectory_key(group.uid, s.session_id, 0), uid=group.uid,
-                       session_id=s.session_id, output_index=0, num_outputs=1,
-                       group_size=len(released.sessions), status=TrajectoryStatus.FAILED,
-                       error=reason, agent_name=s.agent_name, attempt=s.attempt,
-                       global_steps=group.global_steps)
-            for s in released.sessions]
 
 
 def run_replay_buffer(cfg: Config) -> None:

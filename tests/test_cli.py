@@ -14,7 +14,7 @@ from rolloutbus.cli import build_parser
 from rolloutbus.config import Config
 
 SUBCOMMANDS = ["broker", "topics", "replica", "sessions", "replay-buffer", "publish", "consume",
-               "dataset", "demo"]
+               "replay", "dataset", "demo"]
 
 
 def _cli(*argv: str, timeout: float = 60) -> subprocess.CompletedProcess:
