@@ -52,6 +52,20 @@ class SessionMetrics(PerRegistry):
                                        buckets=GROUP_SECONDS_BUCKETS, registry=registry)
         self.sessions = Counter("rolloutbus_sessions_total", "Sessions run, by outcome",
                                 ["outcome"], registry=registry)
+        self.turn_events = Counter("rolloutbus_sessions_turn_events_total",
+                                   "Events written to the turn log, by type", ["type"],
+                                   registry=registry)
+        self.tokens = Counter("rolloutbus_sessions_tokens_total",
+                              "Tokens logged, by kind: sampled (mask 1) or observed (mask 0)",
+                              ["kind"], registry=registry)
+
+    def count_event(self, event: object) -> None:
+        kind = getattr(event, "type", "unknown")
+        self.turn_events.labels(type=kind).inc()
+        if kind == "generation":
+            self.tokens.labels(kind="sampled").inc(len(event.token_ids))  # type: ignore[attr-defined]
+        elif kind == "observation":
+            self.tokens.labels(kind="observed").inc(len(event.token_ids))  # type: ignore[attr-defined]
 
     @contextmanager
     def track_group(self) -> Iterator[None]:

@@ -92,6 +92,7 @@ async def _run_and_deliver(state: dict[str, Any], group: PromptGroup, turns: fau
         fut = await turns.send(key=key_text.encode(), value=encode_turn_event(event),
                                partition=partition, force=True)
         pending.append(fut)
+        metrics.count_event(event)
 
     metrics: SessionMetrics = state["metrics"]
     with metrics.track_group():

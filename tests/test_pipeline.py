@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pyarrow as pa
 import pytest
 from helpers import free_port, unique_name
@@ -49,8 +50,9 @@ def pipeline(kafka_bootstrap: str, tmp_path_factory: pytest.TempPathFactory):
         "replicas": {"urls": [f"http://127.0.0.1:{replica_port}"], "request_timeout_s": 120},
         "rollout": {"n": N, "prompt_length": 64, "response_length": 16,
                     "agent": {"agent_loop_config_path": str(registry_yaml)}},
-        "sessions": {"app_id": unique_name("sessions"), "concurrency": 4},
-        "replay_buffer": {"group_id": unique_name("rb"), "transactional_id": unique_name("rbtx")},
+        "sessions": {"app_id": unique_name("sessions"), "concurrency": 4, "metrics_port": free_port()},
+        "replay_buffer": {"group_id": unique_name("rb"), "transactional_id": unique_name("rbtx"),
+                          "metrics_port": free_port()},
     })
     ensure_topics(cfg.kafka)
     config_path = write_config(cfg, tmp / "config.yaml")
@@ -175,3 +177,18 @@ def test_replaying_the_turn_log_yields_byte_identical_trajectories(pipeline):
     assert done.returncode == 0, done.stderr[-2000:]
     with pa.memory_map(str(out)) as source:
         assert pa.ipc.open_file(source).read_all().num_rows == len(live)
+
+
+def test_workers_serve_prometheus_metrics_of_the_work_done(pipeline):
+    cfg, _, _ = pipeline
+    sessions = httpx.get(f"http://127.0.0.1:{cfg.sessions.metrics_port}/metrics", timeout=5).text
+    buffer = httpx.get(f"http://127.0.0.1:{cfg.replay_buffer.metrics_port}/metrics", timeout=5).text
+
+    def value(text: str, series: str) -> float:
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(series))
+
+    assert value(sessions, 'rolloutbus_sessions_tokens_total{kind="sampled"}') > 0
+    assert value(sessions, 'rolloutbus_sessions_total{outcome="finished"}') > 0
+    assert value(sessions, "rolloutbus_client_requests_total{") > 0  # the router's view
+    assert value(buffer, "rolloutbus_replay_buffer_groups_released_total") > 0
+    assert value(buffer, 'rolloutbus_replay_buffer_trajectories_total{status="failed"}') > 0
