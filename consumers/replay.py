@@ -8,23 +8,17 @@ range or had not settled by its end are reported, not guessed at.
 
 from __future__ import annotations
 
-import logging
-import time
 from dataclasses import dataclass, field
 
-from confluent_kafka import Consumer, KafkaError, TopicPartition
 from pydantic import ValidationError
 
 from rolloutbus.config import Config
-from rolloutbus.errors import BrokerError
+from rolloutbus.partition_reader import read_partition
 from rolloutbus.schemas.trajectories import Trajectory, encode_trajectories
 from rolloutbus.schemas.turns import decode_turn_event
 from rolloutbus.streams.group_fold import PartitionFold
 from rolloutbus.streams.release import finalize_group
 from rolloutbus.topics import Topics
-
-log = logging.getLogger(__name__)
-POLL_S = 5.0  # seconds one poll may wait; the range end is known, so this only bounds stalls
 
 
 @dataclass
@@ -40,47 +34,25 @@ def replay_turns(cfg: Config, *, partitions: list[int] | None = None, start_offs
                  end_offset: int | None = None) -> ReplayResult:
     """Fold ``[start_offset, end_offset)`` of each partition (default: all, to the end)."""
     topic = Topics.from_config(cfg.kafka).turns
-    consumer = Consumer({**cfg.kafka.client_settings(), "group.id": f"rolloutbus-replay-{time.time_ns()}",
-                         "enable.auto.commit": False, "isolation.level": "read_committed",
-                         "enable.partition.eof": True,
-                         "max.partition.fetch.bytes": cfg.kafka.max_message_bytes})
     result = ReplayResult()
-    try:
-        for part in partitions if partitions is not None else range(cfg.kafka.partitions):
-            _replay_partition(consumer, cfg, topic, part, start_offset, end_offset, result)
-    finally:
-        consumer.close()
+    for part in partitions if partitions is not None else range(cfg.kafka.partitions):
+        fold = PartitionFold(next_offset=start_offset, traj_next_offset=0)
+        for msg in read_partition(cfg.kafka, topic, part, start_offset, end_offset):
+            _replay_record(cfg, fold, msg, result)
+        result.open_groups.extend(fold.open)
     return result
 
 
-def _replay_partition(consumer: Consumer, cfg: Config, topic: str, part: int, start: int,
-                      end: int | None, result: ReplayResult) -> None:
-    low, high = consumer.get_watermark_offsets(TopicPartition(topic, part), timeout=30, cached=False)
-    stop = high if end is None else min(end, high)
-    fold = PartitionFold(next_offset=max(start, low), traj_next_offset=0)
-    if stop <= max(start, low):
+def _replay_record(cfg: Config, fold: PartitionFold, msg, result: ReplayResult) -> None:
+    result.events += 1
+    try:
+        event = decode_turn_event(msg.value())
+    except ValidationError:
+        result.undecodable += 1  # the live buffer dead-lettered it too
         return
-    consumer.assign([TopicPartition(topic, part, max(start, low))])
-    while True:
-        msg = consumer.poll(POLL_S)
-        if msg is None:
-            raise BrokerError(f"replay of {topic}[{part}] stalled before offset {stop}")
-        if msg.error():
-            if msg.error().code() == KafkaError._PARTITION_EOF:
-                break
-            raise BrokerError(f"replay of {topic}[{part}]: {msg.error()}")
-        if msg.offset() >= stop:
-            break
-        result.events += 1
-        try:
-            event = decode_turn_event(msg.value())
-        except ValidationError:
-            result.undecodable += 1  # the live buffer dead-lettered it too
-            continue
-        released = fold.apply(msg.offset(), event)
-        if released is not None:
-            trajectories, _ = finalize_group(released, cfg.rollout)
-            result.trajectories.extend(trajectories)
-            result.records.update(zip((t.key for t in trajectories),
-                                      encode_trajectories(trajectories), strict=True))
-    result.open_groups.extend(fold.open)
+    released = fold.apply(msg.offset(), event)
+    if released is not None:
+        trajectories, _ = finalize_group(released, cfg.rollout)
+        result.trajectories.extend(trajectories)
+        result.records.update(zip((t.key for t in trajectories),
+                                  encode_trajectories(trajectories), strict=True))

@@ -173,6 +173,18 @@ class _WeightVersionSpan(_WireResponse):
     end: int | None = None
 
 
+def _vllm_token_output(choice: Any, token_ids: list[int], log_probs: list[float] | None) -> TokenOutput:
+    """Both vLLM endpoints' choices carry the same fields around the tokens."""
+    return TokenOutput(
+        token_ids=token_ids,
+        log_probs=log_probs,
+        routed_experts=_decode_routed_experts(choice.routed_experts),
+        stop_reason=map_finish_reason(choice.finish_reason),
+        num_preempted=choice.num_preempted,
+        extra_fields=_extra_fields(choice.finish_reason, _last_weight_version(choice.weight_versions)),
+    )
+
+
 def _last_weight_version(spans: list[_WeightVersionSpan] | None) -> Any:
     """The version that sampled the last token: what a turn is stamped with."""
     return spans[-1].version if spans else None
@@ -280,16 +292,7 @@ class VllmCompletionsBackend:
         else:
             raise ValueError("response has no token ids (needs vLLM >= 0.10.2 for return_token_ids)")
         _check_logprob_count(token_ids, log_probs)
-        return TokenOutput(
-            token_ids=token_ids,
-            log_probs=log_probs,
-            routed_experts=_decode_routed_experts(choice.routed_experts),
-            stop_reason=map_finish_reason(choice.finish_reason),
-            num_preempted=choice.num_preempted,
-            extra_fields=_extra_fields(
-                choice.finish_reason, _last_weight_version(choice.weight_versions)
-            ),
-        )
+        return _vllm_token_output(choice, token_ids, log_probs)
 
 
 # --------------------------------------------------------------------------------------
@@ -383,16 +386,7 @@ class VllmGenerateBackend:
             if sampled != choice.token_ids:
                 raise ValueError("logprobs.content token ids differ from choices[0].token_ids")
             log_probs = [entry.logprob for entry in choice.logprobs.content]
-        return TokenOutput(
-            token_ids=choice.token_ids,
-            log_probs=log_probs,
-            routed_experts=_decode_routed_experts(choice.routed_experts),
-            stop_reason=map_finish_reason(choice.finish_reason),
-            num_preempted=choice.num_preempted,
-            extra_fields=_extra_fields(
-                choice.finish_reason, _last_weight_version(choice.weight_versions)
-            ),
-        )
+        return _vllm_token_output(choice, choice.token_ids, log_probs)
 
 
 # --------------------------------------------------------------------------------------

@@ -28,7 +28,6 @@ import time
 from typing import Any
 
 from confluent_kafka import (
-    OFFSET_BEGINNING,
     Consumer,
     KafkaError,
     KafkaException,
@@ -41,6 +40,7 @@ from pydantic import ValidationError
 from rolloutbus.config import Config
 from rolloutbus.errors import BrokerError
 from rolloutbus.metrics import ReplayBufferMetrics, start_metrics_server
+from rolloutbus.partition_reader import read_partition
 from rolloutbus.schemas.dlq import DeadLetter
 from rolloutbus.schemas.trajectories import Trajectory, encode_trajectories
 from rolloutbus.schemas.turns import decode_turn_event
@@ -242,28 +242,8 @@ class ReplayBuffer:
 
     def _released_since(self, partition: int, scan_from: int) -> set[str]:
         """uids whose trajectories were committed to ``partition`` at or after ``scan_from``."""
-        low, high = self._trajectory_watermarks(partition)
-        if high <= max(scan_from, low):
-            return set()
-        scanner = Consumer({**self.cfg.kafka.client_settings(), "group.id": "unused",
-                            "enable.auto.commit": False, "isolation.level": "read_committed",
-                            "enable.partition.eof": True})
-        uids: set[str] = set()
-        try:
-            scanner.assign([TopicPartition(self.topics.trajectories, partition,
-                                           max(scan_from, low) if scan_from >= 0 else OFFSET_BEGINNING)])
-            while True:
-                msg = scanner.poll(TXN_TIMEOUT_S)
-                if msg is None:
-                    raise BrokerError(f"rescan of {self.topics.trajectories}[{partition}] stalled")
-                if msg.error():
-                    if msg.error().code() == KafkaError._PARTITION_EOF:
-                        break
-                    raise BrokerError(f"rescan of {self.topics.trajectories}[{partition}]: {msg.error()}")
-                uids.add(uid_of_key(msg.key().decode()))
-        finally:
-            scanner.close()
-        return uids
+        records = read_partition(self.cfg.kafka, self.topics.trajectories, partition, scan_from)
+        return {uid_of_key(msg.key().decode()) for msg in records}
 
 
 def _scan_from(tp: TopicPartition) -> int | None:
