@@ -3,14 +3,17 @@ the Faust session worker and the transactional replay buffer as separate process
 
 from __future__ import annotations
 
+import base64
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
 import pyarrow as pa
 import pytest
+from confluent_kafka import Producer
 from helpers import free_port, unique_name
 from pipeline import (
     dead_letters,
@@ -192,3 +195,19 @@ def test_workers_serve_prometheus_metrics_of_the_work_done(pipeline):
     assert value(sessions, "rolloutbus_client_requests_total{") > 0  # the router's view
     assert value(buffer, "rolloutbus_replay_buffer_groups_released_total") > 0
     assert value(buffer, 'rolloutbus_replay_buffer_trajectories_total{status="failed"}') > 0
+
+
+def test_malformed_prompt_group_on_the_topic_is_dead_lettered_and_the_worker_goes_on(pipeline):
+    cfg, tmp, _ = pipeline
+    producer = Producer(cfg.kafka.client_settings())
+    producer.produce(Topics.from_config(cfg.kafka).prompts, key=b"junk", value=b'{"uid": 5}', partition=0)
+    assert producer.flush(10) == 0
+    deadline = time.monotonic() + 60
+    letters = []
+    while time.monotonic() < deadline and not letters:
+        letters = [d for d in dead_letters(cfg) if d["stage"] == "sessions" and "schema" in d["reason"]]
+        time.sleep(0.5)
+    assert letters and base64.b64decode(letters[0]["original_b64"]) == b'{"uid": 5}'
+    # the worker is still alive and serving
+    report = _publish(cfg, make_arithmetic_rows(1, seed=9, tool_fraction=0), tmp / "after.jsonl")
+    assert len(receive_groups(cfg, set(report.uids))) == 1
