@@ -7,6 +7,8 @@ writes a dead letter naming the key and the violation.
 
 from __future__ import annotations
 
+import numpy as np
+
 from rolloutbus.config import RolloutConfig
 from rolloutbus.schemas.trajectories import Trajectory, TrajectoryStatus
 
@@ -21,11 +23,14 @@ def violations(t: Trajectory, rollout: RolloutConfig) -> list[str]:
         found.append(f"response_mask has {len(t.response_mask)} entries for {n} response tokens")
     if t.rollout_log_probs is not None and len(t.rollout_log_probs) != n:
         found.append(f"rollout_log_probs has {len(t.rollout_log_probs)} entries for {n} response tokens")
-    if any(m not in (0, 1) for m in t.response_mask):
+    mask = np.asarray(t.response_mask, dtype=np.int64)
+    if ((mask != 0) & (mask != 1)).any():
         found.append("response_mask holds values other than 0 and 1")
-    if t.rollout_log_probs is not None and any(
-            m == 0 and lp != 0.0 for m, lp in zip(t.response_mask, t.rollout_log_probs, strict=False)):
-        found.append("a mask-0 token (observation or boundary) has a non-zero logprob")
+    if t.rollout_log_probs is not None:
+        logprobs = np.asarray(t.rollout_log_probs, dtype=np.float64)
+        k = min(len(logprobs), len(mask))  # a length mismatch is reported above
+        if (logprobs[:k][mask[:k] == 0] != 0.0).any():
+            found.append("a mask-0 token (observation or boundary) has a non-zero logprob")
     if len(t.prompts) > rollout.prompt_length:
         found.append(f"prompt has {len(t.prompts)} tokens, over prompt_length {rollout.prompt_length}")
     if n > rollout.response_length:
