@@ -45,7 +45,7 @@ def to_padded(batch: pa.RecordBatch, *, prompt_length: int, response_length: int
 
     ``attention_mask`` is 1 on every real token (observations included: the model must
     read them); ``response_mask`` is 1 only on policy-sampled tokens and is multiplied by
-    the response attention mask; ``position_ids`` count real tokens (padding gets 0).
+    the response attention mask; ``position_ids`` count real tokens, as verl computes them.
     """
     prompts = _pad_rows(batch.column("prompts"), prompt_length, pad_token_id, True, torch.long)
     responses = _pad_rows(batch.column("responses"), response_length, pad_token_id, False, torch.long)
@@ -53,7 +53,9 @@ def to_padded(batch: pa.RecordBatch, *, prompt_length: int, response_length: int
     response_attn = _pad_rows(_ones_like(batch.column("responses")), response_length, 0, False, torch.long)
     response_mask = _pad_rows(batch.column("response_mask"), response_length, 0, False, torch.long)
     attention_mask = torch.cat([prompt_attn, response_attn], dim=1)
-    position_ids = torch.clamp(torch.cumsum(attention_mask, dim=1) - 1, min=0) * attention_mask
+    # verl's compute_position_id_with_mask: left padding gets 0, right padding repeats the
+    # last position (masked out by attention_mask either way)
+    position_ids = torch.clamp(torch.cumsum(attention_mask, dim=1) - 1, min=0)
     out = {
         "prompts": prompts,
         "responses": responses,

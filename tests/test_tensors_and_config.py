@@ -37,7 +37,7 @@ def test_v0_padding_layout(batch):
     # observations are attended to (the model reads them) but never in the loss
     assert out["attention_mask"].tolist() == [[0, 1, 1, 1, 1, 1, 1, 0], [0, 0, 0, 1, 1, 1, 0, 0]]
     assert out["response_mask"].tolist() == [[1, 0, 1, 0], [1, 1, 0, 0]]
-    assert out["position_ids"].tolist() == [[0, 0, 1, 2, 3, 4, 5, 0], [0, 0, 0, 0, 1, 2, 0, 0]]
+    assert out["position_ids"].tolist() == [[0, 0, 1, 2, 3, 4, 5, 5], [0, 0, 0, 0, 1, 2, 2, 2]]
     assert torch.allclose(out["rollout_log_probs"],
                           torch.tensor([[-0.5, 0.0, -0.25, 0.0], [-1.0, -2.0, 0.0, 0.0]]))
     assert out["rm_scores"].tolist() == [[0.0, 0.0, 1.0, 0.0], [0.0, 1.0, 0.0, 0.0]]
