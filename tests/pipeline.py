@@ -28,11 +28,17 @@ def write_config(cfg: Config, path: Path) -> Path:
     return path
 
 
-def spawn(argv: list[str], config_path: Path, log_path: Path) -> subprocess.Popen:
+def spawn(argv: list[str], config_path: Path, log_path: Path,
+          python_path: list[Path] = ()) -> subprocess.Popen:
+    """``rolloutbus ARGV --config CONFIG`` with its output in ``log_path``; ``python_path``
+    makes extra modules (custom agent loops) importable in the worker."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if python_path:
+        env["PYTHONPATH"] = os.pathsep.join([*map(str, python_path), env.get("PYTHONPATH", "")])
     log = log_path.open("wb")
     return subprocess.Popen(
         [sys.executable, "-m", "rolloutbus.cli", *argv, "--config", str(config_path)],
-        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        stdout=log, stderr=subprocess.STDOUT, env=env)
 
 
 def wait_http_ok(url: str, proc: subprocess.Popen, log_path: Path) -> None:

@@ -60,13 +60,10 @@ def pipeline(kafka_bootstrap: str, tmp_path_factory: pytest.TempPathFactory):
     ensure_topics(cfg.kafka)
     config_path = write_config(cfg, tmp / "config.yaml")
     logs = {name: tmp / f"{name}.log" for name in ("replica", "sessions", "replay")}
-    import os
-
-    os.environ["PYTHONPATH"] = f"{FIXTURES}:{os.environ.get('PYTHONPATH', '')}"
     replica = spawn(["replica", "serve"], config_path, logs["replica"])
     with running([replica]):
         wait_http_ok(f"http://127.0.0.1:{replica_port}/health", replica, logs["replica"])
-        workers = [spawn(["sessions", "run"], config_path, logs["sessions"]),
+        workers = [spawn(["sessions", "run"], config_path, logs["sessions"], python_path=[FIXTURES]),
                    spawn(["replay-buffer", "run"], config_path, logs["replay"])]
         with running(workers):
             yield cfg, tmp, logs
