@@ -29,20 +29,26 @@ class BadRow:
     reason: str
 
 
-def read_rows(path: str | Path) -> Iterator[RawRow | BadRow]:
+def check_dataset(path: str | Path) -> Path:
+    """The dataset's path, if it exists and has a format we read; else a ConfigError."""
     path = Path(path)
-    if not path.exists():
+    if not path.is_file():
         raise ConfigError(f"dataset not found: {path}")
+    if path.suffix not in (".parquet", ".jsonl", ".json"):
+        raise ConfigError(f"dataset {path}: unsupported format {path.suffix!r} (use .parquet or .jsonl)")
+    return path
+
+
+def read_rows(path: str | Path) -> Iterator[RawRow | BadRow]:
+    path = check_dataset(path)
     if path.suffix == ".parquet":
         yield from _read_parquet(path)
-    elif path.suffix in (".jsonl", ".json"):
-        yield from _read_jsonl(path)
     else:
-        raise ConfigError(f"dataset {path}: unsupported format {path.suffix!r} (use .parquet or .jsonl)")
+        yield from _read_jsonl(path)
 
 
 def count_rows(path: str | Path) -> int | None:
-    path = Path(path)
+    path = check_dataset(path)
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
 

@@ -25,6 +25,20 @@ ADMIN_TIMEOUT_S = 30.0  # seconds per admin round trip; a busy two-core broker a
 VISIBLE_POLL_S = 0.1  # seconds between metadata polls while new topics propagate
 
 
+REACHABLE_TIMEOUT_S = 10.0  # seconds; a live broker answers metadata in milliseconds
+
+
+def check_reachable(kafka: KafkaConfig, timeout_s: float = REACHABLE_TIMEOUT_S) -> None:
+    """Fail fast, with what to do, instead of letting a client retry for minutes."""
+    try:
+        _admin(kafka).list_topics(timeout=timeout_s)
+    except KafkaException as exc:
+        raise BrokerError(
+            f"cannot reach Kafka at {kafka.bootstrap_servers} within {timeout_s:.0f} s "
+            f"({_broker_error('metadata request', kafka, exc)}); start the embedded broker with "
+            "`rolloutbus broker start` or set kafka.bootstrap_servers") from exc
+
+
 def topic_partitions(kafka: KafkaConfig) -> dict[str, int]:
     """The partition count of each rollout topic, by name."""
     topics = Topics.from_config(kafka)

@@ -85,8 +85,12 @@ def cmd_replay_buffer(args: argparse.Namespace, cfg: Config) -> int:
 
 # -- data in and out ------------------------------------------------------------------
 def cmd_publish(args: argparse.Namespace, cfg: Config) -> int:
+    from rolloutbus.admin import check_reachable
+    from rolloutbus.producers.datasets import check_dataset
     from rolloutbus.producers.publish import PromptPublisher
 
+    check_dataset(args.dataset)
+    check_reachable(cfg.kafka)
     report = PromptPublisher(cfg).publish_file(args.dataset, validate=args.validate,
                                                global_steps=args.global_steps,
                                                progress=not args.quiet)
@@ -98,9 +102,11 @@ def cmd_publish(args: argparse.Namespace, cfg: Config) -> int:
 
 
 def cmd_consume(args: argparse.Namespace, cfg: Config) -> int:
+    from rolloutbus.admin import check_reachable
     from rolloutbus.consumers.report import consume_and_report
     from rolloutbus.models import load_tokenizer
 
+    check_reachable(cfg.kafka)
     consume_and_report(cfg, max_groups=args.max_groups, timeout_s=args.timeout,
                        out=args.out, group_id=args.group_id or cfg.trainer.group_id,
                        tokenizer=load_tokenizer(cfg.model))
@@ -108,9 +114,11 @@ def cmd_consume(args: argparse.Namespace, cfg: Config) -> int:
 
 
 def cmd_replay(args: argparse.Namespace, cfg: Config) -> int:
+    from rolloutbus.admin import check_reachable
     from rolloutbus.consumers.replay import replay_turns
     from rolloutbus.consumers.report import print_table, write_trajectories
 
+    check_reachable(cfg.kafka)
     result = replay_turns(cfg, partitions=args.partition, start_offset=args.start_offset,
                           end_offset=args.end_offset)
     if args.out is not None:

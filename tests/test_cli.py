@@ -71,3 +71,16 @@ def test_demo_main_job_prints_trajectories_and_writes_arrow(kafka_bootstrap, tmp
         table = pa.ipc.open_file(source).read_all()
     assert table.num_rows == 4
     assert "equal lengths" in result.stderr
+
+
+def test_missing_dataset_and_unreachable_broker_are_clear_errors(tmp_path):
+    result = _cli("publish", str(tmp_path / "nope.jsonl"))
+    assert result.returncode == 2 and "dataset not found" in result.stderr
+    assert "Traceback" not in result.stderr
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"prompt": [{"role": "user", "content": "hi"}]}\n')
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"kafka: {{bootstrap_servers: '127.0.0.1:{free_port()}'}}\n")
+    result = _cli("publish", str(rows), "--config", str(cfg), timeout=60)
+    assert result.returncode == 1 and "cannot reach Kafka" in result.stderr
+    assert "rolloutbus broker start" in result.stderr and "Traceback" not in result.stderr
