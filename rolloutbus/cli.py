@@ -70,15 +70,19 @@ def cmd_replica(args: argparse.Namespace, cfg: Config) -> int:
 
 
 def cmd_sessions(args: argparse.Namespace, cfg: Config) -> int:
+    from rolloutbus.admin import check_reachable
     from rolloutbus.streams.session_worker import run_session_worker
 
+    check_reachable(cfg.kafka)
     run_session_worker(cfg, loglevel="debug" if args.verbose else "info")
     return 0
 
 
 def cmd_replay_buffer(args: argparse.Namespace, cfg: Config) -> int:
+    from rolloutbus.admin import check_reachable
     from rolloutbus.streams.replay_buffer import run_replay_buffer
 
+    check_reachable(cfg.kafka)
     run_replay_buffer(cfg)
     return 0
 
