@@ -30,8 +30,11 @@ REACHABLE_TIMEOUT_S = 10.0  # seconds; a live broker answers metadata in millise
 
 def check_reachable(kafka: KafkaConfig, timeout_s: float = REACHABLE_TIMEOUT_S) -> None:
     """Fail fast, with what to do, instead of letting a client retry for minutes."""
+    # log_level 2: the probe's own connection failures (one line per retry) stay quiet;
+    # the error below says it once
+    probe = AdminClient({**kafka.client_settings(), "log_level": 2})
     try:
-        _admin(kafka).list_topics(timeout=timeout_s)
+        probe.list_topics(timeout=timeout_s)
     except KafkaException as exc:
         raise BrokerError(
             f"cannot reach Kafka at {kafka.bootstrap_servers} within {timeout_s:.0f} s "
