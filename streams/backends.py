@@ -173,6 +173,17 @@ class _WeightVersionSpan(_WireResponse):
     end: int | None = None
 
 
+def _vllm_sampling(s: SamplingParams) -> dict[str, Any]:
+    """The sampling fields every backend sends, under vLLM's names."""
+    return {
+        "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k, "min_p": s.min_p,
+        "repetition_penalty": s.repetition_penalty, "presence_penalty": s.presence_penalty,
+        "frequency_penalty": s.frequency_penalty, "seed": s.seed,
+        "stop_token_ids": s.stop_token_ids, "ignore_eos": s.ignore_eos,
+        "logprobs": 0 if s.logprobs else None,  # 0: only the sampled token's logprob
+    }
+
+
 def _vllm_token_output(choice: Any, token_ids: list[int], log_probs: list[float] | None) -> TokenOutput:
     """Both vLLM endpoints' choices carry the same fields around the tokens."""
     return TokenOutput(
@@ -257,22 +268,11 @@ class VllmCompletionsBackend:
     path: ClassVar[str] = "/v1/completions"
 
     def build_request(self, call: EngineCall) -> dict[str, Any]:
-        s = call.sampling
         return VllmCompletionRequest(
             model=call.model,
             prompt=list(call.prompt_ids),
             max_tokens=call.max_tokens,
-            temperature=s.temperature,
-            top_p=s.top_p,
-            top_k=s.top_k,
-            min_p=s.min_p,
-            repetition_penalty=s.repetition_penalty,
-            presence_penalty=s.presence_penalty,
-            frequency_penalty=s.frequency_penalty,
-            seed=s.seed,
-            stop_token_ids=s.stop_token_ids,
-            ignore_eos=s.ignore_eos,
-            logprobs=0 if s.logprobs else None,
+            **_vllm_sampling(call.sampling),
             request_id=call.engine_request_id,
             priority=call.priority or None,
         ).to_json()
@@ -356,23 +356,12 @@ class VllmGenerateBackend:
     path: ClassVar[str] = "/inference/v1/generate"
 
     def build_request(self, call: EngineCall) -> dict[str, Any]:
-        s = call.sampling
         return VllmGenerateRequest(
             request_id=call.engine_request_id,
             token_ids=list(call.prompt_ids),
             sampling_params=VllmGenerateSamplingParams(
                 max_tokens=call.max_tokens,
-                temperature=s.temperature,
-                top_p=s.top_p,
-                top_k=s.top_k,
-                min_p=s.min_p,
-                repetition_penalty=s.repetition_penalty,
-                presence_penalty=s.presence_penalty,
-                frequency_penalty=s.frequency_penalty,
-                seed=s.seed,
-                stop_token_ids=s.stop_token_ids,
-                ignore_eos=s.ignore_eos,
-                logprobs=0 if s.logprobs else None,
+                **_vllm_sampling(call.sampling),
             ),
             model=call.model,
             priority=call.priority or None,
@@ -439,24 +428,14 @@ class SglangGenerateBackend:
     path: ClassVar[str] = "/generate"
 
     def build_request(self, call: EngineCall) -> dict[str, Any]:
-        s = call.sampling
+        sampling = _vllm_sampling(call.sampling)
+        del sampling["logprobs"]  # SGLang asks with return_logprob instead
+        sampling["sampling_seed"] = sampling.pop("seed")  # SGLang's name for it
         return SglangGenerateRequest(
             rid=call.engine_request_id,
             input_ids=list(call.prompt_ids),
-            sampling_params=SglangSamplingParams(
-                max_new_tokens=call.max_tokens,
-                temperature=s.temperature,
-                top_p=s.top_p,
-                top_k=s.top_k,
-                min_p=s.min_p,
-                repetition_penalty=s.repetition_penalty,
-                presence_penalty=s.presence_penalty,
-                frequency_penalty=s.frequency_penalty,
-                sampling_seed=s.seed,
-                stop_token_ids=s.stop_token_ids,
-                ignore_eos=s.ignore_eos,
-            ),
-            return_logprob=s.logprobs,
+            sampling_params=SglangSamplingParams(max_new_tokens=call.max_tokens, **sampling),
+            return_logprob=call.sampling.logprobs,
         ).to_json()
 
     def parse_response(self, body: Any) -> TokenOutput:

@@ -91,7 +91,7 @@ def test_prompt_groups_become_complete_trajectory_groups(pipeline):
             assert set(r["response_mask"]) == {1}
             assert all(lp <= 0.0 for lp in r["rollout_log_probs"])
             assert r["prompt_len"] <= 64 and r["prompts"][-3:] == tok.encode("<|im_start|>assistant\n")[-3:]
-            assert r["num_preempted"] == -1 or r["num_preempted"] >= 0
+            assert r["num_preempted"] == -1  # the embedded replica does not report preemptions
             assert r["reward_score"] in (0.0, 1.0)  # scored by the arithmetic rule
     # each key exactly once on the topic
     keys = [m.key().decode() for m in read_topic(cfg, Topics.from_config(cfg.kafka).trajectories)]
