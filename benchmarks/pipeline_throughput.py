@@ -23,10 +23,10 @@ from pathlib import Path
 
 from confluent_kafka import Consumer, KafkaError, Producer
 
-from rolloutbus.admin import delete_topics, ensure_topics
 from rolloutbus.config import BrokerConfig, Config, KafkaConfig
 from rolloutbus.consumers.trainer import TrainerClient
-from rolloutbus.streams.replay_buffer import ReplayBuffer
+from rolloutbus.kafka.admin import delete_topics, ensure_topics
+from rolloutbus.streams.assembly.replay_buffer import ReplayBuffer
 from rolloutbus.topics import Topics, partition_for
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
@@ -98,7 +98,7 @@ def main() -> int:
     args = ap.parse_args()
     broker_cfg = None
     if args.bootstrap is None:
-        from rolloutbus.broker import start_broker
+        from rolloutbus.kafka.broker import start_broker
 
         port, cport = free_port(), free_port()
         broker_cfg = Config(broker=BrokerConfig(data_dir=Path(tempfile.mkdtemp()), port=port,
@@ -131,7 +131,7 @@ def main() -> int:
         print(f"ratio pipeline/baseline throughput: {bm / pm:.2f}")
     finally:
         if broker_cfg is not None:
-            from rolloutbus.broker import stop_broker
+            from rolloutbus.kafka.broker import stop_broker
 
             stop_broker(broker_cfg)
     return 0

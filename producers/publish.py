@@ -14,8 +14,8 @@ from pydantic import ValidationError
 
 from rolloutbus.config import Config
 from rolloutbus.errors import BrokerError
+from rolloutbus.kafka.dead_letters import DeadLetterWriter
 from rolloutbus.producers.datasets import BadRow, RawRow, count_rows, read_rows
-from rolloutbus.producers.dlq import DeadLetterWriter
 from rolloutbus.schemas.prompts import DatasetRow, PromptGroup, SamplingParams
 from rolloutbus.topics import Topics, partition_for
 

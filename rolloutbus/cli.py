@@ -27,12 +27,12 @@ def _add_config(p: argparse.ArgumentParser) -> None:
 
 # -- broker and topics ----------------------------------------------------------------
 def cmd_broker(args: argparse.Namespace, cfg: Config) -> int:
-    from rolloutbus import broker
+    from rolloutbus.kafka import broker
 
     if args.action == "start":
         status = broker.start_broker(cfg)
         print(f"broker running: pid {status.pid}, bootstrap {status.bootstrap}")
-        from rolloutbus.admin import ensure_topics
+        from rolloutbus.kafka.admin import ensure_topics
 
         created = ensure_topics(cfg.kafka)
         print(f"topics ready ({len(created)} created)")
@@ -48,7 +48,7 @@ def cmd_broker(args: argparse.Namespace, cfg: Config) -> int:
 
 
 def cmd_topics(args: argparse.Namespace, cfg: Config) -> int:
-    from rolloutbus.admin import ensure_topics
+    from rolloutbus.kafka.admin import ensure_topics
 
     created = ensure_topics(cfg.kafka)
     for name in created:
@@ -70,8 +70,8 @@ def cmd_replica(args: argparse.Namespace, cfg: Config) -> int:
 
 
 def cmd_sessions(args: argparse.Namespace, cfg: Config) -> int:
-    from rolloutbus.admin import check_reachable
-    from rolloutbus.streams.session_worker import run_session_worker
+    from rolloutbus.kafka.admin import check_reachable
+    from rolloutbus.streams.sessions.worker import run_session_worker
 
     check_reachable(cfg.kafka)
     run_session_worker(cfg, loglevel="debug" if args.verbose else "info")
@@ -79,8 +79,8 @@ def cmd_sessions(args: argparse.Namespace, cfg: Config) -> int:
 
 
 def cmd_replay_buffer(args: argparse.Namespace, cfg: Config) -> int:
-    from rolloutbus.admin import check_reachable
-    from rolloutbus.streams.replay_buffer import run_replay_buffer
+    from rolloutbus.kafka.admin import check_reachable
+    from rolloutbus.streams.assembly.replay_buffer import run_replay_buffer
 
     check_reachable(cfg.kafka)
     run_replay_buffer(cfg)
@@ -89,7 +89,7 @@ def cmd_replay_buffer(args: argparse.Namespace, cfg: Config) -> int:
 
 # -- data in and out ------------------------------------------------------------------
 def cmd_publish(args: argparse.Namespace, cfg: Config) -> int:
-    from rolloutbus.admin import check_reachable
+    from rolloutbus.kafka.admin import check_reachable
     from rolloutbus.producers.datasets import check_dataset
     from rolloutbus.producers.publish import PromptPublisher
 
@@ -106,9 +106,9 @@ def cmd_publish(args: argparse.Namespace, cfg: Config) -> int:
 
 
 def cmd_consume(args: argparse.Namespace, cfg: Config) -> int:
-    from rolloutbus.admin import check_reachable
     from rolloutbus.consumers.report import consume_and_report
-    from rolloutbus.models import load_tokenizer
+    from rolloutbus.kafka.admin import check_reachable
+    from rolloutbus.replica.models import load_tokenizer
 
     check_reachable(cfg.kafka)
     consume_and_report(cfg, max_groups=args.max_groups, timeout_s=args.timeout,
@@ -118,9 +118,9 @@ def cmd_consume(args: argparse.Namespace, cfg: Config) -> int:
 
 
 def cmd_replay(args: argparse.Namespace, cfg: Config) -> int:
-    from rolloutbus.admin import check_reachable
-    from rolloutbus.consumers.replay import replay_turns
+    from rolloutbus.consumers.log_replay import replay_turns
     from rolloutbus.consumers.report import print_table, write_trajectories
+    from rolloutbus.kafka.admin import check_reachable
 
     check_reachable(cfg.kafka)
     result = replay_turns(cfg, partitions=args.partition, start_offset=args.start_offset,

@@ -24,8 +24,8 @@ REPLICA_READY_TIMEOUT_S = 300.0  # seconds; the first run dequantizes SmolLM2 (~
 
 
 def run_demo(cfg: Config, *, rows: int, out: Path, timeout_s: float) -> int:
-    from rolloutbus.admin import ensure_topics
-    from rolloutbus.models import load_tokenizer
+    from rolloutbus.kafka.admin import ensure_topics
+    from rolloutbus.replica.models import load_tokenizer
 
     started_broker = _maybe_start_broker(cfg)
     ensure_topics(cfg.kafka)
@@ -44,7 +44,7 @@ def run_demo(cfg: Config, *, rows: int, out: Path, timeout_s: float) -> int:
         for proc in reversed(procs):
             _stop(proc)
         if started_broker:
-            from rolloutbus.broker import stop_broker
+            from rolloutbus.kafka.broker import stop_broker
 
             stop_broker(cfg)
             _say("broker stopped")
@@ -59,7 +59,7 @@ def _maybe_start_broker(cfg: Config) -> bool:
     if cfg.kafka.bootstrap_servers not in (embedded, f"localhost:{cfg.broker.port}"):
         _say(f"using the configured cluster at {cfg.kafka.bootstrap_servers}")
         return False
-    from rolloutbus.broker import broker_status, start_broker
+    from rolloutbus.kafka.broker import broker_status, start_broker
 
     if broker_status(cfg).running:
         _say(f"broker already running at {embedded}; leaving it running afterwards")

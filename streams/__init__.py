@@ -1,7 +1,12 @@
-"""What transforms: agent loops, the LLM client and router, the session and replay-buffer
-processors. Agent loops live in ``rolloutbus.streams.agent_loop`` (verl's API)."""
+"""What transforms, grouped by job:
 
-from rolloutbus.streams.llm_client import LLMClient, per_turn_max_tokens
-from rolloutbus.streams.routing import LoadBalancer
+* ``agent_loop`` — verl's agent-loop API with its tools, tool parsers and reward;
+* ``inference`` — the LLM client, engine backends and the replica router;
+* ``sessions`` — the session processor that runs agent loops and logs every turn;
+* ``assembly`` — turns → trajectories: the folds, the invariant checks, the replay buffer;
+* ``token_stream`` — the token stream that both the recorder and the fold build.
+"""
+
+from rolloutbus.streams.inference import LLMClient, LoadBalancer, per_turn_max_tokens
 
 __all__ = ["LLMClient", "LoadBalancer", "per_turn_max_tokens"]

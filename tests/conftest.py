@@ -23,10 +23,10 @@ import pytest
 from confluent_kafka import Consumer, Producer
 from helpers import free_port, unique_name
 
-from rolloutbus.admin import delete_topics, ensure_topics
-from rolloutbus.broker import broker_status, start_broker, stop_broker
 from rolloutbus.config import BrokerConfig, Config, KafkaConfig
 from rolloutbus.errors import BrokerError
+from rolloutbus.kafka.admin import delete_topics, ensure_topics
+from rolloutbus.kafka.broker import broker_status, start_broker, stop_broker
 from rolloutbus.topics import Topics
 
 BOOTSTRAP_ENV = "ROLLOUTBUS_TEST_BOOTSTRAP"

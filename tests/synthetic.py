@@ -13,7 +13,7 @@ from rolloutbus.schemas.turns import (
     SessionStarted,
     encode_turn_event,
 )
-from rolloutbus.streams.recorder import RecordingLLMClient
+from rolloutbus.streams.sessions.recorder import RecordingLLMClient
 from rolloutbus.topics import session_key
 
 N, TURNS, GEN_TOKENS, OBS_TOKENS, PROMPT_TOKENS = 4, 3, 128, 32, 256

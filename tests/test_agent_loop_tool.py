@@ -23,7 +23,7 @@ from rolloutbus.streams.agent_loop.tool_agent import (  # noqa: E402
     TRUNCATED_TAIL,
 )
 from rolloutbus.streams.agent_loop.tool_parser import HermesToolParser, ToolParser  # noqa: E402
-from rolloutbus.streams.tools import BaseTool, CalculatorTool, FunctionTool, ToolResponse  # noqa: E402
+from rolloutbus.streams.agent_loop.tools import BaseTool, CalculatorTool, FunctionTool, ToolResponse  # noqa: E402
 
 PROMPT = [{"role": "user", "content": "计算 18 * 7"}]
 
@@ -64,7 +64,7 @@ def observation_text(tok, out):
 async def test_seed_section_11_layout(tok, tmp_path):
     """P; A1 ‖ O ‖ A2 with masks 1…0…1 and logprob 0.0 on O — tools from verl's YAML format."""
     config_path = tmp_path / "tools.yaml"
-    config_path.write_text("tools:\n  - class_name: rolloutbus.streams.tools.CalculatorTool\n    config: {}\n")
+    config_path.write_text("tools:\n  - class_name: rolloutbus.streams.agent_loop.tools.CalculatorTool\n    config: {}\n")
     server = ScriptedServerManager([turn(tok, call_text()), turn(tok, "The answer is 126.")])
     config = make_config(multi_turn={"tool_config_path": str(config_path)})
     loop = create_agent_loop("tool_agent", trainer_config=DictConfigWrap(config), server_manager=server,
@@ -299,7 +299,7 @@ def test_unknown_parser_is_an_error(tok):
 
 
 async def test_seed_trajectory_scores_one_with_the_default_reward(tok):
-    from rolloutbus.streams.reward import score_outputs
+    from rolloutbus.streams.agent_loop.reward import score_outputs
 
     loop, _ = make_loop(tok, [turn(tok, call_text()), turn(tok, "The answer is 126.")])
     out = await run(loop)

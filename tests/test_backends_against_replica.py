@@ -8,8 +8,8 @@ import pytest
 
 from rolloutbus.config import Config
 from rolloutbus.replica.server import replica_in_thread
-from rolloutbus.streams.llm_client import LLMClient
-from rolloutbus.streams.recorder import RecordingLLMClient
+from rolloutbus.streams.inference.llm_client import LLMClient
+from rolloutbus.streams.sessions.recorder import RecordingLLMClient
 
 PROMPT = [151644, 872, 198, 3838, 374, 220, 17, 10, 17, 30, 151645, 198, 151644, 77091, 198]
 GREEDY = {"temperature": 0.0, "top_p": 1.0, "top_k": -1, "logprobs": True, "max_tokens": 8}

@@ -11,17 +11,17 @@ from confluent_kafka import Consumer, TopicPartition
 from confluent_kafka.admin import AdminClient, ConfigResource
 from helpers import free_port, unique_name
 
-from rolloutbus import broker
-from rolloutbus.admin import delete_topics, ensure_topics, topic_partitions
-from rolloutbus.broker import (
+from rolloutbus.config import BrokerConfig, Config, KafkaConfig
+from rolloutbus.errors import BrokerError
+from rolloutbus.kafka import broker
+from rolloutbus.kafka.admin import delete_topics, ensure_topics, topic_partitions
+from rolloutbus.kafka.broker import (
     broker_status,
     parse_java_major,
     server_properties,
     start_broker,
     stop_broker,
 )
-from rolloutbus.config import BrokerConfig, Config, KafkaConfig
-from rolloutbus.errors import BrokerError
 from rolloutbus.topics import Topics
 
 LARGE_RECORD_BYTES = 2 * 1024 * 1024  # over every 1 MB Kafka/librdkafka default

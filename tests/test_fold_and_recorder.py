@@ -19,9 +19,10 @@ from rolloutbus.schemas.turns import (
     decode_turn_event,
     encode_turn_event,
 )
-from rolloutbus.streams.fold import SessionFold, build_group_trajectories
-from rolloutbus.streams.group_fold import PartitionFold
-from rolloutbus.streams.recorder import RecordingLLMClient
+from rolloutbus.streams.assembly.partition_fold import PartitionFold
+from rolloutbus.streams.assembly.session_fold import SessionFold
+from rolloutbus.streams.assembly.trajectories import build_group_trajectories
+from rolloutbus.streams.sessions.recorder import RecordingLLMClient
 
 
 class ScriptedClient:
@@ -157,7 +158,7 @@ def test_failed_session_is_an_explicit_record():
 def test_invariant_violations_are_named():
     from rolloutbus.config import RolloutConfig
     from rolloutbus.schemas.trajectories import Trajectory
-    from rolloutbus.streams.invariants import as_failed, violations
+    from rolloutbus.streams.assembly.trajectories import as_failed, violations
 
     rollout = RolloutConfig(prompt_length=4, response_length=3)
     good = Trajectory(key="u_0_0", uid="u", session_id=0, output_index=0, num_outputs=1, group_size=1,

@@ -21,7 +21,7 @@ from pydantic import ValidationError
 
 from rolloutbus.config import ReplicasConfig, RolloutConfig
 from rolloutbus.errors import NoReplicaAvailableError
-from rolloutbus.streams.llm_client import LLMClient, ReplicaRequestError
+from rolloutbus.streams.inference.llm_client import LLMClient, ReplicaRequestError
 
 TOKENS = [101, 102, 103]
 LOGPROBS = [-0.5, -0.25, -0.125]

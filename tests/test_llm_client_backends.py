@@ -10,7 +10,7 @@ import pytest
 from pydantic import ValidationError
 
 from rolloutbus.config import RolloutConfig
-from rolloutbus.streams.backends import (
+from rolloutbus.streams.inference.backends import (
     EngineCall,
     SamplingParams,
     SglangGenerateBackend,
@@ -20,7 +20,7 @@ from rolloutbus.streams.backends import (
     error_message,
     map_finish_reason,
 )
-from rolloutbus.streams.llm_client import per_turn_max_tokens
+from rolloutbus.streams.inference.llm_client import per_turn_max_tokens
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,7 @@ from rolloutbus.config import Config
 from rolloutbus.metrics import ReplayBufferMetrics, SessionMetrics
 from rolloutbus.replica.scripted import ScriptedEngine
 from rolloutbus.replica.server import REGISTRY_KEY, build_app
-from rolloutbus.streams.llm_client import ClientMetrics
+from rolloutbus.streams.inference.llm_client import ClientMetrics
 
 OPS = Path(__file__).resolve().parents[1] / "ops"
 _SUFFIXES = {"counter": ["_total"], "histogram": ["_bucket", "_sum", "_count"], "gauge": [""],

@@ -14,8 +14,9 @@ from rolloutbus.schemas.turns import (
     encode_turn_event,
 )
 from rolloutbus.streams.agent_loop import AgentLoopBase, AgentLoopMetrics, AgentLoopOutput, register
-from rolloutbus.streams.fold import SessionFold, build_group_trajectories
-from rolloutbus.streams.sessions import SessionContext, run_session
+from rolloutbus.streams.assembly.session_fold import SessionFold
+from rolloutbus.streams.assembly.trajectories import build_group_trajectories
+from rolloutbus.streams.sessions.runner import SessionContext, run_session
 
 
 @register("two_drafts_test")

@@ -25,12 +25,12 @@ from pipeline import (
     write_config,
 )
 
-from rolloutbus.admin import ensure_topics
 from rolloutbus.config import Config
-from rolloutbus.consumers.replay import replay_turns
-from rolloutbus.models import load_tokenizer
+from rolloutbus.consumers.log_replay import replay_turns
+from rolloutbus.kafka.admin import ensure_topics
 from rolloutbus.producers.datasets import make_arithmetic_rows, write_jsonl
 from rolloutbus.producers.publish import PromptPublisher
+from rolloutbus.replica.models import load_tokenizer
 from rolloutbus.topics import Topics
 
 FIXTURES = Path(__file__).parent / "fixtures"

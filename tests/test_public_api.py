@@ -8,7 +8,8 @@ import inspect
 import pytest
 
 PACKAGES = ["rolloutbus.schemas", "rolloutbus.producers", "rolloutbus.consumers",
-            "rolloutbus.streams", "rolloutbus.streams.agent_loop"]
+            "rolloutbus.streams", "rolloutbus.streams.agent_loop", "rolloutbus.streams.inference",
+            "rolloutbus.streams.sessions", "rolloutbus.streams.assembly"]
 
 
 @pytest.mark.parametrize("name", PACKAGES)

@@ -293,7 +293,7 @@ def test_two_replicas_in_one_process_have_separate_metrics(replica, client):
 
 @pytest.mark.slow
 def test_smollm2_answers_a_chat_prompt_sensibly():
-    from rolloutbus.models import load_tokenizer
+    from rolloutbus.replica.models import load_tokenizer
 
     cfg = Config(model=ModelConfig(name="smollm2-135m"),
                  replica=ReplicaServerConfig(port=0, max_model_len=512, torch_threads=2))

@@ -9,7 +9,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from fixtures.scripted_server import qwen3_tokenizer  # noqa: E402
 
 from rolloutbus.schemas.agent_loop import AgentLoopMetrics, AgentLoopOutput  # noqa: E402
-from rolloutbus.streams.reward import (  # noqa: E402
+from rolloutbus.streams.agent_loop.reward import (  # noqa: E402
     arithmetic_score,
     get_reward_fn,
     register_reward,

@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 
 from rolloutbus.errors import NoReplicaAvailableError
-from rolloutbus.streams.routing import LoadBalancer, stable_hash
+from rolloutbus.streams.inference.routing import LoadBalancer, stable_hash
 
 A, B, C, D = "http://a:8000", "http://b:8000", "http://c:8000", "http://d:8000"
 

@@ -13,8 +13,8 @@ import pytest
 from helpers import free_port, unique_name
 from pipeline import read_topic, receive_groups, running, spawn, stop, wait_http_ok, write_config
 
-from rolloutbus.admin import ensure_topics
 from rolloutbus.config import Config
+from rolloutbus.kafka.admin import ensure_topics
 from rolloutbus.producers.datasets import make_arithmetic_rows, write_jsonl
 from rolloutbus.producers.publish import PromptPublisher
 from rolloutbus.schemas.turns import decode_turn_event

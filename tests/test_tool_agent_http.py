@@ -19,9 +19,10 @@ from rolloutbus.schemas.turns import (
     decode_turn_event,
     encode_turn_event,
 )
-from rolloutbus.streams.fold import SessionFold, build_group_trajectories
-from rolloutbus.streams.llm_client import LLMClient
-from rolloutbus.streams.sessions import SessionContext, run_session
+from rolloutbus.streams.assembly.session_fold import SessionFold
+from rolloutbus.streams.assembly.trajectories import build_group_trajectories
+from rolloutbus.streams.inference.llm_client import LLMClient
+from rolloutbus.streams.sessions.runner import SessionContext, run_session
 
 CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "18 * 7"}}\n</tool_call>'
 ANSWER = "The answer is 126."
@@ -40,7 +41,7 @@ def _turn(tok, text: str, logprob: float) -> ScriptedTurn:
 
 async def test_tool_agent_section_11_layout_over_http_and_through_the_fold(tok, tmp_path):
     tools_yaml = tmp_path / "tools.yaml"
-    tools_yaml.write_text("tools:\n  - class_name: rolloutbus.streams.tools.CalculatorTool\n    config: {}\n")
+    tools_yaml.write_text("tools:\n  - class_name: rolloutbus.streams.agent_loop.tools.CalculatorTool\n    config: {}\n")
     engine = ScriptedEngine([_turn(tok, CALL, LP1), _turn(tok, ANSWER, LP2)], tokenizer=tok,
                             eos_token_ids=frozenset({tok.convert_tokens_to_ids("<|im_end|>")}))
     cfg = Config.model_validate({"replica": {"port": 0}, "model": {"name": "tiny-qwen3"},

@@ -5,7 +5,7 @@ from typing import Literal
 import pytest
 
 from rolloutbus.errors import AgentLoopError
-from rolloutbus.streams.tools import (
+from rolloutbus.streams.agent_loop.tools import (
     CalculatorTool,
     FunctionTool,
     ToolResponse,
@@ -88,7 +88,7 @@ def test_tools_from_verl_yaml(tmp_path):
     path = tmp_path / "tools.yaml"
     path.write_text(
         "tools:\n"
-        "  - class_name: rolloutbus.streams.tools.CalculatorTool\n"
+        "  - class_name: rolloutbus.streams.agent_loop.tools.CalculatorTool\n"
         "    config: {type: native}\n"
         "    tool_schema:\n"
         "      type: function\n"

@@ -22,17 +22,18 @@ import sys
 from typing import Any
 
 import numpy as np
-from rolloutbus.streams.backends import (
-    EngineCall,
-    SamplingParams,
-    VllmCompletionsBackend,
-    VllmGenerateBackend,
-)
 from vllm import __version__ as vllm_version
 from vllm.entrypoints.openai.completion import protocol as completion
 from vllm.entrypoints.scale_out.token_in_token_out import protocol as tito
 from vllm.outputs import WeightVersionSpan
 from vllm.sampling_params import SamplingParams as VllmSamplingParams
+
+from rolloutbus.streams.inference.backends import (
+    EngineCall,
+    SamplingParams,
+    VllmCompletionsBackend,
+    VllmGenerateBackend,
+)
 
 CALLS = [
     EngineCall("e-plain", [1, 2, 3], SamplingParams(), max_tokens=16),

@@ -25,7 +25,7 @@ import torch
 
 from rolloutbus.config import ModelConfig
 from rolloutbus.errors import ConfigError
-from rolloutbus.models import SMOLLM2, TINY_QWEN3, load_tokenizer
+from rolloutbus.replica.models import SMOLLM2, TINY_QWEN3, load_tokenizer
 
 __all__ = ["load_causal_lm", "smollm2_cache_dir", "smollm2_tokenizer", "tiny_qwen3_config"]
 

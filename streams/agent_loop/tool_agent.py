@@ -19,7 +19,12 @@ from rolloutbus.streams.agent_loop.base import AgentLoopBase, DictConfigWrap, mu
 from rolloutbus.streams.agent_loop.registry import register
 from rolloutbus.streams.agent_loop.timing import simple_timer
 from rolloutbus.streams.agent_loop.tool_parser import FunctionCall, ToolParser, assistant_tool_calls
-from rolloutbus.streams.tools import BaseTool, FunctionTool, ToolResponse, load_tool_catalog
+from rolloutbus.streams.agent_loop.tools import (
+    BaseTool,
+    FunctionTool,
+    ToolResponse,
+    load_tool_catalog,
+)
 
 logger = logging.getLogger(__name__)
 

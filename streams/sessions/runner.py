@@ -24,8 +24,8 @@ from rolloutbus.schemas.prompts import PromptGroup
 from rolloutbus.schemas.turns import GroupStarted, SessionFailed, SessionFinished, SessionStarted
 from rolloutbus.streams.agent_loop import registry
 from rolloutbus.streams.agent_loop.base import DictConfigWrap
-from rolloutbus.streams.recorder import Emit, RecordingLLMClient
-from rolloutbus.streams.reward import score_outputs
+from rolloutbus.streams.agent_loop.reward import score_outputs
+from rolloutbus.streams.sessions.recorder import Emit, RecordingLLMClient
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from pydantic import BaseModel
 from rolloutbus.errors import AgentLoopError, TokenDriftError
 from rolloutbus.schemas.agent_loop import AgentLoopOutput, TokenOutput
 from rolloutbus.schemas.turns import Generation, Observation, OutputSummary, SegmentStarted
-from rolloutbus.streams.fold import SegmentStream
+from rolloutbus.streams.token_stream import SegmentStream
 
 Emit = Callable[[BaseModel], Awaitable[None]]
 LOGPROB_TOLERANCE = 1e-3  # float32 on the wire vs. float64 in the loop

@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 from pydantic import ValidationError
 
 from rolloutbus.config import Config
-from rolloutbus.partition_reader import read_partition
+from rolloutbus.kafka.partition_reader import read_partition
 from rolloutbus.schemas.trajectories import Trajectory, encode_trajectories
 from rolloutbus.schemas.turns import decode_turn_event
-from rolloutbus.streams.group_fold import PartitionFold
-from rolloutbus.streams.release import finalize_group
+from rolloutbus.streams.assembly.partition_fold import PartitionFold
+from rolloutbus.streams.assembly.trajectories import finalize_group
 from rolloutbus.topics import Topics
 
 

@@ -39,13 +39,13 @@ from pydantic import ValidationError
 
 from rolloutbus.config import Config
 from rolloutbus.errors import BrokerError
+from rolloutbus.kafka.partition_reader import read_partition
 from rolloutbus.metrics import ReplayBufferMetrics, start_metrics_server
-from rolloutbus.partition_reader import read_partition
 from rolloutbus.schemas.dlq import DeadLetter
 from rolloutbus.schemas.trajectories import Trajectory, encode_trajectories
 from rolloutbus.schemas.turns import decode_turn_event
-from rolloutbus.streams.group_fold import PartitionFold, ReleasedGroup
-from rolloutbus.streams.release import finalize_group
+from rolloutbus.streams.assembly.partition_fold import PartitionFold, ReleasedGroup
+from rolloutbus.streams.assembly.trajectories import finalize_group
 from rolloutbus.topics import Topics, uid_of_key
 
 log = logging.getLogger(__name__)

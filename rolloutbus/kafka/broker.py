@@ -52,7 +52,7 @@ __all__ = [
     "stop_broker",
 ]
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 POM_PATH = REPO_ROOT / "ops" / "kafka" / "pom.xml"
 LOG4J_CONFIG = REPO_ROOT / "ops" / "kafka" / "log4j2.yaml"
 MIN_JAVA = 17  # Kafka 4.x brokers need Java 17+ (Java 11 is for clients only)
@@ -335,7 +335,7 @@ def _port_free(port: int) -> bool:
 def server_properties(cfg: Config, data_dir: Path) -> str:
     """The single-node broker+controller config (KRaft) for ``cfg``."""
     port, cport = cfg.broker.port, cfg.broker.controller_port
-    # bytes; topic max.message.bytes is set per topic (rolloutbus.admin), this is the
+    # bytes; topic max.message.bytes is set per topic (rolloutbus.kafka.admin), this is the
     # broker default and the cap that replica fetches and socket requests must exceed.
     max_bytes = max(cfg.kafka.max_message_bytes, 1048588)
     request_max = max(104857600, max_bytes + 1048576)  # bytes; Kafka's default 100 MiB
@@ -350,7 +350,7 @@ def server_properties(cfg: Config, data_dir: Path) -> str:
         "listener.security.protocol.map": "CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT",
         "log.dirs": str(data_dir / "kraft-logs"),
         "num.partitions": "1",
-        "auto.create.topics.enable": "false",  # topics come from rolloutbus.admin only
+        "auto.create.topics.enable": "false",  # topics come from rolloutbus.kafka.admin only
         "message.max.bytes": str(max_bytes),
         "replica.fetch.max.bytes": str(max_bytes),
         "socket.request.max.bytes": str(request_max),
@@ -367,7 +367,7 @@ def server_properties(cfg: Config, data_dir: Path) -> str:
         "transaction.state.log.num.partitions": "1",
         "share.coordinator.state.topic.num.partitions": "1",
     }
-    header = "# Written by rolloutbus.broker on every start; edit the config, not this file.\n"
+    header = "# Written by rolloutbus.kafka.broker on every start; edit the config, not this file.\n"
     return header + "".join(f"{key}={value}\n" for key, value in lines.items())
 
 

@@ -32,14 +32,14 @@ from rolloutbus.config import ReplicasConfig, RolloutConfig
 from rolloutbus.errors import NoReplicaAvailableError, ReplicaError
 from rolloutbus.metrics import PerRegistry
 from rolloutbus.schemas.agent_loop import TokenOutput
-from rolloutbus.streams.backends import (
+from rolloutbus.streams.inference.backends import (
     Backend,
     EngineCall,
     SamplingParams,
     backend_for,
     error_message,
 )
-from rolloutbus.streams.routing import LoadBalancer
+from rolloutbus.streams.inference.routing import LoadBalancer
 
 __all__ = ["ClientMetrics", "LLMClient", "ReplicaRequestError", "per_turn_max_tokens"]
 

@@ -18,14 +18,14 @@ import faust
 from pydantic import BaseModel, ValidationError
 
 from rolloutbus.config import Config
+from rolloutbus.kafka.dead_letters import DeadLetterWriter
 from rolloutbus.metrics import SessionMetrics, start_metrics_server
-from rolloutbus.models import load_tokenizer
-from rolloutbus.producers.dlq import DeadLetterWriter
+from rolloutbus.replica.models import load_tokenizer
 from rolloutbus.schemas.prompts import PromptGroup
 from rolloutbus.schemas.turns import SessionFailed, encode_turn_event
 from rolloutbus.streams.agent_loop import registry
-from rolloutbus.streams.llm_client import LLMClient
-from rolloutbus.streams.sessions import SessionContext, run_group
+from rolloutbus.streams.inference.llm_client import LLMClient
+from rolloutbus.streams.sessions.runner import SessionContext, run_group
 from rolloutbus.topics import Topics, partition_for, session_key
 
 log = logging.getLogger(__name__)

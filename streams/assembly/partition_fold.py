@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rolloutbus.schemas.turns import GroupStarted, SessionFailed, SessionFinished
-from rolloutbus.streams.fold import SessionFold
+from rolloutbus.streams.assembly.session_fold import SessionFold
 
 RELEASED_MEMORY = 100_000  # uids; groups re-run after this many later releases are not caught
 
