@@ -30,7 +30,8 @@ if TYPE_CHECKING:
         serve_replica,
         start_replica,
     )
-    from rolloutbus.replica.weights import load_causal_lm, smollm2_tokenizer
+    from rolloutbus.replica.smollm2 import smollm2_tokenizer
+    from rolloutbus.replica.weights import load_causal_lm
 
 __all__ = [
     "DecodeEngine",
@@ -60,7 +61,7 @@ _LAZY = {
     "serve_replica": "rolloutbus.replica.server",
     "start_replica": "rolloutbus.replica.server",
     "load_causal_lm": "rolloutbus.replica.weights",
-    "smollm2_tokenizer": "rolloutbus.replica.weights",
+    "smollm2_tokenizer": "rolloutbus.replica.smollm2",
 }
 
 

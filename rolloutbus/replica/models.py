@@ -33,7 +33,7 @@ def load_tokenizer(model: ModelConfig):
     if model.name == TINY_QWEN3:
         return AutoTokenizer.from_pretrained(str(qwen3_tokenizer_dir()))
     if model.name == SMOLLM2:
-        from rolloutbus.replica.weights import smollm2_tokenizer  # cached export of the GGUF
+        from rolloutbus.replica.smollm2 import smollm2_tokenizer  # cached export of the GGUF
 
         return smollm2_tokenizer(model)
     path = Path(model.name)

