@@ -21,11 +21,15 @@ import time
 import uuid
 from pathlib import Path
 
-from confluent_kafka import Consumer, KafkaError, Producer
-
-from rolloutbus.config import BrokerConfig, Config, KafkaConfig
+from rolloutbus.config import BrokerConfig, Config, KafkaConfig, ReplayBufferConfig
 from rolloutbus.consumers.trainer import TrainerClient
 from rolloutbus.kafka.admin import delete_topics, ensure_topics
+from rolloutbus.kafka.clients import (
+    admin_client,
+    consume_records,
+    idempotent_producer,
+    read_committed_consumer,
+)
 from rolloutbus.streams.assembly.replay_buffer import ReplayBuffer
 from rolloutbus.topics import Topics, partition_for
 
@@ -35,8 +39,7 @@ from synthetic import TURNS, N, make_events  # noqa: E402
 
 
 def produce_all(kafka: KafkaConfig, topic: str, events) -> None:
-    p = Producer({**kafka.client_settings(), "linger.ms": 5, "enable.idempotence": True,
-                  "message.max.bytes": kafka.max_message_bytes})
+    p = idempotent_producer(kafka, {"linger.ms": 5})  # ms of batching, as the replay buffer does
     for uid, key, value in events:
         while True:
             try:
@@ -49,9 +52,8 @@ def produce_all(kafka: KafkaConfig, topic: str, events) -> None:
 
 
 def run_pipeline(kafka: KafkaConfig, events, groups: int) -> float:
-    cfg = Config(kafka=kafka)
-    cfg.replay_buffer.group_id = f"bench-rb-{uuid.uuid4().hex[:6]}"
-    cfg.replay_buffer.transactional_id = f"bench-tx-{uuid.uuid4().hex[:6]}"
+    cfg = Config(kafka=kafka, replay_buffer=ReplayBufferConfig(
+        group_id=f"bench-rb-{uuid.uuid4().hex[:6]}", transactional_id=f"bench-tx-{uuid.uuid4().hex[:6]}"))
     buffer = ReplayBuffer(cfg)
     thread = threading.Thread(target=buffer.run, daemon=True)
     thread.start()
@@ -69,21 +71,20 @@ def run_pipeline(kafka: KafkaConfig, events, groups: int) -> float:
 
 def run_baseline(kafka: KafkaConfig, events) -> float:
     topic = Topics.from_config(kafka).control + "-baseline"
-    from confluent_kafka.admin import AdminClient, NewTopic
+    from confluent_kafka.admin import NewTopic
 
-    admin = AdminClient(kafka.client_settings())
+    admin = admin_client(kafka)
     admin.create_topics([NewTopic(topic, kafka.partitions, 1,
                                   config={"max.message.bytes": str(kafka.max_message_bytes)})])[topic].result()
-    c = Consumer({**kafka.client_settings(), "group.id": f"bench-base-{uuid.uuid4().hex[:6]}",
-                  "auto.offset.reset": "earliest", "enable.partition.eof": False})
+    # nothing on this topic is transactional, so read_committed reads what any consumer would
+    c = read_committed_consumer(kafka, f"bench-base-{uuid.uuid4().hex[:6]}",
+                                overrides={"auto.offset.reset": "earliest"})
     c.subscribe([topic])
     started = time.perf_counter()
     produce_all(kafka, topic, events)
     seen = 0
     while seen < len(events):
-        for msg in c.consume(500, 1.0):
-            if not msg.error() or msg.error().code() != KafkaError._PARTITION_EOF:
-                seen += 1
+        seen += len(consume_records(c, 500, 1.0))
     elapsed = time.perf_counter() - started
     c.close()
     admin.delete_topics([topic])

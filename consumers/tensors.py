@@ -8,7 +8,9 @@ import torch
 
 
 def _ragged(column: pa.Array) -> tuple[np.ndarray, np.ndarray]:
-    """(values, offsets) of a large_list column, sliced correctly (see reference §5)."""
+    """(values, offsets) of a large_list column, also when it is a slice of a bigger batch:
+    ``flatten()`` returns only the slice's values (``.values`` would return the whole child
+    array), and the offsets are rebased to start at 0."""
     offsets = column.offsets.to_numpy()
     values = column.flatten().to_numpy(zero_copy_only=False)
     return values, offsets - offsets[0]

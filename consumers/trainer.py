@@ -1,30 +1,115 @@
 """The trainer client: complete prompt groups from rollout.trajectories as Arrow batches.
 
 Delivery: the replay buffer commits a group's trajectories in one transaction, so with
-``isolation.level=read_committed`` a group is seen whole or not at all. Offsets are
-committed only when the trainer says it has used a group (``commit``); a trainer that
-crashes before that gets the group again, one that crashes after never does — and a key
-seen twice within one client (a redelivery during a rebalance) is dropped.
+``isolation.level=read_committed`` a group is seen whole or not at all.
+
+**Exactly once per trainer checkpoint.** ``client.position()`` says where the groups yielded
+so far end; a trainer stores it in its checkpoint and resumes with
+``TrainerClient(..., resume_from=position)``. That position is the truth: a crash between
+an optimizer step and the Kafka commit never trains a group twice, and a crash between the
+commit and the checkpoint never loses one. Kafka commits (``commit``) are advisory: progress
+for monitoring, and the resume point of a trainer that does not checkpoint.
+
+**The position.** Per partition, ``offset`` is the first offset of the oldest group not yet
+yielded that has records in the partition, or just past the last record consumed when none
+is pending: everything before it was yielded. Groups may interleave in a partition, so
+groups yielded *after* that offset are listed too (``yielded``: uid → offset of the
+group's last record) and their records are skipped on resume. An entry leaves the list
+once the offset passes the group's last record, so the list only holds groups that
+completed while an older one was still incomplete: empty in practice (the replay buffer
+writes each group's records together), and bounded by ``trainer.max_interleaved_groups``.
+Listing uids, rather than keeping every group in flight back to the offset, is what lets
+the position stay small and exact.
+
+**Rebalances.** The committed offset of a partition carries the same position (the offset,
+and the ``yielded`` list as commit metadata). On revoke the client commits, synchronously,
+the position of everything it yielded from the revoked partitions, so the next owner
+starts after it; it drops their partial groups (the next owner re-reads them) and never
+commits for a partition it no longer owns. A partition assigned again never moves back:
+the start is the checkpoint's position on the first assignment, else the later of the
+committed position and the one this client left behind.
+
+The remembered trajectory keys (``trainer.dedupe_window_keys``) are only a safety net for
+a record written twice (a group the replay buffer released again).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import pyarrow as pa
-from confluent_kafka import Consumer, KafkaError, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from rolloutbus.config import KafkaConfig
-from rolloutbus.errors import BrokerError
+from rolloutbus.config import KafkaConfig, TrainerConfig
+from rolloutbus.errors import BrokerError, SchemaError
+from rolloutbus.kafka.clients import (
+    PartitionEnd,
+    broker_error,
+    message_location,
+    read_committed_consumer,
+    record_location,
+    record_or_partition_end,
+    record_position,
+    translate_kafka_errors,
+)
 from rolloutbus.schemas.trajectories import TRAJECTORY_SCHEMA, decode_trajectory_batch
-from rolloutbus.topics import Topics
+from rolloutbus.topics import Topics, uid_of_key
 
 log = logging.getLogger(__name__)
-SEEN_KEYS_MEMORY = 1_000_000  # keys; dedupe window of one client
+ASSIGN_TIMEOUT_S = 30.0  # seconds for the committed-offset and watermark look-ups of an assignment
+COMMIT_METADATA_MAX_BYTES = 4096  # bytes; the broker's default offset.metadata.max.bytes
+
+
+# -- the position ------------------------------------------------------------------------
+
+
+class PartitionPosition(BaseModel):
+    """Where one partition resumes: from ``offset``, skipping the records of ``yielded``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    offset: int = Field(ge=0)
+    # uid -> offset of the group's last record, for groups yielded past ``offset``
+    yielded: dict[str, int] = Field(default_factory=dict)
+
+    def commit_metadata(self) -> str:
+        return json.dumps({"yielded": self.yielded}, separators=(",", ":")) if self.yielded else ""
+
+    @classmethod
+    def from_commit(cls, offset: int, metadata: str | None) -> PartitionPosition:
+        """The position a commit of this client wrote; metadata it cannot read counts as none."""
+        try:
+            yielded = json.loads(metadata)["yielded"] if metadata else {}
+            return cls(offset=offset, yielded=yielded)
+        except (ValueError, TypeError, KeyError, ValidationError):
+            log.warning("commit metadata %r is not a trainer position; resuming at offset %d without it",
+                        metadata, offset)
+            return cls(offset=offset)
+
+
+class TrainerPosition(BaseModel):
+    """What a trainer stores in its checkpoint: ``position.model_dump(mode="json")`` is
+    plain JSON, and ``TrainerClient(..., resume_from=that_dict)`` resumes from it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    topic: str
+    partitions: dict[int, PartitionPosition] = Field(default_factory=dict)
+
+    @property
+    def offsets(self) -> dict[int, int]:
+        """``{partition: next_offset}``: every record before it was yielded."""
+        return {p: pos.offset for p, pos in self.partitions.items()}
+
+
+# -- groups of one partition (pure: no Kafka) ----------------------------------------------
 
 
 @dataclass
@@ -35,6 +120,11 @@ class TrajectoryGroup:
     batch: pa.RecordBatch
     partition: int
     last_offset: int
+    # where the partition resumes once this group, and every group yielded before it from
+    # the same partition, is used: what ``commit`` writes
+    resume: PartitionPosition | None = None
+    assignment: int = field(default=0, repr=False)  # which ownership of the partition it came from
+    sequence: int = field(default=0, repr=False)  # yield order within the client
 
     @property
     def keys(self) -> list[str]:
@@ -45,45 +135,130 @@ class TrajectoryGroup:
 
 
 @dataclass
-class _Pending:
+class _PendingGroup:
+    first_offset: int
     rows: list[pa.RecordBatch] = field(default_factory=list)
-    keys: set[str] = field(default_factory=set)
+    keys: list[str] = field(default_factory=list)
     group_size: int = 0
+
+    def add(self, key: str, row: pa.RecordBatch) -> None:
+        if key in self.keys:
+            return  # the same trajectory twice within one group: keep the first
+        self.keys.append(key)
+        self.rows.append(row)
+        self.group_size = row.column("group_size")[0].as_py()
+
+    @property
+    def complete(self) -> bool:
+        return len(self.rows) >= self.group_size
+
+    def batch(self) -> pa.RecordBatch:
+        return pa.Table.from_batches(self.rows, TRAJECTORY_SCHEMA).combine_chunks().to_batches()[0]
+
+
+class PartitionProgress:
+    """One owned partition as its records arrive: the incomplete groups, and the yielded ones
+    whose records may still lie at or after the resume offset."""
+
+    def __init__(self, start: PartitionPosition, *, max_interleaved: int, where: str = ""):
+        self.next_offset = start.offset  # just past the last record consumed
+        self.pending: dict[str, _PendingGroup] = {}
+        self.yielded: dict[str, int] = dict(start.yielded)
+        self.max_interleaved = max_interleaved
+        self.where = where  # topic[partition], for log lines
+
+    def consumed(self, offset: int) -> None:
+        self.next_offset = max(self.next_offset, offset + 1)
+
+    def add(self, offset: int, key: str, value: bytes) -> _PendingGroup | None:
+        """Take one record; returns its group once every trajectory of it has arrived."""
+        self.consumed(offset)
+        uid = uid_of_key(key)
+        if uid in self.yielded:
+            return None  # yielded by this client or by the one whose position it resumed
+        group = self.pending.setdefault(uid, _PendingGroup(first_offset=offset))
+        group.add(key, decode_trajectory_batch(value))
+        if not group.complete:
+            return None
+        del self.pending[uid]
+        self.yielded[uid] = offset
+        self._forget_passed()
+        self._stay_bounded()
+        return group
+
+    def resume_offset(self) -> int:
+        return min((g.first_offset for g in self.pending.values()), default=self.next_offset)
+
+    def snapshot(self) -> PartitionPosition:
+        return PartitionPosition(offset=self.resume_offset(), yielded=dict(self.yielded))
+
+    def _forget_passed(self) -> None:
+        resume = self.resume_offset()
+        self.yielded = {uid: last for uid, last in self.yielded.items() if last >= resume}
+
+    def _stay_bounded(self) -> None:
+        while self.pending and (len(self.yielded) > self.max_interleaved
+                                or len(self.snapshot().commit_metadata()) > COMMIT_METADATA_MAX_BYTES):
+            uid, oldest = min(self.pending.items(), key=lambda item: item[1].first_offset)
+            del self.pending[uid]
+            log.error("group %s at %s@%d is still incomplete (%d of %d trajectories) after %d later "
+                      "groups completed: given up (rebuild it with `rolloutbus replay`)", uid, self.where,
+                      oldest.first_offset, len(oldest.rows), oldest.group_size, len(self.yielded))
+            self._forget_passed()
+
+
+# -- the client ----------------------------------------------------------------------------
 
 
 class TrainerClient:
-    def __init__(self, kafka: KafkaConfig, group_id: str, *, from_beginning: bool = True):
-        self.topic = Topics.from_config(kafka).trajectories
-        self._consumer = Consumer({
-            **kafka.client_settings(),
-            "group.id": group_id,
-            "enable.auto.commit": False,
-            "isolation.level": "read_committed",
-            "auto.offset.reset": "earliest" if from_beginning else "latest",
-            "fetch.max.bytes": kafka.max_message_bytes,
-            "max.partition.fetch.bytes": kafka.max_message_bytes,
-        })
-        self._consumer.subscribe([self.topic], on_revoke=self._on_revoke, on_lost=self._on_revoke)
-        self._pending: dict[str, _Pending] = {}
-        self._seen: OrderedDict[str, None] = OrderedDict()
+    """Complete groups of rollout.trajectories for one trainer; see the module docstring.
 
+    ``resume_from``: a :class:`TrainerPosition` (or its JSON dict) from the trainer's
+    checkpoint; its partitions start exactly there, whatever the group has committed.
+    ``config``: the ``trainer`` section (dedupe window, interleaving bound, poll interval).
+    ``consumer_overrides``: extra librdkafka settings.
+    """
+
+    def __init__(self, kafka: KafkaConfig, group_id: str, *, from_beginning: bool = True,
+                 resume_from: TrainerPosition | Mapping[str, Any] | None = None,
+                 config: TrainerConfig | None = None, consumer_overrides: Mapping[str, Any] | None = None):
+        self.topic = Topics.from_config(kafka).trajectories
+        self.config = config or TrainerConfig()
+        self._from_beginning = from_beginning
+        self._resume = dict(_checked_position(resume_from, self.topic).partitions) if resume_from else {}
+        self._progress: dict[int, PartitionProgress] = {}
+        self._assignment: dict[int, int] = {}  # partition -> id of its current ownership
+        self._assignments_made = 0
+        self._committed_sequence: dict[int, int] = {}  # partition -> sequence of the last group committed
+        self._left_behind: dict[int, PartitionPosition] = {}  # positions of partitions revoked or lost
+        self._seen: OrderedDict[str, None] = OrderedDict()
+        self._yield_count = 0
+        self._closing = self._closed = False
+        overrides = {"auto.offset.reset": "earliest" if from_beginning else "latest",
+                     "max.poll.interval.ms": int(self.config.max_poll_interval_s * 1000),
+                     **(consumer_overrides or {})}
+        self._consumer = read_committed_consumer(kafka, group_id, overrides=overrides)
+        with translate_kafka_errors(f"subscribing group {group_id!r}", topic=self.topic):
+            self._consumer.subscribe([self.topic], on_assign=self._on_assign, on_revoke=self._on_revoke,
+                                     on_lost=self._on_lost)
+
+    # -- receiving ---------------------------------------------------------------
     def groups(self, *, max_groups: int | None = None, timeout_s: float | None = None,
                poll_s: float = 0.5) -> Iterator[TrajectoryGroup]:
         """Yield complete groups as they arrive; stop after max_groups or timeout_s idle."""
-        yielded, idle_since = 0, time.monotonic()
-        while max_groups is None or yielded < max_groups:
-            msg = self._consumer.poll(poll_s)
-            if msg is None:
-                if timeout_s is not None and time.monotonic() - idle_since > timeout_s:
-                    return
-                continue
-            idle_since = time.monotonic()
+        if max_groups is not None and max_groups <= 0:
+            return
+        yielded = 0
+        for msg in self._records(poll_s, timeout_s):
             group = self._accept(msg)
-            if group is not None:
-                yielded += 1
-                yield group
+            if group is None:
+                continue
+            yielded += 1
+            yield group
+            if yielded == max_groups:
+                return
 
-    def batches(self, groups_per_batch: int, **kwargs) -> Iterator[list[TrajectoryGroup]]:
+    def batches(self, groups_per_batch: int, **kwargs: Any) -> Iterator[list[TrajectoryGroup]]:
         """Groups in lists of ``groups_per_batch`` (a train batch of prompts)."""
         chunk: list[TrajectoryGroup] = []
         for group in self.groups(**kwargs):
@@ -94,18 +269,45 @@ class TrainerClient:
         if chunk:
             yield chunk
 
+    def position(self) -> TrainerPosition:
+        """Where the groups yielded so far end, for every partition this client owns: store
+        it in the checkpoint together with the model trained on those groups."""
+        return TrainerPosition(topic=self.topic,
+                               partitions={p: prog.snapshot() for p, prog in sorted(self._progress.items())})
+
+    # -- committing --------------------------------------------------------------
     def commit(self, used: TrajectoryGroup | list[TrajectoryGroup]) -> None:
-        """Mark groups as used by the trainer: they will not be delivered again."""
+        """Record in the group that ``used`` (and every group yielded before it from the same
+        partitions) was used; a restart without a checkpoint position resumes after them.
+
+        Groups from a partition this client no longer owns are left out: the commit at revoke
+        covered them. A refused commit raises BrokerError naming ``topic[partition]@offset``.
+        """
         groups = used if isinstance(used, list) else [used]
-        latest: dict[int, int] = {}
+        latest: dict[int, TrajectoryGroup] = {}
         for g in groups:
-            latest[g.partition] = max(latest.get(g.partition, -1), g.last_offset)
-        offsets = [TopicPartition(self.topic, p, o + 1) for p, o in latest.items()]
-        if offsets:
-            self._consumer.commit(offsets=offsets, asynchronous=False)
+            if g.resume is None or self._assignment.get(g.partition) != g.assignment:
+                log.info("not committing group %s: %s[%d] was revoked since it was yielded",
+                         g.uid, self.topic, g.partition)
+                continue
+            if g.sequence > max(self._committed_sequence.get(g.partition, 0),
+                                latest[g.partition].sequence if g.partition in latest else 0):
+                latest[g.partition] = g
+        self._commit_positions({p: g.resume for p, g in latest.items() if g.resume is not None},
+                               f"{len(groups)} used groups")
+        for p, g in latest.items():
+            self._committed_sequence[p] = g.sequence
 
     def close(self) -> None:
-        self._consumer.close()
+        """Leave the group without committing: what the trainer used it has committed."""
+        if self._closed:
+            return
+        self._closing = True
+        try:
+            with translate_kafka_errors("closing the trainer consumer", topic=self.topic):
+                self._consumer.close()
+        finally:
+            self._closed = True
 
     def __enter__(self) -> TrainerClient:
         return self
@@ -113,34 +315,149 @@ class TrainerClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _accept(self, msg) -> TrajectoryGroup | None:
-        if msg.error():
-            if msg.error().code() == KafkaError._PARTITION_EOF:
-                return None
-            raise BrokerError(f"consuming {self.topic}: {msg.error()}")
-        key = msg.key().decode()
+    # -- records -----------------------------------------------------------------
+    def _records(self, poll_s: float, idle_timeout_s: float | None) -> Iterator[Message]:
+        idle_since = time.monotonic()
+        while True:
+            msg = self._poll(poll_s)
+            if msg is not None:
+                idle_since = time.monotonic()
+                yield msg
+            elif idle_timeout_s is not None and time.monotonic() - idle_since > idle_timeout_s:
+                return
+
+    def _poll(self, poll_s: float) -> Message | None:
+        msg = self._consumer.poll(poll_s)
+        if msg is None:
+            return None
+        err = msg.error()
+        if err is not None and err.code() == KafkaError._MAX_POLL_EXCEEDED:
+            # librdkafka left the group and rejoins on this poll; the revoke already ran
+            log.warning("%s: this trainer rejoins its group (raise trainer.max_poll_interval_s "
+                        "if a train step takes this long)", err.str())
+            return None
+        item = record_or_partition_end(msg)
+        return None if isinstance(item, PartitionEnd) else item
+
+    def _accept(self, msg: Message) -> TrajectoryGroup | None:
+        raw_key, value = msg.key(), msg.value()
+        if raw_key is None or value is None:  # the replay buffer writes neither
+            raise SchemaError(f"record at {message_location(msg)} has no key or no value: "
+                              "not a trajectory")
+        partition, offset = record_position(msg)
+        progress = self._progress.get(partition)
+        if progress is None:
+            return None  # revoked meanwhile: the next owner reads it
+        key = raw_key.decode()
         if key in self._seen:
+            progress.consumed(offset)
             return None
-        row = decode_trajectory_batch(msg.value())
-        uid = row.column("uid")[0].as_py()
-        pending = self._pending.setdefault(uid, _Pending())
-        if key in pending.keys:
+        group = progress.add(offset, key, value)
+        if group is None:
             return None
-        pending.keys.add(key)
-        pending.rows.append(row)
-        pending.group_size = row.column("group_size")[0].as_py()
-        if len(pending.rows) < pending.group_size:
-            return None
-        del self._pending[uid]
-        for k in pending.keys:
+        for k in group.keys:
             self._remember(k)
-        batch = pa.Table.from_batches(pending.rows, TRAJECTORY_SCHEMA).combine_chunks().to_batches()[0]
-        return TrajectoryGroup(uid, batch, msg.partition(), msg.offset())
+        self._yield_count += 1
+        return TrajectoryGroup(uid_of_key(key), group.batch(), partition, offset, resume=progress.snapshot(),
+                               assignment=self._assignment[partition], sequence=self._yield_count)
 
     def _remember(self, key: str) -> None:
         self._seen[key] = None
-        while len(self._seen) > SEEN_KEYS_MEMORY:
+        while len(self._seen) > self.config.dedupe_window_keys:
             self._seen.popitem(last=False)
 
+    # -- rebalancing -------------------------------------------------------------
+    def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        starts = self._start_positions(consumer, partitions)
+        for partition, start in starts.items():
+            self._assignments_made += 1
+            self._assignment[partition] = self._assignments_made
+            self._progress[partition] = PartitionProgress(
+                start, max_interleaved=self.config.max_interleaved_groups,
+                where=record_location(self.topic, partition))
+            log.info("assigned %s from offset %d (%d yielded groups past it)",
+                     record_location(self.topic, partition), start.offset, len(start.yielded))
+        with translate_kafka_errors("assigning partitions", topic=self.topic):
+            consumer.assign([TopicPartition(self.topic, p, start.offset) for p, start in starts.items()])
+
+    def _start_positions(self, consumer: Consumer, partitions: list[TopicPartition]) -> dict[int, PartitionPosition]:
+        with translate_kafka_errors("reading committed offsets", topic=self.topic):
+            committed = consumer.committed(partitions, timeout=ASSIGN_TIMEOUT_S)
+        starts: dict[int, PartitionPosition] = {}
+        for tp in committed:
+            checkpoint = self._resume.pop(tp.partition, None)  # the truth, on the first assignment only
+            if checkpoint is not None:
+                starts[tp.partition] = checkpoint
+                continue
+            group = PartitionPosition.from_commit(tp.offset, tp.metadata) if tp.offset >= 0 else None
+            own = self._left_behind.pop(tp.partition, None)
+            starts[tp.partition] = (_later(group, own) if group or own
+                                    else PartitionPosition(offset=self._reset_offset(consumer, tp.partition)))
+        return starts
+
+    def _reset_offset(self, consumer: Consumer, partition: int) -> int:
+        """Where a partition with no commit starts, as a number: the position needs one."""
+        tp = TopicPartition(self.topic, partition)
+        with translate_kafka_errors("reading watermarks", topic=self.topic, partition=partition):
+            low, high = consumer.get_watermark_offsets(tp, timeout=ASSIGN_TIMEOUT_S, cached=False)
+        return low if self._from_beginning else high
+
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
-        self._pending.clear()  # partial groups are re-read by the next owner
+        positions = self._release(partitions)
+        if self._closing or not positions:
+            return  # on close the trainer has committed what it used
+        try:
+            self._commit_positions(positions, "the groups yielded before a revoke")
+        except BrokerError as exc:  # lost meanwhile; the next owner may deliver them again
+            log.error("%s: the next owner of these partitions may deliver their groups again", exc)
+
+    def _on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        self._release(partitions)  # another member may own them already: commit nothing
+
+    def _release(self, partitions: list[TopicPartition]) -> dict[int, PartitionPosition]:
+        """Drop the partitions' partial groups (the next owner re-reads them); remember where
+        this client was, so that a later assignment never moves back."""
+        positions = {}
+        for tp in partitions:
+            progress = self._progress.pop(tp.partition, None)
+            self._assignment.pop(tp.partition, None)
+            self._committed_sequence.pop(tp.partition, None)
+            if progress is not None:
+                positions[tp.partition] = self._left_behind[tp.partition] = progress.snapshot()
+        return positions
+
+    def _commit_positions(self, positions: dict[int, PartitionPosition], what: str) -> None:
+        offsets = [TopicPartition(self.topic, p, pos.offset, metadata=pos.commit_metadata())
+                   for p, pos in sorted(positions.items())]
+        if not offsets:
+            return
+        where = ", ".join(record_location(self.topic, tp.partition, tp.offset) for tp in offsets)
+        try:
+            results = self._consumer.commit(offsets=offsets, asynchronous=False)
+        except KafkaException as exc:
+            raise broker_error(exc, f"committing {what} at {where}") from exc
+        for tp in results or []:
+            if tp.error is not None:
+                raise broker_error(tp.error, f"committing {what}", topic=self.topic,
+                                   partition=tp.partition, offset=tp.offset)
+
+
+def _later(a: PartitionPosition | None, b: PartitionPosition | None) -> PartitionPosition:
+    """The position further on; at the same offset, skip what either one yielded."""
+    if a is None or b is None:
+        result = a or b
+        assert result is not None
+        return result
+    if a.offset != b.offset:
+        return a if a.offset > b.offset else b
+    return PartitionPosition(offset=a.offset, yielded={**a.yielded, **b.yielded})
+
+
+def _checked_position(position: TrainerPosition | Mapping[str, Any], topic: str) -> TrainerPosition:
+    try:
+        checked = position if isinstance(position, TrainerPosition) else TrainerPosition.model_validate(position)
+    except ValidationError as exc:
+        raise SchemaError(f"resume_from is not a trainer position: {exc}") from exc
+    if checked.topic != topic:
+        raise SchemaError(f"resume_from is a position in {checked.topic!r}, this client reads {topic!r}")
+    return checked

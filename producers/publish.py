@@ -9,18 +9,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from confluent_kafka import KafkaException, Producer
+from confluent_kafka import KafkaException
 from pydantic import ValidationError
 
 from rolloutbus.config import Config
 from rolloutbus.errors import BrokerError
+from rolloutbus.kafka.clients import broker_error, idempotent_producer
 from rolloutbus.kafka.dead_letters import DeadLetterWriter
 from rolloutbus.producers.datasets import BadRow, RawRow, count_rows, read_rows
-from rolloutbus.schemas.prompts import DatasetRow, PromptGroup, SamplingParams
+from rolloutbus.schemas.prompts import DatasetRow, GroupSamplingParams, PromptGroup
 from rolloutbus.topics import Topics, partition_for
 
 log = logging.getLogger(__name__)
 FLUSH_TIMEOUT_S = 60.0  # seconds to drain the producer at the end of a publish
+LINGER_MS = 20  # ms a record waits to batch with others; publishing is bulk, not latency-bound
 
 
 @dataclass
@@ -38,21 +40,23 @@ def new_uid() -> str:
     return uuid.uuid4().hex  # no "_": the uid is the first segment of every key
 
 
-def sampling_params(cfg: Config, validate: bool) -> SamplingParams:
+def sampling_params(cfg: Config, validate: bool) -> GroupSamplingParams:
     r = cfg.rollout
     if validate:
         v = r.val_kwargs
         greedy = not v.do_sample
-        return SamplingParams(temperature=0.0 if greedy else v.temperature, top_p=v.top_p,
-                              top_k=v.top_k, repetition_penalty=r.repetition_penalty,
-                              logprobs=r.calculate_log_probs)
-    return SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                          repetition_penalty=r.repetition_penalty, logprobs=r.calculate_log_probs)
+        return GroupSamplingParams(temperature=0.0 if greedy else v.temperature, top_p=v.top_p,
+                                   top_k=v.top_k, repetition_penalty=r.repetition_penalty,
+                                   logprobs=r.calculate_log_probs)
+    return GroupSamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                               repetition_penalty=r.repetition_penalty,
+                               logprobs=r.calculate_log_probs)
 
 
 def build_group(cfg: Config, row: dict[str, Any], *, validate: bool = False, global_steps: int = 0,
                 policy_version: int = 0, uid: str | None = None) -> PromptGroup:
     """Validate a row and wrap it; raises ValueError (with the reason) for a bad row."""
+    row = _prompt_from_column(row, cfg.data.prompt_key)
     DatasetRow.model_validate(row)
     row = dict(row)
     n_override = row.pop("__rollout_n__", None)
@@ -67,27 +71,41 @@ def build_group(cfg: Config, row: dict[str, Any], *, validate: bool = False, glo
                        policy_version=policy_version)
 
 
+def _prompt_from_column(row: dict[str, Any], prompt_key: str) -> dict[str, Any]:
+    """verl's ``data.prompt_key``: the column holding the chat messages becomes ``prompt``,
+    the field every agent loop reads."""
+    if prompt_key == "prompt":
+        return row
+    if prompt_key not in row:
+        raise ValueError(f"the row has no {prompt_key!r} column (data.prompt_key); "
+                         f"columns: {sorted(row)}")
+    if "prompt" in row:  # two candidate prompts: refuse rather than drop one silently
+        raise ValueError(f"the row has both {prompt_key!r} (data.prompt_key) and 'prompt' columns")
+    row = dict(row)
+    row["prompt"] = row.pop(prompt_key)
+    return row
+
+
 class PromptPublisher:
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self.topics = Topics.from_config(cfg.kafka)
-        self._producer = Producer({**cfg.kafka.client_settings(), "enable.idempotence": True,
-                                   "acks": "all", "linger.ms": 20,
-                                   "message.max.bytes": cfg.kafka.max_message_bytes})
+        self._producer = idempotent_producer(cfg.kafka, {"linger.ms": LINGER_MS})
         self.dlq = DeadLetterWriter(cfg.kafka, stage="publish", producer=self._producer)
 
     def publish_group(self, group: PromptGroup) -> None:
         value = group.model_dump_json(by_alias=True).encode()
+        partition = partition_for(group.uid, self.cfg.kafka.partitions)
         while True:
             try:
                 self._producer.produce(self.topics.prompts, key=group.uid, value=value,
-                                       partition=partition_for(group.uid, self.cfg.kafka.partitions),
-                                       on_delivery=_raise_on_error)
+                                       partition=partition, on_delivery=_raise_on_error)
                 break
             except BufferError:
                 self._producer.poll(0.1)
             except KafkaException as exc:
-                raise BrokerError(f"publishing to {self.topics.prompts}: {exc}") from exc
+                raise broker_error(exc, f"publishing prompt group {group.uid}", topic=self.topics.prompts,
+                                   partition=partition) from exc
         self._producer.poll(0)
 
     def flush(self) -> None:
@@ -125,8 +143,8 @@ class PromptPublisher:
 
 
 def _raise_on_error(err: Any, msg: Any) -> None:
-    if err is not None:
-        raise BrokerError(f"delivery to {msg.topic()}[{msg.partition()}] failed: {err}")
+    if err is not None:  # a KafkaError, not an exception: nothing to chain
+        raise broker_error(err, "delivery", topic=msg.topic(), partition=msg.partition())
 
 
 def _row_reason(exc: Exception, source: str) -> str:

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from rolloutbus.config import Config, load_config
+from rolloutbus.config import Config, load_config, with_overrides
 from rolloutbus.errors import ConfigError, RolloutBusError
 
 log = logging.getLogger("rolloutbus")
@@ -61,10 +61,8 @@ def cmd_topics(args: argparse.Namespace, cfg: Config) -> int:
 def cmd_replica(args: argparse.Namespace, cfg: Config) -> int:
     from rolloutbus.replica.server import serve_replica
 
-    if args.port is not None:
-        cfg.replica.port = args.port
-    if args.model is not None:
-        cfg.model.name = args.model
+    overrides = {"replica_server.port": args.port, "model.name": args.model}
+    cfg = with_overrides(cfg, {k: v for k, v in overrides.items() if v is not None})
     serve_replica(cfg)
     return 0
 
@@ -93,15 +91,21 @@ def cmd_publish(args: argparse.Namespace, cfg: Config) -> int:
     from rolloutbus.producers.datasets import check_dataset
     from rolloutbus.producers.publish import PromptPublisher
 
-    check_dataset(args.dataset)
+    datasets = ([args.dataset] if args.dataset is not None
+                else [Path(p).expanduser() for p in cfg.data.train_files])
+    if not datasets:
+        raise ConfigError("nothing to publish: give a DATASET or set data.train_files")
+    for dataset in datasets:  # every file checked before anything is published
+        check_dataset(dataset)
     check_reachable(cfg.kafka)
-    report = PromptPublisher(cfg).publish_file(args.dataset, validate=args.validate,
-                                               global_steps=args.global_steps,
-                                               progress=not args.quiet)
-    for uid in report.uids or []:
-        print(uid)
-    print(f"read {report.read} rows: {report.published} published, "
-          f"{report.dead_lettered} to the dead-letter topic", file=sys.stderr)
+    publisher = PromptPublisher(cfg)
+    for dataset in datasets:
+        report = publisher.publish_file(dataset, validate=args.validate,
+                                        global_steps=args.global_steps, progress=not args.quiet)
+        for uid in report.uids or []:
+            print(uid)
+        print(f"{dataset}: read {report.read} rows: {report.published} published, "
+              f"{report.dead_lettered} to the dead-letter topic", file=sys.stderr)
     return 0
 
 
@@ -148,7 +152,7 @@ def cmd_demo(args: argparse.Namespace, cfg: Config) -> int:
     from rolloutbus.demo import run_demo
 
     if args.n is not None:
-        cfg.rollout.n = args.n
+        cfg = with_overrides(cfg, {"rollout.n": args.n})
     return run_demo(cfg, rows=args.rows, out=args.out, timeout_s=args.timeout)
 
 
@@ -168,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("replica", help="serve the embedded torch model over vLLM's HTTP subset")
     p.add_argument("action", choices=["serve"])
-    p.add_argument("--port", type=int, default=None, help="override replica.port")
+    p.add_argument("--port", type=int, default=None, help="override replica_server.port")
     p.add_argument("--model", default=None, help="override model.name (smollm2-135m, tiny-qwen3, or a folder)")
     _add_config(p)
     p.set_defaults(handler=cmd_replica)
@@ -184,7 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(handler=cmd_replay_buffer)
 
     p = sub.add_parser("publish", help="publish a parquet/jsonl dataset (verl row format) as prompt groups")
-    p.add_argument("dataset", type=Path)
+    p.add_argument("dataset", type=Path, nargs="?", default=None,
+                   help="a .parquet or .jsonl file (default: every file in data.train_files)")
     p.add_argument("--validate", action="store_true", help="validation rows: val_kwargs apply")
     p.add_argument("--global-steps", type=int, default=0, help="trainer step at dispatch")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")

@@ -4,6 +4,11 @@ Keys follow verl where verl has one (``rollout.n``, ``rollout.prompt_length``,
 ``rollout.agent.default_agent_loop``, ``rollout.multi_turn.*`` ...), so a verl user's
 ``actor_rollout_ref.rollout`` block can be pasted under ``rollout:``. Every model forbids
 unknown keys: a typo is an error that names the key, never a silently ignored setting.
+The verl keys that mean nothing here are listed, with the reason, in
+``VERL_KEYS_ACCEPTED_NOT_USED``.
+
+The config is frozen once loaded; ``with_overrides(cfg, {"replica_server.port": 0})``
+returns an adjusted, re-validated copy.
 
 Environment variables override YAML: ``ROLLOUTBUS__ROLLOUT__N=8`` sets ``rollout.n``
 (prefix ``ROLLOUTBUS__``, ``__`` between levels, values parsed as YAML scalars).
@@ -11,21 +16,37 @@ Environment variables override YAML: ``ROLLOUTBUS__ROLLOUT__N=8`` sets ``rollout
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 
 from rolloutbus.errors import ConfigError
 
 ENV_PREFIX = "ROLLOUTBUS__"
+# Where every listener binds unless configured otherwise: the embedded broker, the embedded
+# replica, the workers' metrics. Loopback, so nothing is reachable from another machine
+# until an operator chooses an address (and, for the broker, SASL users).
+LOOPBACK = "127.0.0.1"
+logger = logging.getLogger(__name__)
+
+
+# SASL user names and passwords of the embedded broker (BrokerConfig.sasl_users): what a
+# JAAS line in server.properties holds without escaping. Password: printable ASCII less
+# space, double quote and backslash.
+_JAAS_NAME = re.compile(r"[A-Za-z0-9._-]+")
+_JAAS_PASSWORD = re.compile(r'[!#-\[\]-~]+')
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # frozen: one config, validated once, shared by every component; an adjusted config is
+    # a copy (``with_overrides``), so no part of a process sees another part's edits
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 class KafkaConfig(_Section):
@@ -60,13 +81,42 @@ class KafkaConfig(_Section):
 
 
 class BrokerConfig(_Section):
-    """The embedded single-node broker; ignored when you point at your own cluster."""
+    """The embedded single-node broker; ignored when you point at your own cluster.
+
+    With ``sasl_users`` set, the client listener is ``SASL_PLAINTEXT`` and takes only those
+    users (``sasl_mechanism``); the first user is also the broker's own identity (its
+    connections to itself, e.g. for transaction markers) and the one its readiness probe
+    logs in as. Clients then set ``kafka.security_protocol: SASL_PLAINTEXT``,
+    ``kafka.sasl_mechanism`` and their ``kafka.sasl_username``/``sasl_password``.
+    The controller listener stays PLAINTEXT on 127.0.0.1: only the node itself uses it.
+    """
 
     data_dir: Path = Path("var/kafka")
+    # the client listener's address, also advertised to clients: a concrete address (a
+    # wildcard cannot be advertised); loopback unless you want other machines to connect
+    host: str = LOOPBACK
     port: int = 9092
     controller_port: int = 9093
     heap: str = "512m"
     start_timeout_s: float = 60.0  # seconds; a JVM start on two busy cores takes ~5-15 s
+    sasl_users: dict[str, SecretStr] = Field(default_factory=dict)  # name -> password
+    # PLAIN only: its users live in server.properties, written on every start, so adding
+    # a user or changing a password is a restart. SCRAM keeps credentials in the KRaft
+    # metadata log (set at format time, then through the admin API): not supported yet.
+    sasl_mechanism: Literal["PLAIN"] = "PLAIN"
+
+    @field_validator("sasl_users")
+    @classmethod
+    def _jaas_safe(cls, users: dict[str, SecretStr]) -> dict[str, SecretStr]:
+        # names and passwords go into a JAAS line inside server.properties: refuse what
+        # would need escaping there rather than risk a half-parsed credential
+        for name, password in users.items():
+            if not _JAAS_NAME.fullmatch(name):
+                raise ValueError(f"SASL user name {name!r} must match {_JAAS_NAME.pattern}")
+            if not _JAAS_PASSWORD.fullmatch(password.get_secret_value()):
+                raise ValueError(f"the password of SASL user {name!r} must be 1+ printable ASCII "
+                                 'characters other than space, " and \\')
+        return users
 
 
 class ValKwargs(_Section):
@@ -80,11 +130,11 @@ class ValKwargs(_Section):
 class AgentConfig(_Section):
     default_agent_loop: str = "single_turn_agent"
     agent_loop_config_path: str | None = None
-    num_workers: int = Field(default=8, ge=1)  # verl's knob; here: concurrent groups per worker
+    num_workers: int = Field(default=8, ge=1)  # accepted, not used: VERL_KEYS_ACCEPTED_NOT_USED
 
 
 class MultiTurnConfig(_Section):
-    enable: bool = False  # kept for verl parity: NOT a routing switch (see agent_name)
+    enable: bool = False  # accepted, not used: VERL_KEYS_ACCEPTED_NOT_USED
     max_assistant_turns: int | None = None
     max_user_turns: int | None = None
     max_parallel_calls: int = 1
@@ -126,7 +176,12 @@ class ModelConfig(_Section):
 
 
 class ReplicaServerConfig(_Section):
-    host: str = "127.0.0.1"
+    """The embedded replica (``rolloutbus replica serve``): where it listens, how it batches.
+
+    Not where the workers send requests: that is ``replicas.urls``.
+    """
+
+    host: str = LOOPBACK
     port: int = 8000
     max_batch_size: int = Field(default=32, ge=1)
     max_model_len: int = 4096
@@ -154,6 +209,7 @@ class SessionsConfig(_Section):
     app_id: str = "rolloutbus-sessions"
     concurrency: int = Field(default=16, ge=1)  # prompt groups in flight per worker
     metrics_port: int | None = None
+    metrics_host: str = LOOPBACK  # where metrics_port binds
 
 
 class ReplayBufferConfig(_Section):
@@ -163,15 +219,47 @@ class ReplayBufferConfig(_Section):
     # restarted session worker re-runs after its first release is still recognised
     rescan_lookback_s: float = 3600.0
     metrics_port: int | None = None
+    metrics_host: str = LOOPBACK  # where metrics_port binds
 
 
 class TrainerConfig(_Section):
     group_id: str = "rolloutbus-trainer"
+    # trajectory keys one client remembers to drop a record delivered twice (a group the
+    # replay buffer released again); only a safety net: exactly-once comes from the
+    # position. About 100 bytes per key: ~10 MB at the default.
+    dedupe_window_keys: int = Field(default=100_000, ge=0)
+    # groups per partition yielded while an older group there is still incomplete; their
+    # uids travel in the position and in the commit metadata (the broker keeps at most
+    # offset.metadata.max.bytes, 4096 bytes by default). Past this many the incomplete group
+    # is given up with an error log: the replay buffer writes a group in one transaction,
+    # so one still incomplete after this many later groups will never complete.
+    max_interleaved_groups: int = Field(default=64, ge=1)
+    # seconds a trainer may spend between two requests for groups (a train step) before
+    # the broker hands its partitions to another member; librdkafka's default is 300 s
+    max_poll_interval_s: float = Field(default=900.0, gt=0)
 
 
 class DataConfig(_Section):
+    """verl's ``data`` keys that the publisher reads."""
+
+    # datasets ``rolloutbus publish`` reads when no DATASET is given (verl accepts one path
+    # or a list; so do we)
     train_files: list[str] = Field(default_factory=list)
+    # the row column holding the chat messages; the publisher moves it to verl's ``prompt``
     prompt_key: str = "prompt"
+
+    @field_validator("train_files", mode="before")
+    @classmethod
+    def _one_path_or_a_list(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value
+
+
+class LimitsConfig(_Section):
+    """Bounds checked where data enters (the publisher), so an oversized row becomes a dead
+    letter with its reason instead of a broker error. The record size bound is
+    ``kafka.max_message_bytes``."""
+
+    max_n: int = Field(default=256, ge=1)  # sessions per prompt group (rollout.n or __rollout_n__)
 
 
 class Config(_Section):
@@ -179,18 +267,33 @@ class Config(_Section):
     broker: BrokerConfig = Field(default_factory=BrokerConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
-    replica: ReplicaServerConfig = Field(default_factory=ReplicaServerConfig)
+    replica_server: ReplicaServerConfig = Field(default_factory=ReplicaServerConfig)
     replicas: ReplicasConfig = Field(default_factory=ReplicasConfig)
     sessions: SessionsConfig = Field(default_factory=SessionsConfig)
     replay_buffer: ReplayBufferConfig = Field(default_factory=ReplayBufferConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     data: DataConfig = Field(default_factory=DataConfig)
+    limits: LimitsConfig = Field(default_factory=LimitsConfig)
 
     @property
     def actor_rollout_ref(self) -> SimpleNamespace:
         """verl's path to the rollout section: ``config.actor_rollout_ref.rollout.n`` works
         in a ported custom loop exactly as ``config.rollout.n``."""
         return SimpleNamespace(rollout=self.rollout)
+
+
+# verl keys that a pasted ``actor_rollout_ref.rollout`` block carries and that have no
+# meaning here. They are validated and kept on the config (a ported loop may read them),
+# never acted on; load_config logs a warning when one is set to a non-default value.
+VERL_KEYS_ACCEPTED_NOT_USED: dict[str, str] = {
+    "rollout.agent.num_workers":
+        "verl's number of AgentLoopWorker actors; here each `rolloutbus sessions run` process "
+        "is one worker (start more to scale out) and sessions.concurrency sets the prompt "
+        "groups in flight per worker",
+    "rollout.multi_turn.enable":
+        "routing is by the row's agent_name (tool_agent for tool calls, "
+        "rollout.agent.default_agent_loop when the field is absent), not by this switch",
+}
 
 
 def load_config(path: str | Path | None = None, env: dict[str, str] | None = None) -> Config:
@@ -201,10 +304,39 @@ def load_config(path: str | Path | None = None, env: dict[str, str] | None = Non
     raw = _accept_verl_layout(raw, path)
     for dotted, value in _env_overrides(os.environ if env is None else env).items():
         _set_dotted(raw, dotted, value)
+    cfg = _validate(raw, path)
+    _warn_about_unused_verl_keys(cfg)
+    return cfg
+
+
+def with_overrides(cfg: Config, overrides: dict[str, Any]) -> Config:
+    """A validated copy of ``cfg`` with dotted keys replaced: ``{"replica_server.port": 0}``.
+
+    The config is frozen; this is how a command-line flag or a test adjusts it.
+    """
+    raw = cfg.model_dump(exclude_unset=True)
+    for dotted, value in overrides.items():
+        _set_dotted(raw, dotted, value)
+    return _validate(raw, None)
+
+
+def _validate(raw: dict[str, Any], path: str | Path | None) -> Config:
     try:
         return Config.model_validate(raw)
     except ValidationError as exc:
         raise ConfigError(_describe_validation_error(exc, path)) from exc
+
+
+def _warn_about_unused_verl_keys(cfg: Config) -> None:
+    for dotted, reason in VERL_KEYS_ACCEPTED_NOT_USED.items():
+        *parents, leaf = dotted.split(".")
+        section: Any = cfg
+        for part in parents:
+            section = getattr(section, part)
+        value = getattr(section, leaf)
+        if value != type(section).model_fields[leaf].default:
+            logger.warning("config key %r = %r is accepted for verl compatibility but not used: %s",
+                           dotted, value, reason)
 
 
 def _accept_verl_layout(raw: dict[str, Any], path: str | Path | None) -> dict[str, Any]:

@@ -2,7 +2,13 @@
 
 from rolloutbus.schemas.agent_loop import AgentLoopMetrics, AgentLoopOutput, TokenOutput
 from rolloutbus.schemas.dlq import DeadLetter
-from rolloutbus.schemas.prompts import DatasetRow, Message, PromptGroup, SamplingParams
+from rolloutbus.schemas.prompts import (
+    DatasetRow,
+    GroupSamplingParams,
+    Message,
+    PromptGroup,
+    SamplingParams,
+)
 from rolloutbus.schemas.trajectories import (
     TRAJECTORY_SCHEMA,
     Trajectory,
@@ -30,7 +36,7 @@ from rolloutbus.schemas.version import SCHEMA_VERSION
 
 __all__ = [
     "SCHEMA_VERSION", "TRAJECTORY_SCHEMA", "AgentLoopMetrics", "AgentLoopOutput", "DatasetRow",
-    "DeadLetter", "Generation", "GroupStarted", "Message", "Observation", "OutputSummary",
+    "DeadLetter", "Generation", "GroupSamplingParams", "GroupStarted", "Message", "Observation", "OutputSummary",
     "PromptGroup", "SamplingParams", "SegmentStarted", "SessionFailed", "SessionFinished",
     "SessionStarted", "TokenOutput", "Trajectory", "TrajectoryStatus", "TurnEvent",
     "batch_to_trajectories", "decode_trajectory_batch", "decode_turn_event", "encode_trajectories",

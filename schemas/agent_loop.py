@@ -12,6 +12,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from rolloutbus.schemas.tokens import Int32
+
 
 class TokenOutput(BaseModel):
     """What one token-in/token-out generate() call returns."""
@@ -31,7 +33,7 @@ class AgentLoopMetrics(BaseModel):
     generate_sequences: float = 0
     tool_calls: float = 0
     compute_score: float = 0
-    num_preempted: int = -1  # -1: the backend did not report it
+    num_preempted: Int32 = -1  # -1: the backend did not report it; the int32 Arrow column
 
 
 class AgentLoopOutput(BaseModel):

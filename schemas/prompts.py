@@ -7,6 +7,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from rolloutbus.schemas.tokens import Int64
 from rolloutbus.schemas.version import SCHEMA_VERSION
 
 ROLES = {"system", "user", "assistant", "tool"}
@@ -44,7 +45,9 @@ class DatasetRow(BaseModel):
     extra_info: dict[str, Any] | None = None
 
 
-class SamplingParams(BaseModel):
+class GroupSamplingParams(BaseModel):
+    """How every session of a prompt group samples: verl's ``rollout.*`` (or ``val_kwargs``)."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     temperature: float = 1.0
@@ -53,6 +56,11 @@ class SamplingParams(BaseModel):
     repetition_penalty: float = 1.0
     logprobs: bool = True  # rollout.calculate_log_probs
     seed: int | None = None
+
+
+# The name before the engine's and the client's sampling models got their own names; kept so
+# existing imports of ``rolloutbus.schemas.SamplingParams`` still work.
+SamplingParams = GroupSamplingParams
 
 
 class PromptGroup(BaseModel):
@@ -65,7 +73,18 @@ class PromptGroup(BaseModel):
     row: dict[str, Any]  # the dataset row exactly as published (see DatasetRow)
     n: int = Field(ge=1)
     validate_: bool = Field(default=False, alias="validate")
-    sampling_params: SamplingParams
-    global_steps: int = 0
-    policy_version: int = 0
+    sampling_params: GroupSamplingParams
+    global_steps: Int64 = 0  # int64, as the trajectory's global_steps column
+    policy_version: Int64 = 0
     created_at: float = Field(default_factory=time.time)
+
+    @field_validator("row")
+    @classmethod
+    def _verl_row(cls, row: dict[str, Any]) -> dict[str, Any]:
+        # The publisher's own check, again where the group is read: a row that is not a
+        # verl row (a string prompt, a non-dict reward_model ...) is dead-lettered by the
+        # session worker instead of reaching the agent loop and, through the turn log, the
+        # trajectory's typed prompt columns (where it stops the replay buffer). The row
+        # itself is kept as it came (agent_name absent and null mean different things).
+        DatasetRow.model_validate(row)
+        return row

@@ -13,11 +13,19 @@ import base64
 from typing import Annotated, Any
 
 import numpy as np
-from pydantic import BeforeValidator, PlainSerializer
+from pydantic import BeforeValidator, Field, PlainSerializer
 
 _I32 = np.dtype("<i4")
 _F32 = np.dtype("<f4")
 _I8 = np.dtype("<i1")
+
+# Integers as wide as the wire encoding and the trajectory's Arrow columns that they end in:
+# a JSON number outside them is a ValidationError when the event is read, not an
+# OverflowError when a worker re-encodes it or builds the Arrow record.
+INT32_MAX = 2**31 - 1
+Int8 = Annotated[int, Field(ge=-(2**7), le=2**7 - 1)]
+Int32 = Annotated[int, Field(ge=-(2**31), le=INT32_MAX)]
+Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 
 
 def _encoder(dtype: np.dtype):
@@ -47,7 +55,7 @@ encode_logprobs = _encoder(_F32)
 decode_logprobs = _decoder(_F32, np.float64)
 
 TokenIds = Annotated[
-    list[int],
+    list[Int32],
     BeforeValidator(decode_token_ids),
     PlainSerializer(encode_token_ids, return_type=str, when_used="json"),
 ]
@@ -57,7 +65,7 @@ Logprobs = Annotated[
     PlainSerializer(encode_logprobs, return_type=str, when_used="json"),
 ]
 Mask = Annotated[
-    list[int],
+    list[Int8],
     BeforeValidator(_decoder(_I8, np.int64)),
     PlainSerializer(_encoder(_I8), return_type=str, when_used="json"),
 ]

@@ -17,6 +17,7 @@ from typing import Any
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field
 
+from rolloutbus.errors import SchemaError
 from rolloutbus.schemas.agent_loop import AgentLoopMetrics
 from rolloutbus.schemas.version import SCHEMA_VERSION
 
@@ -175,8 +176,23 @@ _IPC_OPTIONS = pa.ipc.IpcWriteOptions(use_legacy_format=False)
 
 
 def decode_trajectory_batch(data: bytes) -> pa.RecordBatch:
-    reader = pa.ipc.open_stream(pa.py_buffer(data))
-    batches = list(reader)
-    if len(batches) != 1 or reader.schema.metadata is None:
-        raise ValueError("a trajectory record must be one Arrow record batch with schema metadata")
+    """One trajectory record's value: an Arrow IPC stream of one row of TRAJECTORY_SCHEMA.
+
+    Anything else (not bytes, not Arrow, another schema, no row or several) raises
+    SchemaError, never pyarrow's ArrowInvalid/OSError or a TypeError.
+    """
+    if not isinstance(data, bytes | bytearray | memoryview):
+        raise SchemaError(f"a trajectory record must be bytes, got {type(data).__name__}")
+    try:
+        reader = pa.ipc.open_stream(pa.py_buffer(data))
+        batches = list(reader)
+    except (pa.ArrowException, OSError, ValueError) as exc:  # ArrowInvalid is all three
+        raise SchemaError(f"a trajectory record is not an Arrow IPC stream: {exc}") from exc
+    if reader.schema.metadata is None or not reader.schema.equals(TRAJECTORY_SCHEMA):
+        raise SchemaError("a trajectory record's Arrow schema is not TRAJECTORY_SCHEMA "
+                          f"(schema version {SCHEMA_VERSION})")
+    rows = sum(batch.num_rows for batch in batches)
+    if len(batches) != 1 or rows != 1:
+        raise SchemaError(f"a trajectory record must be one Arrow record batch of one row, "
+                          f"got {len(batches)} batches of {rows} rows")
     return batches[0]

@@ -15,12 +15,12 @@ generate() prompt after the tokens already logged.
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypedDict
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from rolloutbus.schemas.agent_loop import AgentLoopMetrics
-from rolloutbus.schemas.tokens import Logprobs, Mask, TokenIds
+from rolloutbus.schemas.tokens import INT32_MAX, Int32, Int64, Logprobs, Mask, TokenIds
 from rolloutbus.schemas.version import SCHEMA_VERSION
 
 
@@ -29,11 +29,23 @@ class _Event(BaseModel):
 
     schema_version: int = SCHEMA_VERSION
     uid: str
+    # Position of the event in its stream (a group's own events, or one session attempt's),
+    # from 0. A fold ignores an event whose seq it has already applied: a producer retry or
+    # a resumed session can put the same event in the log twice.
+    seq: int = Field(default=0, ge=0)
     ts: float = Field(default_factory=time.time)
 
 
 class _SessionEvent(_Event):
-    session_id: int = Field(ge=0)
+    session_id: int = Field(ge=0, le=INT32_MAX)  # the trajectory's session_id column is int32
+    attempt: str
+
+
+class SessionIds(TypedDict):
+    """The fields that stamp every event of one session attempt (``**ids`` into each event)."""
+
+    uid: str
+    session_id: int
     attempt: str
 
 
@@ -45,8 +57,8 @@ class GroupStarted(_Event):
     n: int = Field(ge=1)
     row: dict[str, Any]
     validate_: bool = Field(default=False, alias="validate")
-    global_steps: int = 0
-    policy_version: int = 0
+    global_steps: Int64 = 0  # as wide as PromptGroup's: every accepted group can be logged
+    policy_version: Int64 = 0
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
@@ -72,7 +84,7 @@ class Generation(_SessionEvent):
     logprobs: Logprobs | None = None
     replica: str = ""
     engine_request_id: str = ""
-    policy_version: int | None = None
+    policy_version: Int64 | None = None  # the trajectory's min/max_global_steps (int64)
     stop_reason: str | None = None
     num_preempted: int | None = None
     latency_s: float = 0.0
@@ -96,7 +108,7 @@ class OutputSummary(BaseModel):
     mask_override: Mask | None = None  # only when the loop masked sampled tokens itself
     has_logprobs: bool = True
     reward_score: float | None = None
-    num_turns: int = 0
+    num_turns: Int32 = 0  # int32 column
     metrics: AgentLoopMetrics = Field(default_factory=AgentLoopMetrics)
     extra_fields: dict[str, Any] = Field(default_factory=dict)
 

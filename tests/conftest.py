@@ -33,6 +33,17 @@ BOOTSTRAP_ENV = "ROLLOUTBUS_TEST_BOOTSTRAP"
 TEST_PARTITIONS = 2  # enough to catch partitioning bugs, cheap to create per test
 PORT_RETRIES = 3  # a free port can be taken by another process before the JVM binds it
 PRODUCER_FLUSH_S = 10.0  # seconds a producer may take to deliver at teardown
+BROKER_FIXTURES = frozenset({"embedded_broker", "kafka_bootstrap"})  # every Kafka fixture needs one
+
+
+@pytest.hookimpl(tryfirst=True)  # before the mark plugin applies -m to the items
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark ``kafka`` every test whose fixture closure reaches the session broker, so
+    ``-m "not kafka"`` runs the fast suite without ever starting one. Tests that reach
+    Kafka some other way (a JVM of their own) carry the marker explicitly."""
+    for item in items:
+        if BROKER_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.kafka)
 
 
 @pytest.fixture(scope="session")

@@ -173,7 +173,8 @@ def test_fresh_instance_per_trajectory(tok):
 
 
 def test_yaml_registration_of_the_seed_loop(tok, tmp_path, monkeypatch):
-    """The seed chapter's MySingleTurnLoop, registered from YAML by a relative path."""
+    """A custom loop written for verl's API (fixtures/my_agent_loop.py), registered from YAML
+    by a relative path."""
     monkeypatch.syspath_prepend(str(TESTS / "fixtures"))
     (tmp_path / "my_agent_loops.yaml").write_text(
         "- name: my_single_turn\n  _target_: my_agent_loop.MySingleTurnLoop\n")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from rolloutbus.config import Config
+from rolloutbus.config import Config, with_overrides
 from rolloutbus.replica.server import replica_in_thread
 from rolloutbus.streams.inference.llm_client import LLMClient
 from rolloutbus.streams.sessions.recorder import RecordingLLMClient
@@ -17,7 +17,7 @@ GREEDY = {"temperature": 0.0, "top_p": 1.0, "top_k": -1, "logprobs": True, "max_
 
 @pytest.fixture(scope="module")
 def replica():
-    cfg = Config.model_validate({"model": {"name": "tiny-qwen3"}, "replica": {"port": 0}})
+    cfg = Config.model_validate({"model": {"name": "tiny-qwen3"}, "replica_server": {"port": 0}})
     with replica_in_thread(cfg) as handle:
         yield cfg, handle
 
@@ -25,7 +25,7 @@ def replica():
 @pytest.mark.parametrize("backend", ["vllm_completions", "vllm_generate", "sglang"])
 async def test_every_backend_gets_the_same_greedy_tokens(replica, backend):
     cfg, handle = replica
-    cfg.replicas.urls, cfg.replicas.backend = [handle.url], backend
+    cfg = with_overrides(cfg, {"replicas.urls": [handle.url], "replicas.backend": backend})
     async with LLMClient(cfg.replicas, cfg.rollout) as client:
         out = await client.generate("traj", prompt_ids=PROMPT, sampling_params=GREEDY)
         reference = await _completions(cfg, handle.url)
@@ -35,15 +35,14 @@ async def test_every_backend_gets_the_same_greedy_tokens(replica, backend):
 
 
 async def _completions(cfg: Config, url: str):
-    cfg = cfg.model_copy(deep=True)
-    cfg.replicas.urls, cfg.replicas.backend = [url], "vllm_completions"
+    cfg = with_overrides(cfg, {"replicas.urls": [url], "replicas.backend": "vllm_completions"})
     async with LLMClient(cfg.replicas, cfg.rollout) as client:
         return await client.generate("ref", prompt_ids=PROMPT, sampling_params=GREEDY)
 
 
 async def test_weight_version_is_stamped_on_each_turn(replica):
     cfg, handle = replica
-    cfg.replicas.urls, cfg.replicas.backend = [handle.url], "vllm_completions"
+    cfg = with_overrides(cfg, {"replicas.urls": [handle.url], "replicas.backend": "vllm_completions"})
     events = []
 
     async def emit(event):
@@ -67,10 +66,10 @@ async def test_aborted_turn_is_resumed_from_prompt_plus_tokens_so_far():
 
     engine = ScriptedEngine([ScriptedTurn([5, 6], [-0.1, -0.2], finish_reason="abort"),
                              ScriptedTurn([7, 8, 9], [-0.3, -0.4, -0.5], finish_reason="stop")])
-    cfg = Config.model_validate({"replica": {"port": 0}, "rollout": {"response_length": 10},
+    cfg = Config.model_validate({"replica_server": {"port": 0}, "rollout": {"response_length": 10},
                                  "replicas": {"abort_retry_delay_s": 0.0}})
     with replica_in_thread(cfg, engine) as handle:
-        cfg.replicas.urls = [handle.url]
+        cfg = with_overrides(cfg, {"replicas.urls": [handle.url]})
         async with LLMClient(cfg.replicas, cfg.rollout) as client:
             out = await client.generate("t", prompt_ids=[1, 2, 3], sampling_params={"logprobs": True})
     first, second = engine.calls
@@ -85,10 +84,10 @@ async def test_an_engine_that_keeps_aborting_is_given_up_on():
     from rolloutbus.replica.scripted import ScriptedEngine, ScriptedTurn
 
     engine = ScriptedEngine(lambda prompt: ScriptedTurn([], [], finish_reason="abort"))
-    cfg = Config.model_validate({"replica": {"port": 0},
+    cfg = Config.model_validate({"replica_server": {"port": 0},
                                  "replicas": {"abort_retry_delay_s": 0.0, "max_abort_resumes": 3}})
     with replica_in_thread(cfg, engine) as handle:
-        cfg.replicas.urls = [handle.url]
+        cfg = with_overrides(cfg, {"replicas.urls": [handle.url]})
         async with LLMClient(cfg.replicas, cfg.rollout) as client:
             out = await client.generate("t", prompt_ids=[1], sampling_params={})
     assert out.stop_reason == "aborted" and len(engine.calls) == 4

@@ -193,6 +193,7 @@ def test_java_version_parsing() -> None:
     assert parse_java_major("no version here") is None
 
 
+@pytest.mark.kafka  # launches a Kafka JVM of its own (it exits at start-up)
 def test_jvm_that_exits_is_reported_with_its_log(tmp_path: Path) -> None:
     # A heap too small for the JVM to initialise: it exits at once, after formatting.
     cfg = Config(broker=BrokerConfig(data_dir=tmp_path, port=free_port(), controller_port=free_port(),
@@ -207,6 +208,7 @@ def test_jvm_that_exits_is_reported_with_its_log(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.kafka  # a second broker of its own
 def test_restart_keeps_topics_and_records(tmp_path: Path, make_producer) -> None:
     port = free_port()
     cfg = Config(

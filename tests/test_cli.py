@@ -55,7 +55,7 @@ def test_demo_main_job_prints_trajectories_and_writes_arrow(kafka_bootstrap, tmp
     cfg = Config.model_validate({
         "kafka": {"bootstrap_servers": kafka_bootstrap, "topic_prefix": unique_name("d"), "partitions": 2},
         "model": {"name": "tiny-qwen3"},
-        "replica": {"port": port},
+        "replica_server": {"port": port},
         "replicas": {"urls": [f"http://127.0.0.1:{port}"]},
         "rollout": {"n": 2, "response_length": 12},
         "sessions": {"app_id": unique_name("demo")},
@@ -84,3 +84,26 @@ def test_missing_dataset_and_unreachable_broker_are_clear_errors(tmp_path):
     result = _cli("publish", str(rows), "--config", str(cfg), timeout=60)
     assert result.returncode == 1 and "cannot reach Kafka" in result.stderr
     assert "rolloutbus broker start" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_publish_without_a_dataset_reads_data_train_files(kafka_bootstrap, tmp_path):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"question": [{"role": "user", "content": "two"}]}\n'
+                    '{"question": [{"role": "user", "content": "three"}]}\n')
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("data: {train_files: []}\n")
+    result = _cli("publish", "--config", str(cfg))
+    assert result.returncode == 2 and "give a DATASET or set data.train_files" in result.stderr
+    cfg.write_text(f"data: {{train_files: [{rows}, {tmp_path / 'missing.jsonl'}]}}\n")
+    result = _cli("publish", "--config", str(cfg))
+    assert result.returncode == 2 and "dataset not found" in result.stderr  # checked before publishing
+    config = Config.model_validate({
+        "kafka": {"bootstrap_servers": kafka_bootstrap, "topic_prefix": unique_name("p"), "partitions": 1},
+        "data": {"train_files": [str(rows)], "prompt_key": "question"},
+    })
+    path = write_config(config, tmp_path / "real.yaml")
+    assert _cli("topics", "--config", str(path)).returncode == 0
+    result = _cli("publish", "-q", "--config", str(path))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert len(result.stdout.split()) == 2  # one uid per row of the configured file
+    assert f"{rows}: read 2 rows: 2 published" in result.stderr

@@ -47,7 +47,7 @@ async def _record_two_turns():
 
     client = ScriptedClient([([10, 11], [-0.5, -0.25]), ([20, 21, 22], [-1.0, -0.5, -0.125])])
     rec = RecordingLLMClient(client, emit, uid="u1", session_id=0, attempt="a")
-    P, A1, O = [1, 2, 3], [10, 11], [7, 8]  # noqa: E741 (the seed chapter's names)
+    P, A1, O = [1, 2, 3], [10, 11], [7, 8]  # noqa: E741 (prompt, first answer, observation)
     await rec.generate("r", prompt_ids=P, sampling_params={})
     await rec.generate("r", prompt_ids=P + A1 + O, sampling_params={})
     out = AgentLoopOutput(prompt_ids=P, response_ids=A1 + O + [20, 21, 22],

@@ -10,9 +10,9 @@ import pytest
 from pydantic import ValidationError
 
 from rolloutbus.config import RolloutConfig
+from rolloutbus.schemas.inference import TurnSamplingParams
 from rolloutbus.streams.inference.backends import (
     EngineCall,
-    SamplingParams,
     SglangGenerateBackend,
     VllmCompletionsBackend,
     VllmGenerateBackend,
@@ -46,16 +46,16 @@ def test_per_turn_max_tokens(prompt_len, requested, max_model_len, expected):
 
 
 def test_sampling_params_validation():
-    assert SamplingParams.model_validate({"logprobs": 0}).logprobs is True  # vLLM's int form
-    assert SamplingParams.model_validate({"logprobs": False}).logprobs is False
-    assert SamplingParams.model_validate({"max_new_tokens": 5}).max_tokens == 5
+    assert TurnSamplingParams.model_validate({"logprobs": 0}).logprobs is True  # vLLM's int form
+    assert TurnSamplingParams.model_validate({"logprobs": False}).logprobs is False
+    assert TurnSamplingParams.model_validate({"max_new_tokens": 5}).max_tokens == 5
     with pytest.raises(ValidationError, match="do_sampel"):
-        SamplingParams.model_validate({"do_sampel": True})
+        TurnSamplingParams.model_validate({"do_sampel": True})
 
 
 def call(**sampling) -> EngineCall:
     return EngineCall(engine_request_id="e1", prompt_ids=[1, 2], max_tokens=4,
-                      sampling=SamplingParams.model_validate(sampling))
+                      sampling=TurnSamplingParams.model_validate(sampling))
 
 
 def test_map_finish_reason_follows_verl():

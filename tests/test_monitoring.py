@@ -45,5 +45,5 @@ def test_every_dashboard_metric_is_exposed_by_the_code():
 def test_prometheus_targets_match_the_documented_ports():
     scrape = yaml.safe_load((OPS / "prometheus/prometheus.yml").read_text())["scrape_configs"]
     targets = {job["job_name"]: job["static_configs"][0]["targets"][0] for job in scrape}
-    assert targets["rolloutbus-replica"] == f"127.0.0.1:{Config().replica.port}"
+    assert targets["rolloutbus-replica"] == f"127.0.0.1:{Config().replica_server.port}"
     assert set(targets) == {"rolloutbus-sessions", "rolloutbus-replay-buffer", "rolloutbus-replica"}

@@ -6,7 +6,7 @@ from __future__ import annotations
 from fixtures.scripted_server import ScriptedServerManager, qwen3_tokenizer, scripted_turn
 
 from rolloutbus.config import Config
-from rolloutbus.schemas.prompts import PromptGroup, SamplingParams
+from rolloutbus.schemas.prompts import GroupSamplingParams, PromptGroup
 from rolloutbus.schemas.turns import (
     GroupStarted,
     SessionFinished,
@@ -49,7 +49,7 @@ async def test_multi_output_keys_and_copied_reward():
     row = {"agent_name": "two_drafts_test", "data_source": "my/math",
            "prompt": [{"role": "user", "content": "计算 18 * 7"}],
            "reward_model": {"style": "rule", "ground_truth": "126"}}
-    group = PromptGroup(uid="m1", row=row, n=1, sampling_params=SamplingParams())
+    group = PromptGroup(uid="m1", row=row, n=1, sampling_params=GroupSamplingParams())
     events = []
 
     async def emit(event):

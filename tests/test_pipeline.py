@@ -33,6 +33,8 @@ from rolloutbus.producers.publish import PromptPublisher
 from rolloutbus.replica.models import load_tokenizer
 from rolloutbus.topics import Topics
 
+pytestmark = pytest.mark.kafka  # worker processes on the test broker
+
 FIXTURES = Path(__file__).parent / "fixtures"
 N = 2
 
@@ -49,7 +51,7 @@ def pipeline(kafka_bootstrap: str, tmp_path_factory: pytest.TempPathFactory):
         "kafka": {"bootstrap_servers": kafka_bootstrap, "topic_prefix": unique_name("p"),
                   "partitions": 2},
         "model": {"name": "tiny-qwen3"},
-        "replica": {"port": replica_port, "max_batch_size": 16},
+        "replica_server": {"port": replica_port, "max_batch_size": 16},
         "replicas": {"urls": [f"http://127.0.0.1:{replica_port}"], "request_timeout_s": 120},
         "rollout": {"n": N, "prompt_length": 64, "response_length": 16,
                     "agent": {"agent_loop_config_path": str(registry_yaml)}},
@@ -162,7 +164,8 @@ def test_invariant_breaking_loop_yields_failed_records_and_dead_letters(pipeline
 
 
 def test_replaying_the_turn_log_yields_byte_identical_trajectories(pipeline):
-    """Invariant 6, on everything the earlier tests of this module logged."""
+    """Replaying the turn log yields byte-identical trajectories, on everything the earlier
+    tests of this module logged."""
     cfg, tmp, _ = pipeline
     live = {m.key().decode(): m.value() for m in read_topic(cfg, Topics.from_config(cfg.kafka).trajectories)}
     replayed = replay_turns(cfg)

@@ -61,3 +61,14 @@ def test_parquet_rows_with_numpy_arrays_become_plain_values(tmp_path):
     [item] = list(read_rows(tmp_path / "rows.parquet"))
     group = build_group(Config(), item.data)
     assert group.row["prompt"] == [{"role": "user", "content": "hi"}]
+
+
+def test_data_prompt_key_names_the_messages_column():
+    cfg = Config.model_validate({"data": {"prompt_key": "question"}})
+    messages = [{"role": "user", "content": "q"}]
+    group = build_group(cfg, {"data_source": "d", "question": messages})
+    assert group.row["prompt"] == messages and "question" not in group.row
+    with pytest.raises(ValueError, match="no 'question' column"):
+        build_group(cfg, _row())
+    with pytest.raises(ValueError, match="both 'question'"):
+        build_group(cfg, _row(question=messages))

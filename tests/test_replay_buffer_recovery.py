@@ -15,8 +15,10 @@ from helpers import unique_name
 from pipeline import read_topic, spawn, stop, write_config
 from synthetic import N, group_events, make_events
 
-from rolloutbus.config import Config, KafkaConfig
+from rolloutbus.config import Config, KafkaConfig, ReplayBufferConfig
 from rolloutbus.topics import Topics, partition_for, uid_of_key
+
+pytestmark = pytest.mark.kafka  # replay-buffer processes on the test broker
 
 
 def _produce(kafka: KafkaConfig, events) -> None:
@@ -46,9 +48,8 @@ def _wait_for(cfg: Config, count: int, timeout_s: float) -> list[str]:
 
 @pytest.mark.slow
 def test_sigkill_and_restart_release_every_group_exactly_once(kafka_config, tmp_path):
-    cfg = Config(kafka=kafka_config)
-    cfg.replay_buffer.group_id = unique_name("rb")
-    cfg.replay_buffer.transactional_id = unique_name("tx")
+    cfg = Config(kafka=kafka_config, replay_buffer=ReplayBufferConfig(
+        group_id=unique_name("rb"), transactional_id=unique_name("tx")))
     config_path = write_config(cfg, tmp_path / "c.yaml")
     first, second = make_events(150), make_events(150)
     _produce(kafka_config, first)
@@ -83,9 +84,8 @@ def test_sigkill_and_restart_release_every_group_exactly_once(kafka_config, tmp_
 
 def test_group_waits_for_all_sessions(kafka_config, tmp_path):
     """A group with one session still running is not released (no silently short group)."""
-    cfg = Config(kafka=kafka_config)
-    cfg.replay_buffer.group_id = unique_name("rb")
-    cfg.replay_buffer.transactional_id = unique_name("tx")
+    cfg = Config(kafka=kafka_config, replay_buffer=ReplayBufferConfig(
+        group_id=unique_name("rb"), transactional_id=unique_name("tx")))
     uid = uuid.uuid4().hex
     events = group_events(uid)
     *all_but_last, last = events

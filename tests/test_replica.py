@@ -23,7 +23,7 @@ EOS = 151645  # <|im_end|>
 def _config(**replica: object) -> Config:
     settings = {"port": 0, "max_batch_size": 16, "max_model_len": MAX_MODEL_LEN, "torch_threads": 1}
     settings.update(replica)
-    return Config(model=ModelConfig(name="tiny-qwen3", seed=0), replica=ReplicaServerConfig(**settings))
+    return Config(model=ModelConfig(name="tiny-qwen3", seed=0), replica_server=ReplicaServerConfig(**settings))
 
 
 @pytest.fixture(scope="module")
@@ -296,7 +296,7 @@ def test_smollm2_answers_a_chat_prompt_sensibly():
     from rolloutbus.replica.models import load_tokenizer
 
     cfg = Config(model=ModelConfig(name="smollm2-135m"),
-                 replica=ReplicaServerConfig(port=0, max_model_len=512, torch_threads=2))
+                 replica_server=ReplicaServerConfig(port=0, max_model_len=512, torch_threads=2))
     tokenizer = load_tokenizer(cfg.model)
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     prompt = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
@@ -319,7 +319,7 @@ def test_serve_replica_logs_ready_and_stops_on_sigterm(tmp_path):
         "from rolloutbus.config import Config, ModelConfig, ReplicaServerConfig\n"
         "from rolloutbus.replica.server import serve_replica\n"
         "serve_replica(Config(model=ModelConfig(name='tiny-qwen3'), "
-        "replica=ReplicaServerConfig(port=0, torch_threads=1)))\n"
+        "replica_server=ReplicaServerConfig(port=0, torch_threads=1)))\n"
     )
     proc = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "HF_HUB_OFFLINE": "1"})

@@ -10,14 +10,14 @@ import torch
 
 from rolloutbus.config import Config, ModelConfig, ReplicaServerConfig
 from rolloutbus.replica.engine import DecodeEngine, sample_tokens
-from rolloutbus.replica.generation import GenerationRequest, RequestRejectedError, SamplingParams
+from rolloutbus.replica.generation import EngineSampling, GenerationRequest, RequestRejectedError
 
 
 def _request(temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1, **kw) -> GenerationRequest:
     return GenerationRequest(
         request_id=kw.pop("request_id", "r"),
         prompt_ids=kw.pop("prompt_ids", [1, 2, 3]),
-        sampling=SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k),
+        sampling=EngineSampling(temperature=temperature, top_p=top_p, top_k=top_k),
         **kw,
     )
 
@@ -71,7 +71,7 @@ def test_greedy_and_sampled_rows_in_one_batch():
 def engine():
     cfg = Config(
         model=ModelConfig(name="tiny-qwen3"),
-        replica=ReplicaServerConfig(max_batch_size=4, max_model_len=64, torch_threads=1),
+        replica_server=ReplicaServerConfig(max_batch_size=4, max_model_len=64, torch_threads=1),
     )
     eng = DecodeEngine.from_config(cfg)
     eng.start()

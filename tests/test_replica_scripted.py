@@ -11,7 +11,7 @@ from rolloutbus.replica.server import start_replica
 
 
 def _config() -> Config:
-    return Config(replica=ReplicaServerConfig(port=0))
+    return Config(replica_server=ReplicaServerConfig(port=0))
 
 
 async def test_scripted_turns_are_served_in_order_and_say_they_are_scripted():

@@ -20,6 +20,8 @@ from rolloutbus.producers.publish import PromptPublisher
 from rolloutbus.schemas.turns import decode_turn_event
 from rolloutbus.topics import Topics
 
+pytestmark = pytest.mark.kafka  # worker processes on the test broker
+
 GROUPS, N = 8, 2
 
 
@@ -29,7 +31,7 @@ def test_sigkill_session_worker_mid_run(kafka_bootstrap, tmp_path):
     cfg = Config.model_validate({
         "kafka": {"bootstrap_servers": kafka_bootstrap, "topic_prefix": unique_name("k"), "partitions": 2},
         "model": {"name": "tiny-qwen3"},
-        "replica": {"port": port, "max_batch_size": 8},
+        "replica_server": {"port": port, "max_batch_size": 8},
         "replicas": {"urls": [f"http://127.0.0.1:{port}"]},
         # random weights rarely emit EOS: sessions run to the budget, long enough to be killed
         "rollout": {"n": N, "response_length": 160},

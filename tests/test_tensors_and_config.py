@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
+from pydantic import ValidationError
 
-from rolloutbus.config import load_config
+from rolloutbus.config import VERL_KEYS_ACCEPTED_NOT_USED, load_config, with_overrides
 from rolloutbus.consumers.tensors import to_jagged, to_padded
 from rolloutbus.errors import ConfigError
 from rolloutbus.schemas.trajectories import Trajectory, trajectories_to_batch
@@ -81,3 +84,40 @@ def test_verl_rollout_block_can_be_pasted_and_read_the_verl_way(tmp_path):
     path.write_text("actor_rollout_ref:\n  actor: {}\n  rollout: {n: 2}\n")
     with pytest.raises(ConfigError, match="only its 'rollout' section"):
         load_config(path, env={})
+
+
+def test_config_is_frozen_and_adjusted_by_validated_copies():
+    cfg = load_config(None, env={})
+    with pytest.raises(ValidationError, match="frozen"):
+        cfg.replica_server.port = 0
+    with pytest.raises(ValidationError, match="frozen"):
+        cfg.rollout = cfg.rollout
+    with pytest.raises(ValidationError, match="frozen"):
+        cfg.actor_rollout_ref.rollout.n = 3  # the verl alias is the same frozen section
+    moved = with_overrides(cfg, {"replica_server.port": 0, "replicas.urls": ["http://h:1"]})
+    assert (moved.replica_server.port, moved.replicas.urls) == (0, ["http://h:1"])
+    assert (cfg.replica_server.port, cfg.replicas.urls) == (8000, ["http://127.0.0.1:8000"])
+    with pytest.raises(ConfigError, match="unknown config key 'replica'"):
+        with_overrides(cfg, {"replica.port": 0})  # the old name of replica_server
+    with pytest.raises(ConfigError, match="rollout.n"):
+        with_overrides(cfg, {"rollout.n": 0})
+
+
+def test_verl_keys_with_no_meaning_here_are_accepted_with_a_warning(tmp_path, caplog):
+    path = tmp_path / "verl.yaml"
+    path.write_text("actor_rollout_ref:\n  rollout:\n    agent: {num_workers: 8}\n"
+                    "    multi_turn: {enable: true}\n")
+    with caplog.at_level(logging.WARNING, logger="rolloutbus.config"):
+        cfg = load_config(path, env={})
+    assert cfg.rollout.multi_turn.enable is True  # kept, for a ported loop that reads it
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 1 and "'rollout.multi_turn.enable' = True" in warned[0]  # 8 is verl's default
+    assert "agent_name" in warned[0]
+    assert set(VERL_KEYS_ACCEPTED_NOT_USED) == {"rollout.agent.num_workers", "rollout.multi_turn.enable"}
+
+
+def test_data_train_files_takes_one_path_or_a_list(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("data: {train_files: ~/data/gsm8k/train.parquet, prompt_key: question}\n")
+    cfg = load_config(path, env={})
+    assert cfg.data.train_files == ["~/data/gsm8k/train.parquet"] and cfg.data.prompt_key == "question"

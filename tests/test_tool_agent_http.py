@@ -1,6 +1,7 @@
 """tool_agent over real HTTP: the scripted replica (a test double — the small models cannot
 emit tool calls) behind the replica's own server, our LLM client, the session runner, and
-the fold of the logged turn events. Checks the seed chapter's section-11 layout."""
+the fold of the logged turn events. Checks the two-turn tool layout: prompt P, then response
+A1 ‖ O ‖ A2 with mask 1 on the answers A1, A2 and mask 0, logprob 0.0 on the tool observation O."""
 
 from __future__ import annotations
 
@@ -9,10 +10,10 @@ import json
 import pytest
 from fixtures.scripted_server import qwen3_tokenizer
 
-from rolloutbus.config import Config
+from rolloutbus.config import Config, with_overrides
 from rolloutbus.replica.scripted import ScriptedEngine, ScriptedTurn
 from rolloutbus.replica.server import replica_in_thread
-from rolloutbus.schemas.prompts import PromptGroup, SamplingParams
+from rolloutbus.schemas.prompts import GroupSamplingParams, PromptGroup
 from rolloutbus.schemas.turns import (
     GroupStarted,
     SessionFinished,
@@ -44,19 +45,19 @@ async def test_tool_agent_section_11_layout_over_http_and_through_the_fold(tok, 
     tools_yaml.write_text("tools:\n  - class_name: rolloutbus.streams.agent_loop.tools.CalculatorTool\n    config: {}\n")
     engine = ScriptedEngine([_turn(tok, CALL, LP1), _turn(tok, ANSWER, LP2)], tokenizer=tok,
                             eos_token_ids=frozenset({tok.convert_tokens_to_ids("<|im_end|>")}))
-    cfg = Config.model_validate({"replica": {"port": 0}, "model": {"name": "tiny-qwen3"},
+    cfg = Config.model_validate({"replica_server": {"port": 0}, "model": {"name": "tiny-qwen3"},
                                  "rollout": {"multi_turn": {"tool_config_path": str(tools_yaml)}}})
     row = {"data_source": "my/math", "agent_name": "tool_agent",
            "prompt": [{"role": "user", "content": "计算 18 * 7"}],
            "reward_model": {"style": "rule", "ground_truth": "126"}, "extra_info": {"index": 42}}
-    group = PromptGroup(uid="u42", row=row, n=1, sampling_params=SamplingParams())
+    group = PromptGroup(uid="u42", row=row, n=1, sampling_params=GroupSamplingParams())
     events = []
 
     async def emit(event):
         events.append(decode_turn_event(encode_turn_event(event)))
 
     with replica_in_thread(cfg, engine) as replica:
-        cfg.replicas.urls = [replica.url]
+        cfg = with_overrides(cfg, {"replicas.urls": [replica.url]})
         async with LLMClient(cfg.replicas, cfg.rollout) as client:
             ctx = SessionContext(config=cfg, tokenizer=tok, llm_client=client)
             terminal = await run_session(ctx, group, 0, "att", emit)

@@ -28,24 +28,24 @@ from vllm.entrypoints.scale_out.token_in_token_out import protocol as tito
 from vllm.outputs import WeightVersionSpan
 from vllm.sampling_params import SamplingParams as VllmSamplingParams
 
+from rolloutbus.schemas.inference import TurnSamplingParams
 from rolloutbus.streams.inference.backends import (
     EngineCall,
-    SamplingParams,
     VllmCompletionsBackend,
     VllmGenerateBackend,
 )
 
 CALLS = [
-    EngineCall("e-plain", [1, 2, 3], SamplingParams(), max_tokens=16),
+    EngineCall("e-plain", [1, 2, 3], TurnSamplingParams(), max_tokens=16),
     EngineCall(
         "e-full", [5, 0, 7, 151643], max_tokens=300, model="policy", priority=-2,
-        sampling=SamplingParams(
+        sampling=TurnSamplingParams(
             temperature=0.7, top_p=0.9, top_k=20, min_p=0.05, repetition_penalty=1.1,
             presence_penalty=0.1, frequency_penalty=0.2, logprobs=True, seed=1234,
             stop_token_ids=[151645, 151643], ignore_eos=True,
         ),
     ),
-    EngineCall("e-verl", [9] * 50, SamplingParams(top_k=-1, logprobs=True), max_tokens=1),
+    EngineCall("e-verl", [9] * 50, TurnSamplingParams(top_k=-1, logprobs=True), max_tokens=1),
 ]
 
 TOKENS = [11, 0, 151645]

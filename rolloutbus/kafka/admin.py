@@ -14,6 +14,7 @@ from confluent_kafka.admin import AdminClient, ClusterMetadata, NewTopic
 
 from rolloutbus.config import KafkaConfig
 from rolloutbus.errors import BrokerError
+from rolloutbus.kafka.clients import admin_client, broker_error, kafka_error_code
 from rolloutbus.topics import Topics
 
 __all__ = ["delete_topics", "ensure_topics", "topic_configs", "topic_partitions"]
@@ -32,7 +33,7 @@ def check_reachable(kafka: KafkaConfig, timeout_s: float = REACHABLE_TIMEOUT_S) 
     """Fail fast, with what to do, instead of letting a client retry for minutes."""
     # log_level 2: the probe's own connection failures (one line per retry) stay quiet;
     # the error below says it once
-    probe = AdminClient({**kafka.client_settings(), "log_level": 2})
+    probe = admin_client(kafka, {"log_level": 2})
     try:
         probe.list_topics(timeout=timeout_s)
     except KafkaException as exc:
@@ -92,12 +93,12 @@ def delete_topics(kafka: KafkaConfig, names: Iterable[str], timeout_s: float = A
         try:
             future.result()
         except KafkaException as exc:
-            if _code(exc) != KafkaError.UNKNOWN_TOPIC_OR_PART:
+            if kafka_error_code(exc) != KafkaError.UNKNOWN_TOPIC_OR_PART:
                 raise _broker_error(f"deleting topic {name}", kafka, exc) from exc
 
 
 def _admin(kafka: KafkaConfig) -> AdminClient:
-    return AdminClient(kafka.client_settings())
+    return admin_client(kafka)
 
 
 def _partition_counts(admin: AdminClient, kafka: KafkaConfig, timeout_s: float) -> dict[str, int]:
@@ -136,7 +137,7 @@ def _create(admin: AdminClient, kafka: KafkaConfig, names: list[str], wanted: di
         try:
             future.result()
         except KafkaException as exc:
-            if _code(exc) == KafkaError.TOPIC_ALREADY_EXISTS:
+            if kafka_error_code(exc) == KafkaError.TOPIC_ALREADY_EXISTS:
                 continue  # created concurrently by another caller: checked afterwards
             raise _broker_error(f"creating topic {name}", kafka, exc) from exc
         created.append(name)
@@ -170,12 +171,5 @@ def _has_leaders(meta, count: int) -> bool:
     return all(p.leader >= 0 and p.error is None for p in meta.partitions.values())
 
 
-def _code(exc: KafkaException) -> int | None:
-    err = exc.args[0] if exc.args else None
-    return err.code() if isinstance(err, KafkaError) else None
-
-
 def _broker_error(action: str, kafka: KafkaConfig, exc: KafkaException) -> BrokerError:
-    err = exc.args[0] if exc.args else exc
-    detail = err.str() if isinstance(err, KafkaError) else str(err)
-    return BrokerError(f"{action} on {kafka.bootstrap_servers} failed: {detail}")
+    return broker_error(exc, f"{action} on {kafka.bootstrap_servers}")

@@ -1,8 +1,13 @@
-"""The embedded Kafka broker: a real Apache Kafka 4.x node on 127.0.0.1.
+"""The embedded Kafka broker: a real Apache Kafka 4.x node, on 127.0.0.1 by default.
 
 One JVM is broker and KRaft controller at once. Its jars come from Maven Central through
 ``ops/kafka/pom.xml`` into ``.cache/kafka/libs``; its data (``log.dirs``), config, pid
 file and logs live in ``broker.data_dir``, so topics and records survive a restart.
+
+Security: the client listener binds ``broker.host`` (loopback unless configured) and is
+PLAINTEXT, or ``SASL_PLAINTEXT`` when ``broker.sasl_users`` is set (mechanism PLAIN; the
+first user is the broker's own identity). The controller listener is PLAINTEXT on
+127.0.0.1 only. ``server.properties`` then holds the passwords: it is written mode 0600.
 
 This is a convenience for one machine and for tests. A user with their own cluster sets
 ``kafka.bootstrap_servers`` and never calls anything here; nothing else in Rollout Bus
@@ -10,7 +15,7 @@ depends on this module.
 
 Layout of ``data_dir``::
 
-    server.properties   written on every start from the config
+    server.properties   written on every start from the config (mode 0600)
     kraft-logs/         log.dirs and the KRaft metadata log (formatted once)
     logs/server.log     the broker's own log (log4j2, ops/kafka/log4j2.yaml)
     logs/stdout.log     the JVM's stdout and stderr
@@ -23,6 +28,8 @@ import base64
 import contextlib
 import fcntl
 import hashlib
+import ipaddress
+import logging
 import os
 import re
 import shutil
@@ -35,10 +42,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from confluent_kafka import KafkaException
-from confluent_kafka.admin import AdminClient
 
-from rolloutbus.config import Config
+from rolloutbus.config import LOOPBACK, Config, KafkaConfig
 from rolloutbus.errors import BrokerError
+from rolloutbus.kafka.clients import admin_client
 
 __all__ = [
     "BrokerStatus",
@@ -51,6 +58,8 @@ __all__ = [
     "start_broker",
     "stop_broker",
 ]
+
+log = logging.getLogger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 POM_PATH = REPO_ROOT / "ops" / "kafka" / "pom.xml"
@@ -77,6 +86,11 @@ JVM_FLAGS = [
     "-Djava.awt.headless=true",
 ]
 _HEAP_RE = re.compile(r"^\d+[kKmMgG]?$")
+# Listener names: the client listener is named after its security protocol (Kafka's own
+# convention), so the default map entry and the listener-scoped SASL keys line up.
+PLAIN_LISTENER = "PLAINTEXT"
+SASL_LISTENER = "SASL_PLAINTEXT"
+CONTROLLER_LISTENER = "CONTROLLER"
 
 # Brokers this process launched: kept so that they can be reaped (no zombies) and so that
 # Popen never warns "subprocess still running" about a broker meant to outlive a call.
@@ -203,7 +217,7 @@ def broker_status(cfg: Config) -> BrokerStatus:
     data_dir = _data_dir(cfg)
     pid = _live_broker_pid(data_dir)
     bootstrap = _bootstrap(cfg)
-    running = pid is not None and _answers(bootstrap)
+    running = pid is not None and _answers(cfg)
     return BrokerStatus(running=running, pid=pid, bootstrap=bootstrap, data_dir=data_dir)
 
 
@@ -212,7 +226,24 @@ def _data_dir(cfg: Config) -> Path:
 
 
 def _bootstrap(cfg: Config) -> str:
-    return f"127.0.0.1:{cfg.broker.port}"
+    return f"{cfg.broker.host}:{cfg.broker.port}"
+
+
+def _client_listener(cfg: Config) -> str:
+    return SASL_LISTENER if cfg.broker.sasl_users else PLAIN_LISTENER
+
+
+def _probe_config(cfg: Config) -> KafkaConfig:
+    """How the broker's own tooling (the readiness probe) connects: as the first SASL user
+    when there are users, else in plaintext; never from ``cfg.kafka``, which may name
+    another cluster or a client with fewer rights."""
+    bootstrap = _bootstrap(cfg)
+    if not cfg.broker.sasl_users:
+        return KafkaConfig(bootstrap_servers=bootstrap)
+    name, password = next(iter(cfg.broker.sasl_users.items()))
+    return KafkaConfig(bootstrap_servers=bootstrap, security_protocol=SASL_LISTENER,
+                       sasl_mechanism=cfg.broker.sasl_mechanism, sasl_username=name,
+                       sasl_password=password)
 
 
 def _pid_file(data_dir: Path) -> Path:
@@ -263,14 +294,16 @@ def _is_kafka_process(pid: int) -> bool:
     return KAFKA_MAIN_CLASS.encode() in cmdline.split(b"\0")
 
 
-def _answers(bootstrap: str, timeout_s: float = PROBE_TIMEOUT_S) -> bool:
-    if not _port_accepts(bootstrap):  # cheap check first: librdkafka logs refused connects
+def _answers(cfg: Config, timeout_s: float = PROBE_TIMEOUT_S) -> bool:
+    probe = _probe_config(cfg)
+    if not _port_accepts(probe.bootstrap_servers):  # cheap check first: librdkafka logs refused connects
         return False
-    admin = AdminClient({"bootstrap.servers": bootstrap, "log_level": 0})
+    # log_level 0 keeps the refused connects of a broker still starting out of the log
+    admin = admin_client(probe, {"log_level": 0})
     try:
         admin.list_topics(timeout=timeout_s)
     except KafkaException:
-        return False
+        return False  # not answering yet: a readiness probe, not an error
     return True
 
 
@@ -299,6 +332,7 @@ def start_broker(cfg: Config) -> BrokerStatus:
     pid = _live_broker_pid(data_dir)
     if pid is not None:  # 1. alive: it is running or still starting; never start twice
         return _wait_until_ready(cfg, pid)
+    _check_listen_address(cfg)
     _check_ports_free(cfg)  # 2.
     java_major_version()
     libs = fetch_kafka_jars()  # 3.
@@ -308,11 +342,42 @@ def start_broker(cfg: Config) -> BrokerStatus:
     return _wait_until_ready(cfg, pid)  # 5.
 
 
+def _check_listen_address(cfg: Config) -> None:
+    host = cfg.broker.host
+    if _is_wildcard(host):
+        raise BrokerError(
+            f"broker.host {host!r} is a wildcard address: the broker advertises broker.host "
+            "to its clients, so set the one address clients should connect to (e.g. this "
+            "machine's LAN address), or 127.0.0.1"
+        )
+    if not _is_loopback(host) and not cfg.broker.sasl_users:
+        log.warning("the embedded broker listens on %s without authentication: anyone who "
+                    "reaches that address can read and write every topic (set broker.sasl_users)",
+                    host)
+
+
+def _is_wildcard(host: str) -> bool:
+    return host in ("", "*") or _ip(host) in (ipaddress.ip_address("0.0.0.0"), ipaddress.ip_address("::"))
+
+
+def _is_loopback(host: str) -> bool:
+    address = _ip(host)
+    return host == "localhost" if address is None else address.is_loopback
+
+
+def _ip(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    try:
+        return ipaddress.ip_address(host)
+    except ValueError:
+        return None  # a host name
+
+
 def _check_ports_free(cfg: Config) -> None:
-    for name, port in (("broker.port", cfg.broker.port), ("broker.controller_port", cfg.broker.controller_port)):
-        if not _port_free(port):
+    for name, host, port in (("broker.port", cfg.broker.host, cfg.broker.port),
+                             ("broker.controller_port", LOOPBACK, cfg.broker.controller_port)):
+        if not _port_free(host, port):
             raise BrokerError(
-                f"port {port} on 127.0.0.1 ({name}) is already in use: stop what listens "
+                f"port {port} on {host} ({name}) is already in use: stop what listens "
                 f"there (an earlier broker: `rolloutbus broker stop`) or set {name} to "
                 "another port"
             )
@@ -320,21 +385,29 @@ def _check_ports_free(cfg: Config) -> None:
         raise BrokerError(f"broker.port and broker.controller_port are both {cfg.broker.port}")
 
 
-def _port_free(port: int) -> bool:
+def _port_free(host: str, port: int) -> bool:
     # SO_REUSEADDR like the JVM's own server sockets: TIME_WAIT leftovers from a broker
     # that just stopped do not count as busy, a listening socket does.
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+    family = socket.AF_INET6 if isinstance(_ip(host), ipaddress.IPv6Address) else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            probe.bind(("127.0.0.1", port))
+            probe.bind((host, port))
         except OSError:
             return False
     return True
 
 
 def server_properties(cfg: Config, data_dir: Path) -> str:
-    """The single-node broker+controller config (KRaft) for ``cfg``."""
+    """The single-node broker+controller config (KRaft) for ``cfg``.
+
+    With ``broker.sasl_users`` the text holds their passwords: write it where only the
+    owner can read it (``_write_server_properties`` does).
+    """
     port, cport = cfg.broker.port, cfg.broker.controller_port
+    client = _client_listener(cfg)
+    client_url = f"{client}://{cfg.broker.host}:{port}"
+    controller_url = f"{CONTROLLER_LISTENER}://{LOOPBACK}:{cport}"
     # bytes; topic max.message.bytes is set per topic (rolloutbus.kafka.admin), this is the
     # broker default and the cap that replica fetches and socket requests must exceed.
     max_bytes = max(cfg.kafka.max_message_bytes, 1048588)
@@ -342,12 +415,15 @@ def server_properties(cfg: Config, data_dir: Path) -> str:
     lines = {
         "process.roles": "broker,controller",
         "node.id": "1",
-        "controller.quorum.bootstrap.servers": f"127.0.0.1:{cport}",  # dynamic quorum (KIP-853)
-        "listeners": f"PLAINTEXT://127.0.0.1:{port},CONTROLLER://127.0.0.1:{cport}",
-        "advertised.listeners": f"PLAINTEXT://127.0.0.1:{port},CONTROLLER://127.0.0.1:{cport}",
-        "controller.listener.names": "CONTROLLER",
-        "inter.broker.listener.name": "PLAINTEXT",
-        "listener.security.protocol.map": "CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT",
+        "controller.quorum.bootstrap.servers": f"{LOOPBACK}:{cport}",  # dynamic quorum (KIP-853)
+        "listeners": f"{client_url},{controller_url}",
+        "advertised.listeners": f"{client_url},{controller_url}",
+        "controller.listener.names": CONTROLLER_LISTENER,
+        # the broker reaches itself on the client listener (transaction markers to the
+        # partition leaders): with SASL, as the first user (_sasl_properties)
+        "inter.broker.listener.name": client,
+        "listener.security.protocol.map": f"{CONTROLLER_LISTENER}:PLAINTEXT,{client}:{client}",
+        **_sasl_properties(cfg),
         "log.dirs": str(data_dir / "kraft-logs"),
         "num.partitions": "1",
         "auto.create.topics.enable": "false",  # topics come from rolloutbus.kafka.admin only
@@ -371,10 +447,34 @@ def server_properties(cfg: Config, data_dir: Path) -> str:
     return header + "".join(f"{key}={value}\n" for key, value in lines.items())
 
 
+def _sasl_properties(cfg: Config) -> dict[str, str]:
+    """SASL/PLAIN on the client listener: one ``user_NAME="PASSWORD"`` per user, and the
+    first user's ``username``/``password`` for the broker's connections to itself.
+    Names and passwords are checked JAAS-safe by BrokerConfig."""
+    users = cfg.broker.sasl_users
+    if not users:
+        return {}
+    mechanism = cfg.broker.sasl_mechanism
+    own_name, own_password = next(iter(users.items()))
+    entries = [f'username="{own_name}"', f'password="{own_password.get_secret_value()}"',
+               *(f'user_{name}="{password.get_secret_value()}"' for name, password in users.items())]
+    jaas = f"org.apache.kafka.common.security.plain.PlainLoginModule required {' '.join(entries)};"
+    prefix = f"listener.name.{SASL_LISTENER.lower()}.{mechanism.lower()}"
+    return {
+        "sasl.enabled.mechanisms": mechanism,
+        "sasl.mechanism.inter.broker.protocol": mechanism,
+        f"{prefix}.sasl.jaas.config": jaas,
+    }
+
+
 def _write_server_properties(cfg: Config, data_dir: Path) -> Path:
     (data_dir / "logs").mkdir(parents=True, exist_ok=True)
     path = data_dir / "server.properties"
-    path.write_text(server_properties(cfg, data_dir))
+    # created 0600 before any secret is written into it (SASL passwords)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # an older file keeps its mode through O_TRUNC
+    with os.fdopen(fd, "w") as handle:
+        handle.write(server_properties(cfg, data_dir))
     return path
 
 
@@ -432,7 +532,7 @@ def _wait_until_ready(cfg: Config, pid: int) -> BrokerStatus:
                 f"the Kafka broker (pid {pid}) exited during start-up; last lines of its log:\n"
                 + _broker_log_tail(data_dir)
             )
-        if _answers(bootstrap):
+        if _answers(cfg):
             return BrokerStatus(running=True, pid=pid, bootstrap=bootstrap, data_dir=data_dir)
         time.sleep(0.2)
     _terminate(pid, data_dir)  # a half-started JVM would hold the ports and the data dir

@@ -12,11 +12,11 @@ from typing import TYPE_CHECKING, Any
 
 from rolloutbus.replica.generation import (
     Engine,
+    EngineSampling,
     EngineStats,
     GenerationRequest,
     GenerationResult,
     RequestRejectedError,
-    SamplingParams,
     Timings,
 )
 from rolloutbus.replica.scripted import ScriptedEngine, ScriptedTurn
@@ -36,12 +36,12 @@ if TYPE_CHECKING:
 __all__ = [
     "DecodeEngine",
     "Engine",
+    "EngineSampling",
     "EngineStats",
     "GenerationRequest",
     "GenerationResult",
     "ReplicaHandle",
     "RequestRejectedError",
-    "SamplingParams",
     "ScriptedEngine",
     "ScriptedTurn",
     "Timings",

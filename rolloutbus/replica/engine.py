@@ -114,16 +114,16 @@ class DecodeEngine:
         """Load ``cfg.model`` (see ``weights.load_causal_lm``) and wrap it; not started."""
         from rolloutbus.replica.weights import load_causal_lm
 
-        if cfg.replica.torch_threads:
-            torch.set_num_threads(cfg.replica.torch_threads)
+        if cfg.replica_server.torch_threads:
+            torch.set_num_threads(cfg.replica_server.torch_threads)
         model, tokenizer = load_causal_lm(cfg.model)
         return cls(
             model,
             tokenizer,
             model_name=cfg.model.name,
-            max_batch_size=cfg.replica.max_batch_size,
-            max_model_len=cfg.replica.max_model_len,
-            torch_threads=cfg.replica.torch_threads,
+            max_batch_size=cfg.replica_server.max_batch_size,
+            max_model_len=cfg.replica_server.max_model_len,
+            torch_threads=cfg.replica_server.torch_threads,
         )
 
     @property

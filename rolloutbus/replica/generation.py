@@ -17,12 +17,12 @@ from rolloutbus.errors import ReplicaError
 
 __all__ = [
     "Engine",
+    "EngineSampling",
     "EngineStats",
     "FinishReason",
     "GenerationRequest",
     "GenerationResult",
     "RequestRejectedError",
-    "SamplingParams",
     "Timings",
 ]
 
@@ -34,7 +34,9 @@ class RequestRejectedError(ReplicaError, ValueError):
     """The request itself is wrong (too long, bad token id): the client's mistake, an HTTP 400."""
 
 
-class SamplingParams(BaseModel):
+class EngineSampling(BaseModel):
+    """How the engine samples one request's tokens (the server maps each API's fields here)."""
+
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     temperature: float = Field(default=1.0, ge=0.0)  # 0 = greedy
@@ -52,7 +54,7 @@ class GenerationRequest(BaseModel):
     request_id: str
     prompt_ids: list[int] = Field(min_length=1)
     max_tokens: int = Field(default=16, ge=1)
-    sampling: SamplingParams = Field(default_factory=SamplingParams)
+    sampling: EngineSampling = Field(default_factory=EngineSampling)
     seed: int | None = None  # None: a fresh random seed per request
     stop_token_ids: list[int] = Field(default_factory=list)  # besides the model's eos
     ignore_eos: bool = False

@@ -6,8 +6,12 @@ Endpoints:
 - ``POST /generate`` (SGLang)
 - ``GET /health``, ``GET /v1/models``, ``GET /metrics`` (Prometheus, ``rolloutbus_replica_*``)
 
-A client mistake is an HTTP 400 whose JSON ``error.message`` names the field; an engine
-failure is a 500; a dead engine makes ``/health`` answer 503.
+Requests and responses are the wire models of ``rolloutbus.schemas.inference``, the same
+ones the LLM client builds and reads. A client mistake is an HTTP 400 whose JSON
+``error.message`` names the field: an unknown field, an invalid value, or a value the engine
+cannot honour (``n > 1``, ``stream``, stop strings...), so a client never silently gets
+something other than it asked for. An engine failure is a 500; a dead engine makes
+``/health`` answer 503.
 """
 
 from __future__ import annotations
@@ -23,31 +27,46 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 
 from rolloutbus.config import Config
 from rolloutbus.errors import ReplicaError
 from rolloutbus.replica.generation import (
+    MAX_TOP_LOGPROBS,
     Engine,
+    EngineSampling,
     GenerationRequest,
     GenerationResult,
     RequestRejectedError,
-    SamplingParams,
 )
-from rolloutbus.replica.protocol import (
-    CompletionBody,
-    GenerateBody,
-    SGLangGenerateBody,
-    UpdateWeightVersionBody,
-    describe_validation_error,
+from rolloutbus.schemas.inference import (
+    SglangGenerateRequest,
+    SglangGenerateResponse,
+    SglangMetaInfo,
+    UpdateWeightVersionRequest,
+    Usage,
+    VllmCompletionChoice,
+    VllmCompletionLogprobs,
+    VllmCompletionRequest,
+    VllmCompletionResponse,
+    VllmGenerateChoice,
+    VllmGenerateLogprob,
+    VllmGenerateLogprobs,
+    VllmGenerateRequest,
+    VllmGenerateResponse,
+    VllmSamplingFields,
+    VllmTopLogprob,
+    WeightVersionSpan,
+    WireModel,
 )
 
-__all__ = ["ReplicaHandle", "build_app", "replica_in_thread", "serve_replica", "start_replica"]
+__all__ = ["ReplicaHandle", "build_app", "replica_in_thread", "serve_replica", "start_replica",
+           "validate_request_body"]
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +95,8 @@ class WeightVersion:
 
     value: int | str = 0
 
-    def spans(self, num_tokens: int) -> list[dict[str, Any]]:
-        return [{"version": self.value, "start": 0, "end": num_tokens}]
+    def spans(self, num_tokens: int) -> list[WeightVersionSpan]:
+        return [WeightVersionSpan(version=self.value, start=0, end=num_tokens)]
 
 
 WEIGHT_VERSION_KEY = web.AppKey("weight_version", WeightVersion)
@@ -115,18 +134,94 @@ async def _problems_as_json(request: web.Request, handler: Handler) -> web.Strea
         return HTTPProblem(500, str(exc)).response()
 
 
-async def _parse(request: web.Request, model: type[BaseModel]) -> Any:
+Body = TypeVar("Body", bound=WireModel)
+GenerateBody = VllmCompletionRequest | VllmGenerateRequest | SglangGenerateRequest
+
+
+async def _parse(request: web.Request, model: type[Body]) -> Body:
     try:
         raw = await request.json()
     except json.JSONDecodeError as exc:
         raise HTTPProblem(400, f"request body is not valid JSON: {exc}") from exc
     if not isinstance(raw, dict):
         raise HTTPProblem(400, f"request body must be a JSON object, got {type(raw).__name__}")
+    return validate_request_body(model, raw)
+
+
+def validate_request_body(model: type[Body], raw: dict[str, Any]) -> Body:
+    """A request body as this replica accepts it, or an ``HTTPProblem`` (400) naming the field.
+
+    As vLLM does, a field the wire model does not declare is ignored with a warning that
+    names it (vLLM clients send fields such as ``user`` or ``stream_options``); a declared
+    field with a bad value, or a value the engine cannot honour, is refused.
+    """
     try:
-        return model.model_validate(raw)
+        body = model.model_validate(raw)
     except ValidationError as exc:
-        message, param = describe_validation_error(exc)
-        raise HTTPProblem(400, message, param) from exc
+        unknown = _unknown_fields(exc)
+        if unknown is None:
+            message, param = _describe_validation_error(exc)
+            raise HTTPProblem(400, message, param) from exc
+        log.warning("ignoring request fields this replica does not know: %s", ", ".join(unknown))
+        body = model.model_validate(raw, extra="ignore")
+    if isinstance(body, GenerateBody):
+        _refuse_unsupported(body)
+    return body
+
+
+def _unknown_fields(exc: ValidationError) -> list[str] | None:
+    """The undeclared fields, when they are the only thing wrong with a body; else None."""
+    errors = exc.errors()
+    if not errors or any(e["type"] != "extra_forbidden" for e in errors):
+        return None
+    return [".".join(str(part) for part in e["loc"]) for e in errors]
+
+
+def _refuse_unsupported(body: GenerateBody) -> None:
+    """Values the engine cannot honour: one sample, no streaming, stop token ids only."""
+    # /v1/completions carries its sampling fields at the top level; the others nest them.
+    sampling = body if isinstance(body, VllmCompletionRequest) else body.sampling_params
+    at = "" if sampling is body else "sampling_params."
+    _only(f"{at}n", sampling.n, 1, "; send n requests")
+    _only("stream", body.stream, False)
+    if sampling.stop:
+        raise HTTPProblem(400, "stop strings are not supported by the embedded replica; use stop_token_ids", f"{at}stop")
+    if isinstance(sampling, VllmSamplingFields):
+        _only(f"{at}prompt_logprobs", sampling.prompt_logprobs, None)
+        _at_most(f"{at}logprobs", sampling.logprobs, MAX_TOP_LOGPROBS)
+    if isinstance(body, VllmCompletionRequest):
+        _only("best_of", body.best_of, 1)
+        _only("echo", body.echo, False)
+        _only("use_beam_search", body.use_beam_search, False)
+    if isinstance(body, SglangGenerateRequest):
+        _at_most("top_logprobs_num", body.top_logprobs_num, MAX_TOP_LOGPROBS)
+
+
+def _only(field: str, value: Any, honoured: Any, hint: str = "") -> None:
+    if value not in (None, honoured):
+        raise HTTPProblem(400, f"{field}={value!r} is not supported by the embedded replica{hint}", field)
+
+
+def _at_most(field: str, value: int | None, limit: int) -> None:
+    if value is not None and value > limit:
+        raise HTTPProblem(400, f"field '{field}': at most {limit} alternatives per token (vLLM's --max-logprobs default), got {value}", field)
+
+
+def _describe_validation_error(exc: ValidationError) -> tuple[str, str | None]:
+    """('field 'x': problem; ...', first field name) for an HTTP 400 body."""
+    parts, first = [], None
+    for err in exc.errors():
+        loc = _drop_union_tags(err["loc"])
+        message = err["msg"].removeprefix("Value error, ")
+        parts.append(f"field '{loc}': {message}" if loc else message)
+        first = first or loc or None
+    return "; ".join(dict.fromkeys(parts)), first
+
+
+def _drop_union_tags(loc: tuple[Any, ...]) -> str:
+    # pydantic adds the union member ("list[int]") to the location; the client never wrote it.
+    keep = [str(p) for p in loc if not (isinstance(p, str) and ("[" in p or p in {"str", "int"}))]
+    return ".".join(keep)
 
 
 def _check_model(engine: Engine, requested: str | None) -> None:
@@ -221,17 +316,13 @@ async def _generate(request: web.Request, gen: GenerationRequest) -> GenerationR
     return result
 
 
-def _sampling(temperature: float | None, top_p: float | None, top_k: int | None) -> SamplingParams:
-    return SamplingParams(
-        temperature=1.0 if temperature is None else temperature,
-        top_p=1.0 if top_p is None else top_p,
-        top_k=-1 if top_k is None else top_k,
-    )
+def _sampling(temperature: float, top_p: float, top_k: int) -> EngineSampling:
+    return EngineSampling(temperature=temperature, top_p=top_p, top_k=top_k)
 
 
-def _usage(result: GenerationResult) -> dict[str, int]:
+def _usage(result: GenerationResult) -> Usage:
     prompt, completion = len(result.prompt_ids), len(result.token_ids)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
 def _decode(engine: Engine, token_ids: list[int], skip_special: bool = True) -> str:
@@ -249,7 +340,7 @@ def _new_id(prefix: str) -> str:
 
 async def completions(request: web.Request) -> web.Response:
     engine = request.app[ENGINE_KEY]
-    body: CompletionBody = await _parse(request, CompletionBody)
+    body = await _parse(request, VllmCompletionRequest)
     _check_model(engine, body.model)
     prompt_ids = _prompt_ids(engine, body.prompt)
     request_id = body.request_id or request.headers.get("X-Request-Id") or _new_id("cmpl")
@@ -269,7 +360,7 @@ def _prompt_ids(engine: Engine, prompt: list[int] | str) -> list[int]:
     return engine.tokenizer.encode(prompt, add_special_tokens=False)
 
 
-def _completion_generation(body: CompletionBody, request_id: str, prompt_ids: list[int], max_tokens: int) -> GenerationRequest:
+def _completion_generation(body: VllmCompletionRequest, request_id: str, prompt_ids: list[int], max_tokens: int) -> GenerationRequest:
     return GenerationRequest(
         request_id=request_id,
         prompt_ids=prompt_ids,
@@ -282,32 +373,33 @@ def _completion_generation(body: CompletionBody, request_id: str, prompt_ids: li
     )
 
 
-def _completion_response(engine: Engine, body: CompletionBody, request_id: str, result: GenerationResult,
+def _completion_response(engine: Engine, body: VllmCompletionRequest, request_id: str, result: GenerationResult,
                          weight_version: WeightVersion) -> dict[str, Any]:
-    choice = {
-        "index": 0,
-        "text": _decode(engine, result.token_ids, body.skip_special_tokens),
-        "logprobs": _completion_logprobs(engine, body, result) if body.logprobs is not None else None,
-        "finish_reason": result.finish_reason,
-        "stop_reason": result.stop_reason,
-        "token_ids": result.token_ids if body.return_token_ids else None,
-        "prompt_token_ids": result.prompt_ids if body.return_token_ids else None,
-        "prompt_logprobs": None,
-    }
-    if body.return_weight_versions:
-        choice["weight_versions"] = weight_version.spans(len(result.token_ids))
-    return {
-        "id": request_id if request_id.startswith("cmpl") else f"cmpl-{request_id}",
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": engine.model_name,
-        "choices": [choice],
-        "usage": _usage(result),
-        "system_fingerprint": None,
-    }
+    # Left out (not null) unless the request set return_weight_versions.
+    versions: dict[str, Any] = {"weight_versions": weight_version.spans(len(result.token_ids))} if body.return_weight_versions else {}
+    choice = VllmCompletionChoice(
+        index=0,
+        text=_decode(engine, result.token_ids, body.skip_special_tokens),
+        logprobs=_completion_logprobs(engine, body, result) if body.logprobs is not None else None,
+        finish_reason=result.finish_reason,
+        stop_reason=result.stop_reason,
+        token_ids=result.token_ids if body.return_token_ids else None,
+        prompt_token_ids=result.prompt_ids if body.return_token_ids else None,
+        prompt_logprobs=None,
+        **versions,
+    )
+    return VllmCompletionResponse(
+        id=request_id if request_id.startswith("cmpl") else f"cmpl-{request_id}",
+        object="text_completion",
+        created=int(time.time()),
+        model=engine.model_name,
+        choices=[choice],
+        usage=_usage(result),
+        system_fingerprint=None,
+    ).to_json()
 
 
-def _completion_logprobs(engine: Engine, body: CompletionBody, result: GenerationResult) -> dict[str, Any]:
+def _completion_logprobs(engine: Engine, body: VllmCompletionRequest, result: GenerationResult) -> VllmCompletionLogprobs:
     as_ids = body.return_tokens_as_token_ids or engine.tokenizer is None
 
     def name(token_id: int) -> str:
@@ -319,12 +411,13 @@ def _completion_logprobs(engine: Engine, body: CompletionBody, result: Generatio
     for token in tokens:  # offsets into the returned text, as vLLM reports them without echo
         offsets.append(offset)
         offset += 0 if as_ids else len(token)
-    return {
-        "tokens": tokens,
-        "token_logprobs": result.logprobs,
-        "top_logprobs": [{name(t): lp for t, lp in top.items()} for top in tops],
-        "text_offset": offsets,
-    }
+    token_logprobs: list[float | None] = list(result.logprobs)
+    return VllmCompletionLogprobs(
+        tokens=tokens,
+        token_logprobs=token_logprobs,
+        top_logprobs=[{name(t): lp for t, lp in top.items()} for top in tops],
+        text_offset=offsets,
+    )
 
 
 # -- POST /inference/v1/generate ------------------------------------------------------------
@@ -332,7 +425,7 @@ def _completion_logprobs(engine: Engine, body: CompletionBody, result: Generatio
 
 async def vllm_generate(request: web.Request) -> web.Response:
     engine = request.app[ENGINE_KEY]
-    body: GenerateBody = await _parse(request, GenerateBody)
+    body = await _parse(request, VllmGenerateRequest)
     _check_model(engine, body.model)
     sp = body.sampling_params
     request_id = body.request_id or _new_id("gen")
@@ -347,35 +440,35 @@ async def vllm_generate(request: web.Request) -> web.Response:
         top_logprobs=sp.logprobs or 0,
     )
     result = await _generate(request, gen)
-    choice = {
-        "index": 0,
-        "finish_reason": result.finish_reason,
-        "stop_reason": result.stop_reason,
-        "token_ids": result.token_ids,
-        "logprobs": _generate_logprobs(result) if sp.logprobs is not None else None,
-        "weight_versions": request.app[WEIGHT_VERSION_KEY].spans(len(result.token_ids)),
-    }
-    return web.json_response({
-        "request_id": request_id,
-        "model": engine.model_name,
-        "created": int(time.time()),
-        "choices": [choice],
-        "usage": _usage(result),
-        "prompt_token_ids": None,
-        "prompt_logprobs": None,
-    })
+    choice = VllmGenerateChoice(
+        index=0,
+        finish_reason=result.finish_reason,
+        stop_reason=result.stop_reason,
+        token_ids=result.token_ids,
+        logprobs=_generate_logprobs(result) if sp.logprobs is not None else None,
+        weight_versions=request.app[WEIGHT_VERSION_KEY].spans(len(result.token_ids)),
+    )
+    return web.json_response(VllmGenerateResponse(
+        request_id=request_id,
+        model=engine.model_name,
+        created=int(time.time()),
+        choices=[choice],
+        usage=_usage(result),
+        prompt_token_ids=None,
+        prompt_logprobs=None,
+    ).to_json())
 
 
-def _generate_logprobs(result: GenerationResult) -> dict[str, Any]:
+def _generate_logprobs(result: GenerationResult) -> VllmGenerateLogprobs:
     content = []
     for i, (token, logprob) in enumerate(zip(result.token_ids, result.logprobs, strict=True)):
         top = result.top_logprobs[i] if result.top_logprobs else {}
-        content.append({
-            "token_id": token,
-            "logprob": logprob,
-            "top_logprobs": [{"token_id": t, "logprob": lp} for t, lp in top.items()],
-        })
-    return {"content": content}
+        content.append(VllmGenerateLogprob(
+            token_id=token,
+            logprob=logprob,
+            top_logprobs=[VllmTopLogprob(token_id=t, logprob=lp) for t, lp in top.items()],
+        ))
+    return VllmGenerateLogprobs(content=content)
 
 
 # -- POST /generate (SGLang) ------------------------------------------------------------------
@@ -383,7 +476,7 @@ def _generate_logprobs(result: GenerationResult) -> dict[str, Any]:
 
 async def sglang_generate(request: web.Request) -> web.Response:
     engine = request.app[ENGINE_KEY]
-    body: SGLangGenerateBody = await _parse(request, SGLangGenerateBody)
+    body = await _parse(request, SglangGenerateRequest)
     sp = body.sampling_params
     rid = body.rid or uuid.uuid4().hex
     gen = GenerationRequest(
@@ -397,19 +490,22 @@ async def sglang_generate(request: web.Request) -> web.Response:
         top_logprobs=body.top_logprobs_num if body.return_logprob else 0,
     )
     result = await _generate(request, gen)
-    meta: dict[str, Any] = {
-        "id": rid,
-        "finish_reason": _sglang_finish_reason(result),
-        "prompt_tokens": len(result.prompt_ids),
-        "completion_tokens": len(result.token_ids),
-        "cached_tokens": 0,
-        "e2e_latency": result.timings.e2e_s,
-        "weight_version": request.app[WEIGHT_VERSION_KEY].value,
-    }
+    logprobs: dict[str, Any] = {}
     if body.return_logprob:
-        meta["output_token_logprobs"] = [[lp, t, None] for t, lp in zip(result.token_ids, result.logprobs, strict=True)]
-        meta["input_token_logprobs"] = None
-    return web.json_response({"text": _decode(engine, result.token_ids), "output_ids": result.token_ids, "meta_info": meta})
+        logprobs = {"output_token_logprobs": [[lp, t, None] for t, lp in zip(result.token_ids, result.logprobs, strict=True)],
+                    "input_token_logprobs": None}
+    meta = SglangMetaInfo(
+        id=rid,
+        finish_reason=_sglang_finish_reason(result),
+        prompt_tokens=len(result.prompt_ids),
+        completion_tokens=len(result.token_ids),
+        cached_tokens=0,
+        e2e_latency=result.timings.e2e_s,
+        weight_version=request.app[WEIGHT_VERSION_KEY].value,
+        **logprobs,
+    )
+    response = SglangGenerateResponse(text=_decode(engine, result.token_ids), output_ids=result.token_ids, meta_info=meta)
+    return web.json_response(response.to_json())
 
 
 def _sglang_finish_reason(result: GenerationResult) -> dict[str, Any]:
@@ -445,7 +541,7 @@ async def models(request: web.Request) -> web.Response:
 
 
 async def update_weight_version(request: web.Request) -> web.Response:
-    body: UpdateWeightVersionBody = await _parse(request, UpdateWeightVersionBody)
+    body = await _parse(request, UpdateWeightVersionRequest)
     request.app[WEIGHT_VERSION_KEY].value = body.new_version
     return web.json_response({"weight_version": body.new_version})
 
@@ -498,7 +594,7 @@ class ReplicaHandle:
 
 
 async def start_replica(cfg: Config, engine: Engine | None = None) -> ReplicaHandle:
-    """Start a replica on ``cfg.replica.host:port`` (port 0: any free port).
+    """Start a replica on ``cfg.replica_server.host:port`` (port 0: any free port).
 
     Without ``engine``, loads ``cfg.model`` into a ``DecodeEngine``.
     """
@@ -510,13 +606,13 @@ async def start_replica(cfg: Config, engine: Engine | None = None) -> ReplicaHan
     # handler_cancellation: a client that hangs up aborts its request in the engine.
     runner = web.AppRunner(build_app(engine), handler_cancellation=True, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, cfg.replica.host, cfg.replica.port)
+    site = web.TCPSite(runner, cfg.replica_server.host, cfg.replica_server.port)
     try:
         await site.start()
     except OSError as exc:
         await runner.cleanup()
         engine.stop()
-        raise ReplicaError(f"cannot listen on {cfg.replica.host}:{cfg.replica.port}: {exc}") from exc
+        raise ReplicaError(f"cannot listen on {cfg.replica_server.host}:{cfg.replica_server.port}: {exc}") from exc
     host, port = runner.addresses[0][:2]
     return ReplicaHandle(url=f"http://{host}:{port}", engine=engine, runner=runner)
 

@@ -1,14 +1,14 @@
 """Agent-loop registry and routing by ``agent_name`` (verl's ``@register`` + YAML list).
 
 The registry is a process-local dict, as in verl: ``{name: {"_target_": "module.qualname",
-**constructor_kwargs}}``. Built-in loops register themselves when
-``rolloutbus.streams.agent_loop`` is imported; custom loops come from ``@register`` or
-from the YAML file named by ``rollout.agent.agent_loop_config_path``.
+**constructor_kwargs}}``; ``_target_`` takes any form ``rolloutbus.streams.plugins`` accepts
+(``module.qualname``, ``module:qualname``, ``file.py:qualname``). Built-in loops register
+themselves when ``rolloutbus.streams.agent_loop`` is imported; custom loops come from
+``@register`` or from the YAML file named by ``rollout.agent.agent_loop_config_path``.
 """
 
 from __future__ import annotations
 
-import importlib
 import logging
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 import yaml
 
 from rolloutbus.errors import AgentLoopError, UnknownAgentLoopError
+from rolloutbus.streams.plugins import import_object
 
 logger = logging.getLogger(__name__)
 
@@ -97,26 +98,5 @@ def create_agent_loop(agent_name: Any, **ctor_kwargs: Any) -> Any:
             f"agent loop {agent_name!r} is not registered; registered: {registered}"
         )
     spec = dict(_agent_loop_registry[agent_name])
-    cls = _import_target(agent_name, spec.pop("_target_"))
+    cls = import_object(spec.pop("_target_"), what=f"agent loop {agent_name!r}", kind="callable")
     return cls(**{**spec, **ctor_kwargs})
-
-
-def _import_target(agent_name: str, target: str) -> type:
-    """Import ``module.qualname``, also for nested classes (``module.Outer.Inner``)."""
-    parts = target.split(".")
-    for cut in range(len(parts) - 1, 0, -1):
-        module_name = ".".join(parts[:cut])
-        try:
-            obj: Any = importlib.import_module(module_name)
-        except ModuleNotFoundError as exc:
-            if exc.name and not module_name.startswith(exc.name):
-                # the module exists but one of its own imports is missing
-                raise AgentLoopError(f"agent loop {agent_name!r}: importing {target!r} failed: {exc}") from exc
-            continue
-        try:
-            for part in parts[cut:]:
-                obj = getattr(obj, part)
-        except AttributeError as exc:
-            raise AgentLoopError(f"agent loop {agent_name!r}: {target!r} not found") from exc
-        return obj
-    raise AgentLoopError(f"agent loop {agent_name!r}: cannot import {target!r}")

@@ -15,6 +15,7 @@ from typing import Any
 
 from rolloutbus.errors import AgentLoopError
 from rolloutbus.schemas.agent_loop import AgentLoopOutput
+from rolloutbus.streams.plugins import import_object
 
 ComputeScore = Callable[[str, str, Any, dict[str, Any] | None], float | dict[str, Any]]
 
@@ -33,6 +34,16 @@ def register_reward(*data_sources: str) -> Callable[[ComputeScore], ComputeScore
         return fn
 
     return decorator
+
+
+def load_reward_fn(path: str, *data_sources: str) -> ComputeScore:
+    """Import a ``compute_score`` function by path (verl's ``custom_reward_function``).
+
+    ``path`` is ``package.module.fn``, ``package.module:fn`` or ``path/to/file.py:fn``.
+    With ``data_sources`` (``"default"`` for the rest) it is also registered for them.
+    """
+    fn = import_object(path, what="reward function", kind="callable")
+    return register_reward(*data_sources)(fn)
 
 
 def get_reward_fn(data_source: str | None) -> ComputeScore:
@@ -89,7 +100,7 @@ def score_outputs(
     last = outputs[-1]
     if last.reward_score is None:
         start = time.perf_counter()
-        data_source = row.get("data_source")
+        data_source = row.get("data_source") or ""  # verl always passes a string
         fn = compute_score or get_reward_fn(data_source)
         solution_str = tokenizer.decode(last.response_ids, skip_special_tokens=True)
         ground_truth = (row.get("reward_model") or {}).get("ground_truth")

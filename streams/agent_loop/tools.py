@@ -14,14 +14,11 @@ from __future__ import annotations
 
 import ast
 import asyncio
-import importlib
-import importlib.util
 import inspect
 import json
 import math
 import operator
 import re
-import sys
 import typing
 import uuid
 from collections.abc import Callable
@@ -32,6 +29,7 @@ import yaml
 from pydantic import BaseModel
 
 from rolloutbus.errors import AgentLoopError
+from rolloutbus.streams.plugins import import_module, import_object
 
 
 class ToolResponse(BaseModel):
@@ -170,26 +168,16 @@ def load_function_tools(path_or_module: str) -> list[FunctionTool]:
 
     A module may list its tools in ``__all__`` to choose them.
     """
-    module = _import_module(path_or_module)
+    what = "function tools (rollout.multi_turn.function_tool_path)"
+    module = import_module(path_or_module, what=what)
     names = getattr(module, "__all__", None) or [
         n for n, obj in vars(module).items()
         if not n.startswith("_") and inspect.isfunction(obj) and obj.__module__ == module.__name__
     ]
-    return [FunctionTool(getattr(module, n)) for n in names]
-
-
-def _import_module(path_or_module: str):
-    path = Path(path_or_module)
-    if path.suffix == ".py":
-        if not path.is_file():
-            raise AgentLoopError(f"function tool file not found: {path}")
-        name = f"rolloutbus_function_tools_{abs(hash(str(path.resolve())))}"
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-        return module
-    return importlib.import_module(path_or_module)
+    # through the importer so that an ``__all__`` entry that is missing or not callable is
+    # the same clear error as any other plug-in path
+    return [FunctionTool(import_object(f"{module.__name__}:{n}", what=what, kind="callable"))
+            for n in names]
 
 
 # ---- YAML tool config (verl's format) --------------------------------------------------
@@ -206,11 +194,8 @@ def load_tools_from_config(path: str | Path) -> list[BaseTool]:
     for i, entry in enumerate(data.get("tools") or []):
         if "class_name" not in entry:
             raise AgentLoopError(f"tool config {path}, entry {i}: needs class_name")
-        module_name, _, cls_name = entry["class_name"].rpartition(".")
-        try:
-            cls = getattr(importlib.import_module(module_name), cls_name)
-        except (ImportError, AttributeError) as exc:
-            raise AgentLoopError(f"tool config {path}: cannot import {entry['class_name']!r}: {exc}") from exc
+        cls = import_object(entry["class_name"], what=f"tool class (tool config {path}, entry {i})",
+                            kind="class")
         tools.append(cls(config=entry.get("config") or {}, tool_schema=entry.get("tool_schema")))
     return tools
 
@@ -237,11 +222,13 @@ MAX_EXPONENT = 100  # a bigger power is rejected: 10**10**10 would hang the work
 MAX_EXPRESSION_CHARS = 500  # longer input is rejected before parsing
 MAX_RESULT_DIGITS = 1000  # an integer result longer than this is rejected
 
-_BINARY_OPS = {
+_BINARY_OPS: dict[type[ast.operator], Callable[[Any, Any], Any]] = {
     ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
     ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow,
 }
-_UNARY_OPS = {ast.USub: operator.neg, ast.UAdd: operator.pos}
+_UNARY_OPS: dict[type[ast.unaryop], Callable[[Any], Any]] = {
+    ast.USub: operator.neg, ast.UAdd: operator.pos,
+}
 
 
 def evaluate_arithmetic(expression: str) -> int | float:
@@ -257,8 +244,9 @@ def evaluate_arithmetic(expression: str) -> int | float:
 
 
 def _eval_node(node: ast.AST) -> int | float:
-    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
-        return node.value
+    value = node.value if isinstance(node, ast.Constant) else None
+    if isinstance(value, int | float) and not isinstance(value, bool):  # True is an int too
+        return value
     if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY_OPS:
         return _UNARY_OPS[type(node.op)](_eval_node(node.operand))
     if isinstance(node, ast.BinOp) and type(node.op) in _BINARY_OPS:

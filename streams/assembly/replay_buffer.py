@@ -7,13 +7,14 @@ with confluent-kafka; Faust's exactly-once mode is experimental upstream). Per p
 2. begin a transaction; produce every trajectory of those groups (and any dead letters);
 3. send the consumer offsets to the transaction: per partition, the low watermark (first
    event of the oldest open group) with metadata naming the trajectory offset from which
-   a restart must rescan to learn which later groups were already released;
+   a restart must read to learn which later groups were already released;
 4. commit the transaction. Trainers read with isolation.level=read_committed.
 
-On partition assignment the processor reads that metadata, rescans the trajectory
-partition from the named offset (or from ``rescan_lookback_s`` ago, if earlier: a prompt
-redelivered to a restarted session worker re-runs a group that may have been released
-before the rescan point), and skips the groups it finds there. A uid maps to the
+On partition assignment the processor runs *released-groups recovery*: it reads the
+trajectory partition from the offset named in that metadata (or from
+``rescan_lookback_s`` ago, if earlier: a prompt redelivered to a restarted session worker
+re-runs a group that may have been released before that offset) and remembers the uids
+it finds there as released, so they are never released twice. A uid maps to the
 same partition number on every topic, so partition p of the turns feeds partition p of
 the trajectories and one transactional writer owns it.
 """
@@ -27,21 +28,22 @@ import threading
 import time
 from typing import Any
 
-from confluent_kafka import (
-    Consumer,
-    KafkaError,
-    KafkaException,
-    Message,
-    Producer,
-    TopicPartition,
-)
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
 from pydantic import ValidationError
 
 from rolloutbus.config import Config
-from rolloutbus.errors import BrokerError
+from rolloutbus.kafka.clients import (
+    broker_error,
+    consume_records,
+    message_location,
+    read_committed_consumer,
+    record_position,
+    transactional_producer,
+    translate_kafka_errors,
+)
+from rolloutbus.kafka.dead_letters import DeadLetterRecord, DeadLetterWriter
 from rolloutbus.kafka.partition_reader import read_partition
 from rolloutbus.metrics import ReplayBufferMetrics, start_metrics_server
-from rolloutbus.schemas.dlq import DeadLetter
 from rolloutbus.schemas.trajectories import Trajectory, encode_trajectories
 from rolloutbus.schemas.turns import decode_turn_event
 from rolloutbus.streams.assembly.partition_fold import PartitionFold, ReleasedGroup
@@ -59,6 +61,9 @@ BATCH_WINDOW_S = 0.1
 BATCH_MAX_RECORDS = 5000
 COMMIT_IDLE_S = 5.0  # seconds between watermark-only commits when nothing is released
 TXN_TIMEOUT_S = 30.0  # seconds for init/commit of a transaction
+LINGER_MS = 5  # ms a record waits to batch; small, since each batch is flushed by its commit
+ANY_PARTITION = -1  # an outgoing record the producer's partitioner places (dead letters)
+FENCED_OR_DOWN_HINT = "fenced by a newer worker with the same transactional id, or the broker is down"
 
 
 class ReplayBuffer:
@@ -68,22 +73,12 @@ class ReplayBuffer:
         self.metrics = metrics or ReplayBufferMetrics()
         self.partitions: dict[int, PartitionFold] = {}
         self._stop = threading.Event()
-        self._consumer = Consumer({
-            **cfg.kafka.client_settings(),
-            "group.id": cfg.replay_buffer.group_id,
-            "enable.auto.commit": False,
-            "isolation.level": "read_committed",
-            "auto.offset.reset": "earliest",
-            "fetch.max.bytes": cfg.kafka.max_message_bytes,
-            "max.partition.fetch.bytes": cfg.kafka.max_message_bytes,
-        })
-        self._producer = Producer({
-            **cfg.kafka.client_settings(),
-            "transactional.id": cfg.replay_buffer.transactional_id,
-            "message.max.bytes": cfg.kafka.max_message_bytes,
-            "linger.ms": 5,
-            "compression.type": "lz4",
-        })
+        self._consumer = read_committed_consumer(cfg.kafka, cfg.replay_buffer.group_id,
+                                                 overrides={"auto.offset.reset": "earliest"})
+        self._producer = transactional_producer(cfg.kafka, cfg.replay_buffer.transactional_id,
+                                                {"linger.ms": LINGER_MS, "compression.type": "lz4"})
+        # letters are produced by _commit, inside the batch's transaction
+        self._dead_letters = DeadLetterWriter(cfg.kafka, stage="replay_buffer", producer=self._producer)
         self._dirty = False
         self._last_commit = time.monotonic()
 
@@ -93,11 +88,9 @@ class ReplayBuffer:
 
     def run(self) -> None:
         """Consume until stop(); every exit path closes the consumer (leaving the group)."""
-        try:
+        with translate_kafka_errors(f"replay buffer: init_transactions for "
+                                    f"{self.cfg.replay_buffer.transactional_id!r}"):
             self._producer.init_transactions(TXN_TIMEOUT_S)
-        except KafkaException as exc:
-            raise BrokerError(f"replay buffer: init_transactions for "
-                              f"{self.cfg.replay_buffer.transactional_id!r} failed: {exc}") from exc
         self._consumer.subscribe([self.topics.turns], on_assign=self._on_assign,
                                  on_revoke=self._on_revoke, on_lost=self._on_revoke)
         log.info("replay buffer consuming %s", self.topics.turns)
@@ -121,10 +114,10 @@ class ReplayBuffer:
         return len(messages)
 
     def _poll_batch(self) -> list[Message]:
-        messages = self._consumer.consume(POLL_BATCH, POLL_TIMEOUT_S)
+        messages = consume_records(self._consumer, POLL_BATCH, POLL_TIMEOUT_S)
         deadline = time.monotonic() + BATCH_WINDOW_S
         while messages and len(messages) < BATCH_MAX_RECORDS and time.monotonic() < deadline:
-            more = self._consumer.consume(POLL_BATCH, max(0.0, deadline - time.monotonic()))
+            more = consume_records(self._consumer, POLL_BATCH, max(0.0, deadline - time.monotonic()))
             if not more:
                 break
             messages.extend(more)
@@ -132,17 +125,13 @@ class ReplayBuffer:
 
     # -- folding ---------------------------------------------------------------
     def _fold_message(self, msg: Message) -> list[tuple[str, str, bytes, int]]:
-        if msg.error():
-            if msg.error().code() == KafkaError._PARTITION_EOF:
-                return []
-            raise BrokerError(f"consuming {self.topics.turns}: {msg.error()}")
-        part, offset = msg.partition(), msg.offset()
+        part, offset = record_position(msg)
         state = self.partitions.get(part)
         if state is None:
             return []  # revoked meanwhile
         self._dirty = True
         try:
-            event = decode_turn_event(msg.value())
+            event = decode_turn_event(msg.value() or b"")  # a null value is dead-lettered too
         except ValidationError as exc:
             state.next_offset = offset + 1
             self.metrics.dead_letters.inc()
@@ -165,18 +154,15 @@ class ReplayBuffer:
 
     def _invariant_letter(self, t: Trajectory, problems: list[str]) -> tuple[str, str, bytes, int]:
         reason = f"trajectory {t.key} released as failed: " + "; ".join(problems)
-        log.warning(reason)
         self.metrics.dead_letters.inc()
-        letter = DeadLetter.of(encode_trajectories([t])[0], stage="replay_buffer", reason=reason,
-                               source=f"{self.topics.trajectories} key {t.key}")
-        return (self.topics.dlq, t.key, letter.model_dump_json().encode(), -1)
+        letter = self._dead_letters.record(encode_trajectories([t])[0], reason,
+                                           source=f"{self.topics.trajectories} key {t.key}", key=t.key)
+        return _outgoing(letter)
 
     def _dead_letter(self, msg: Message, reason: str) -> tuple[str, str, bytes, int]:
-        source = f"{msg.topic()}[{msg.partition()}]@{msg.offset()}"
-        log.warning("dead letter from %s: %s", source, reason)
-        letter = DeadLetter.of(msg.value() or b"", stage="replay_buffer", reason=reason, source=source)
         key = (msg.key() or b"").decode("utf-8", "replace")
-        return (self.topics.dlq, key, letter.model_dump_json().encode(), -1)
+        letter = self._dead_letters.record(msg.value() or b"", reason, source=message_location(msg), key=key)
+        return _outgoing(letter)
 
     # -- the transaction -------------------------------------------------------
     def _commit(self, outgoing: list[tuple[str, str, bytes, int]]) -> None:
@@ -184,19 +170,20 @@ class ReplayBuffer:
 
         def on_delivery(err: KafkaError | None, msg: Message) -> None:
             if err is None and msg.topic() == self.topics.trajectories:
-                delivered[msg.partition()] = max(delivered.get(msg.partition(), -1), msg.offset())
+                partition, offset = record_position(msg)
+                delivered[partition] = max(delivered.get(partition, -1), offset)
 
         try:
             self._producer.begin_transaction()
             for topic, key, value, partition in outgoing:
-                kwargs: dict[str, Any] = {"partition": partition} if partition >= 0 else {}
+                kwargs: dict[str, Any] = {} if partition == ANY_PARTITION else {"partition": partition}
                 self._produce(topic, key, value, on_delivery, **kwargs)
             self._producer.send_offsets_to_transaction(
                 self._offsets(), self._consumer.consumer_group_metadata(), TXN_TIMEOUT_S)
             self._producer.commit_transaction(TXN_TIMEOUT_S)
         except KafkaException as exc:
             self._abort(exc)
-            raise BrokerError(f"replay buffer transaction failed (fenced or broker down): {exc}") from exc
+            raise broker_error(exc, "replay buffer transaction", hint=FENCED_OR_DOWN_HINT) from exc
         for part, last in delivered.items():
             if part in self.partitions:
                 self.partitions[part].traj_next_offset = last + 1
@@ -226,12 +213,10 @@ class ReplayBuffer:
 
     # -- rebalancing -----------------------------------------------------------
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
-        committed = consumer.committed(partitions, timeout=TXN_TIMEOUT_S)
+        with translate_kafka_errors("reading committed offsets", topic=self.topics.turns):
+            committed = consumer.committed(partitions, timeout=TXN_TIMEOUT_S)
         for tp in committed:
-            scan_from = _scan_from(tp)
-            if scan_from is not None:
-                scan_from = min(scan_from, self._lookback_offset(tp.partition))
-            released = self._released_since(tp.partition, scan_from) if scan_from is not None else set()
+            released = self._recover_released_groups(tp)
             start = tp.offset if tp.offset >= 0 else 0
             _, high = self._trajectory_watermarks(tp.partition)
             self.partitions[tp.partition] = PartitionFold(start, high, released)
@@ -242,32 +227,52 @@ class ReplayBuffer:
         for tp in partitions:
             self.partitions.pop(tp.partition, None)
 
-    def _lookback_offset(self, partition: int) -> int:
-        """First trajectory offset written within ``rescan_lookback_s`` (a bounded rescan)."""
+    # -- released-groups recovery -----------------------------------------------
+    def _recover_released_groups(self, committed: TopicPartition) -> set[str]:
+        """uids already released on this partition, read back from the trajectory topic, so
+        a group re-run after its release (a redelivered prompt) is not released again."""
+        recover_from = _committed_recovery_offset(committed)
+        if recover_from is None:
+            return set()
+        recover_from = min(recover_from, self._recovery_lookback_offset(committed.partition))
+        return self._uids_released_since(committed.partition, recover_from)
+
+    def _recovery_lookback_offset(self, partition: int) -> int:
+        """First trajectory offset written within ``rescan_lookback_s`` (a bounded read)."""
         since_ms = int((time.time() - self.cfg.replay_buffer.rescan_lookback_s) * 1000)
-        [tp] = self._consumer.offsets_for_times(
-            [TopicPartition(self.topics.trajectories, partition, since_ms)], timeout=TXN_TIMEOUT_S)
+        with translate_kafka_errors("looking up offsets by time", topic=self.topics.trajectories,
+                                    partition=partition):
+            [tp] = self._consumer.offsets_for_times(
+                [TopicPartition(self.topics.trajectories, partition, since_ms)], timeout=TXN_TIMEOUT_S)
         if tp.offset >= 0:
             return tp.offset
-        return self._trajectory_watermarks(partition)[1]  # nothing that recent: scan nothing extra
+        return self._trajectory_watermarks(partition)[1]  # nothing that recent: read nothing extra
 
     def _trajectory_watermarks(self, partition: int) -> tuple[int, int]:
         tp = TopicPartition(self.topics.trajectories, partition)
-        return self._consumer.get_watermark_offsets(tp, timeout=TXN_TIMEOUT_S, cached=False)
+        with translate_kafka_errors("reading watermarks", topic=tp.topic, partition=partition):
+            return self._consumer.get_watermark_offsets(tp, timeout=TXN_TIMEOUT_S, cached=False)
 
-    def _released_since(self, partition: int, scan_from: int) -> set[str]:
-        """uids whose trajectories were committed to ``partition`` at or after ``scan_from``."""
-        records = read_partition(self.cfg.kafka, self.topics.trajectories, partition, scan_from)
-        return {uid_of_key(msg.key().decode()) for msg in records}
+    def _uids_released_since(self, partition: int, offset: int) -> set[str]:
+        """uids whose trajectories were committed to ``partition`` at or after ``offset``."""
+        records = read_partition(self.cfg.kafka, self.topics.trajectories, partition, offset)
+        # every record the replay buffer writes there has a key
+        return {uid_of_key(key.decode()) for msg in records if (key := msg.key()) is not None}
 
 
-def _scan_from(tp: TopicPartition) -> int | None:
+def _committed_recovery_offset(tp: TopicPartition) -> int | None:
+    """Where released-groups recovery starts, from the commit metadata written by
+    ``_offsets`` (its key, ``traj_scan_from``, is stored on the broker: not renamed)."""
     if tp.offset < 0:
         return None  # never committed: nothing was released by this group
     try:
         return int(json.loads(tp.metadata or "{}").get("traj_scan_from", 0))
     except (ValueError, AttributeError):
-        return 0  # unreadable metadata: rescan the whole partition, slower but safe
+        return 0  # unreadable metadata: read the whole partition, slower but safe
+
+
+def _outgoing(letter: DeadLetterRecord) -> tuple[str, str, bytes, int]:
+    return (letter.topic, letter.key or "", letter.value, ANY_PARTITION)
 
 
 def run_replay_buffer(cfg: Config) -> None:

@@ -2,8 +2,9 @@
 
 Pure and deterministic (nothing reads a clock or a random source), so the live replay
 buffer and the offline replay (``consumers/log_replay.py``) produce byte-identical records
-from the same turn events. A trajectory that breaks an invariant of DESIGN.md §4 is not
-dropped: it is released with status ``failed`` and the violations as its error, so its
+from the same turn events. A trajectory that breaks an invariant (``violations``: mask and
+logprob lengths equal the response's, mask 0/1, logprob 0.0 on mask-0 tokens, prompt and
+response within their budgets) is not dropped: it is released with status ``failed`` and the violations as its error, so its
 group is never silently short, and the caller writes a dead letter naming the key.
 """
 

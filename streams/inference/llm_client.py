@@ -32,10 +32,10 @@ from rolloutbus.config import ReplicasConfig, RolloutConfig
 from rolloutbus.errors import NoReplicaAvailableError, ReplicaError
 from rolloutbus.metrics import PerRegistry
 from rolloutbus.schemas.agent_loop import TokenOutput
+from rolloutbus.schemas.inference import TurnSamplingParams
 from rolloutbus.streams.inference.backends import (
     Backend,
     EngineCall,
-    SamplingParams,
     backend_for,
     error_message,
 )
@@ -195,7 +195,7 @@ class LLMClient:
                 "multimodal generate() is not supported by the HTTP token-in/token-out client"
             )
         self._ensure_started()
-        params = SamplingParams.model_validate(sampling_params)
+        params = TurnSamplingParams.model_validate(sampling_params)
         max_tokens = per_turn_max_tokens(len(prompt_ids), self._rollout, params.max_tokens)
         priority = int(kwargs.get("priority") or 0)
         if not self._backend.name.startswith("vllm"):
@@ -205,7 +205,7 @@ class LLMClient:
             out = await self._resume_aborted(request_id, prompt_ids, params, max_tokens, priority, out)
         return out
 
-    async def _resume_aborted(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+    async def _resume_aborted(self, request_id: str, prompt_ids: list[int], params: TurnSamplingParams,
                               max_tokens: int, priority: int, out: TokenOutput) -> TokenOutput:
         """Partial rollout: continue an aborted turn from prompt + tokens so far.
 
@@ -235,7 +235,7 @@ class LLMClient:
                            routed_experts=out.routed_experts, stop_reason=out.stop_reason,
                            num_preempted=preempted, extra_fields=extra)
 
-    async def _generate_once(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+    async def _generate_once(self, request_id: str, prompt_ids: list[int], params: TurnSamplingParams,
                              max_tokens: int, priority: int) -> TokenOutput:
         """One turn on one replica, retried on others when a replica fails."""
         last_error: ReplicaRequestError | None = None

@@ -20,7 +20,13 @@ from pydantic import BaseModel
 
 from rolloutbus.errors import AgentLoopError, TokenDriftError
 from rolloutbus.schemas.agent_loop import AgentLoopOutput, TokenOutput
-from rolloutbus.schemas.turns import Generation, Observation, OutputSummary, SegmentStarted
+from rolloutbus.schemas.turns import (
+    Generation,
+    Observation,
+    OutputSummary,
+    SegmentStarted,
+    SessionIds,
+)
 from rolloutbus.streams.token_stream import SegmentStream
 
 Emit = Callable[[BaseModel], Awaitable[None]]
@@ -33,7 +39,7 @@ class RecordingLLMClient:
     def __init__(self, client: Any, emit: Emit, *, uid: str, session_id: int, attempt: str):
         self._client = client
         self._emit = emit
-        self._ids = {"uid": uid, "session_id": session_id, "attempt": attempt}
+        self._ids = SessionIds(uid=uid, session_id=session_id, attempt=attempt)
         self.segments: dict[int, SegmentStream] = {}
         self._turn = 0
         self._lock = asyncio.Lock()  # one session's turns are logged strictly in order
@@ -86,7 +92,7 @@ class RecordingLLMClient:
         return index
 
     def summarize(self, outputs: list[AgentLoopOutput], response_length: int) -> list[OutputSummary]:
-        """Locate each output in the logged streams (invariant 7: fold == run() result)."""
+        """Locate each output in the logged streams (so the fold of the log equals what run() returned)."""
         return [self._summarize_one(i, o) for i, o in enumerate(outputs)]
 
     def _summarize_one(self, index: int, output: AgentLoopOutput) -> OutputSummary:

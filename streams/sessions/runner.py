@@ -21,7 +21,13 @@ from rolloutbus.config import Config
 from rolloutbus.errors import AgentLoopError, RolloutBusError, UnknownAgentLoopError
 from rolloutbus.schemas.agent_loop import AgentLoopOutput
 from rolloutbus.schemas.prompts import PromptGroup
-from rolloutbus.schemas.turns import GroupStarted, SessionFailed, SessionFinished, SessionStarted
+from rolloutbus.schemas.turns import (
+    GroupStarted,
+    SessionFailed,
+    SessionFinished,
+    SessionIds,
+    SessionStarted,
+)
 from rolloutbus.streams.agent_loop import registry
 from rolloutbus.streams.agent_loop.base import DictConfigWrap
 from rolloutbus.streams.agent_loop.reward import score_outputs
@@ -59,15 +65,17 @@ async def run_group(ctx: SessionContext, group: PromptGroup, emit: Emit) -> list
     results = await asyncio.gather(
         *(run_session(ctx, group, session_id, attempt, emit) for session_id in range(group.n)),
         return_exceptions=True)
+    terminals: list[BaseModel] = []
     for result in results:
         if isinstance(result, BaseException):
             raise result  # only EmitError and cancellation get here: the log is broken
-    return list(results)
+        terminals.append(result)
+    return terminals
 
 
 async def run_session(ctx: SessionContext, group: PromptGroup, session_id: int, attempt: str,
                       emit: Emit) -> BaseModel:
-    ids = {"uid": group.uid, "session_id": session_id, "attempt": attempt}
+    ids = SessionIds(uid=group.uid, session_id=session_id, attempt=attempt)
     agent_name: str | None = None
 
     async def checked_emit(event: BaseModel) -> None:

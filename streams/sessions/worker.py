@@ -5,19 +5,22 @@ events of all its sessions are delivered (acks=all), so a crash re-runs the grou
 a new attempt id; the replay buffer folds one attempt per session and releases each
 group once, which makes the trajectory topic exactly-once downstream.
 Faust's own exactly-once mode is not used: it is still experimental upstream, with open
-duplicate-on-rebalance bugs (see shared/reference, §2).
+duplicate-on-rebalance bugs (github.com/faust-streaming/faust issues #323 and #517).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable
 from typing import Any
 
 import faust
+from faust.types import RecordMetadata
 from pydantic import BaseModel, ValidationError
 
 from rolloutbus.config import Config
+from rolloutbus.kafka.clients import record_location
 from rolloutbus.kafka.dead_letters import DeadLetterWriter
 from rolloutbus.metrics import SessionMetrics, start_metrics_server
 from rolloutbus.replica.models import load_tokenizer
@@ -70,7 +73,7 @@ def build_app(cfg: Config) -> faust.App:
     state["ready"] = asyncio.Event()
 
     @app.agent(prompts, concurrency=cfg.sessions.concurrency)
-    async def run_prompt_groups(stream: faust.Stream) -> None:
+    async def run_prompt_groups(stream: faust.StreamT) -> None:
         await state["ready"].wait()
         async for event in stream.events():
             group = _parse_group(event.value, state["dlq"], event)
@@ -83,7 +86,7 @@ def build_app(cfg: Config) -> faust.App:
 
 async def _run_and_deliver(state: dict[str, Any], group: PromptGroup, turns: faust.TopicT,
                            partitions: int) -> None:
-    pending: list[asyncio.Future] = []
+    pending: list[Awaitable[RecordMetadata]] = []
     partition = partition_for(group.uid, partitions)
 
     async def emit(event: BaseModel) -> None:
@@ -106,8 +109,9 @@ def _parse_group(value: bytes, dlq: DeadLetterWriter, event: Any) -> PromptGroup
     try:
         return PromptGroup.model_validate_json(value)
     except ValidationError as exc:
+        received = event.message  # Faust's message: topic, partition, offset as attributes
         dlq.write(value, f"prompt group does not match its schema: {exc}",
-                  source=f"{event.message.topic}[{event.message.partition}]@{event.message.offset}")
+                  source=record_location(received.topic, received.partition, received.offset))
         return None
 
 

@@ -1,0 +1,237 @@
+"""The one boundary to confluent-kafka: client factories, polling, and error translation.
+
+Every producer, consumer and admin client in Rollout Bus is made here, starting from
+:meth:`KafkaConfig.client_settings` (bootstrap plus SASL/SSL) so a secured cluster needs
+its settings in one place. Every ``KafkaException``/``KafkaError`` that reaches a caller
+becomes a :class:`BrokerError` naming ``topic[partition]@offset`` where known.
+
+Settings are built by pure ``*_settings`` functions (tested without a broker); the
+factories only hand them to confluent-kafka. Extra librdkafka settings go in
+``overrides``, which win over everything else.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer
+from confluent_kafka.admin import AdminClient
+
+from rolloutbus.config import KafkaConfig
+from rolloutbus.errors import BrokerError
+
+__all__ = [
+    "PartitionEnd",
+    "admin_client",
+    "admin_settings",
+    "broker_error",
+    "consume_records",
+    "idempotent_producer",
+    "idempotent_producer_settings",
+    "iter_records",
+    "kafka_error_code",
+    "message_location",
+    "poll_record",
+    "read_committed_consumer",
+    "read_committed_consumer_settings",
+    "record_location",
+    "record_or_partition_end",
+    "record_position",
+    "transactional_producer",
+    "transactional_producer_settings",
+    "translate_kafka_errors",
+]
+
+Overrides = Mapping[str, Any] | None
+
+
+# -- settings (pure) ---------------------------------------------------------------------
+
+
+def idempotent_producer_settings(kafka: KafkaConfig, overrides: Overrides = None) -> dict[str, Any]:
+    """No duplicates on retry, and a record counts as written only once every in-sync
+    replica has it; records up to ``kafka.max_message_bytes`` (librdkafka's default is 1 MB)."""
+    return {
+        **kafka.client_settings(),
+        "enable.idempotence": True,
+        "acks": "all",
+        "message.max.bytes": kafka.max_message_bytes,
+        **(overrides or {}),
+    }
+
+
+def transactional_producer_settings(kafka: KafkaConfig, transactional_id: str,
+                                    overrides: Overrides = None) -> dict[str, Any]:
+    """An idempotent producer with a ``transactional.id``: one live writer per id (a
+    restarted one fences the old), for consume-transform-produce exactly once."""
+    return idempotent_producer_settings(kafka, {"transactional.id": transactional_id, **(overrides or {})})
+
+
+def read_committed_consumer_settings(kafka: KafkaConfig, group_id: str, *, partition_eof: bool = False,
+                                     overrides: Overrides = None) -> dict[str, Any]:
+    """Sees only committed transactions; offsets are committed by the caller, never on a
+    timer, so a crash re-reads what was not yet used. ``partition_eof`` reports the end of
+    each assigned partition (see :class:`PartitionEnd`)."""
+    return {
+        **kafka.client_settings(),
+        "group.id": group_id,
+        "isolation.level": "read_committed",
+        "enable.auto.commit": False,
+        "enable.partition.eof": partition_eof,
+        # one record may be as large as the topics allow
+        "fetch.max.bytes": kafka.max_message_bytes,
+        "max.partition.fetch.bytes": kafka.max_message_bytes,
+        **(overrides or {}),
+    }
+
+
+def admin_settings(kafka: KafkaConfig, overrides: Overrides = None) -> dict[str, Any]:
+    return {**kafka.client_settings(), **(overrides or {})}
+
+
+# -- factories ---------------------------------------------------------------------------
+
+
+def idempotent_producer(kafka: KafkaConfig, overrides: Overrides = None) -> Producer:
+    with translate_kafka_errors(f"creating a producer for {kafka.bootstrap_servers}"):
+        return Producer(idempotent_producer_settings(kafka, overrides))
+
+
+def transactional_producer(kafka: KafkaConfig, transactional_id: str, overrides: Overrides = None) -> Producer:
+    with translate_kafka_errors(f"creating transactional producer {transactional_id!r} "
+                                f"for {kafka.bootstrap_servers}"):
+        return Producer(transactional_producer_settings(kafka, transactional_id, overrides))
+
+
+def read_committed_consumer(kafka: KafkaConfig, group_id: str, *, partition_eof: bool = False,
+                            overrides: Overrides = None) -> Consumer:
+    with translate_kafka_errors(f"creating consumer of group {group_id!r} for {kafka.bootstrap_servers}"):
+        return Consumer(read_committed_consumer_settings(kafka, group_id, partition_eof=partition_eof,
+                                                         overrides=overrides))
+
+
+def admin_client(kafka: KafkaConfig, overrides: Overrides = None) -> AdminClient:
+    with translate_kafka_errors(f"creating an admin client for {kafka.bootstrap_servers}"):
+        return AdminClient(admin_settings(kafka, overrides))
+
+
+# -- polling -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PartitionEnd:
+    """The consumer has read everything committed in one partition (``enable.partition.eof``)."""
+
+    topic: str
+    partition: int
+    offset: int
+
+
+def poll_record(consumer: Consumer, timeout_s: float) -> Message | PartitionEnd | None:
+    """One poll: a record, the end of a partition, or None if nothing came within timeout_s."""
+    msg = consumer.poll(timeout_s)
+    return None if msg is None else record_or_partition_end(msg)
+
+
+def consume_records(consumer: Consumer, max_records: int, timeout_s: float) -> list[Message]:
+    """One ``consume()`` batch, records only: partition ends are dropped."""
+    batch = (record_or_partition_end(msg) for msg in consumer.consume(max_records, timeout_s))
+    return [msg for msg in batch if not isinstance(msg, PartitionEnd)]
+
+
+def iter_records(consumer: Consumer, poll_s: float, *, idle_timeout_s: float | None = None) -> Iterator[Message]:
+    """Records as they arrive, skipping partition ends; stops after ``idle_timeout_s``
+    seconds without any (None: never)."""
+    idle_since = time.monotonic()
+    while True:
+        msg = poll_record(consumer, poll_s)
+        if msg is None:
+            if idle_timeout_s is not None and time.monotonic() - idle_since > idle_timeout_s:
+                return
+            continue
+        idle_since = time.monotonic()
+        if not isinstance(msg, PartitionEnd):
+            yield msg
+
+
+def record_or_partition_end(msg: Message) -> Message | PartitionEnd:
+    """The record itself, or a PartitionEnd; any other error raises BrokerError."""
+    err = msg.error()
+    if err is None:
+        return msg
+    if err.code() == KafkaError._PARTITION_EOF:
+        return PartitionEnd(msg.topic() or "", *record_position(msg))
+    raise broker_error(err, "consuming", topic=msg.topic(), partition=msg.partition(), offset=msg.offset())
+
+
+def record_position(msg: Message) -> tuple[int, int]:
+    """``(partition, offset)`` of a consumed record, a partition end or a delivery report:
+    librdkafka sets both on those, though its types allow None (an error event may lack them)."""
+    partition, offset = msg.partition(), msg.offset()
+    if partition is None or offset is None:
+        raise BrokerError(f"a record without partition or offset: {message_location(msg) or msg.error()}")
+    return partition, offset
+
+
+# -- errors ------------------------------------------------------------------------------
+
+
+def record_location(topic: str | None, partition: int | None = None, offset: int | None = None) -> str:
+    """``topic[partition]@offset``, leaving out what is unknown (None or librdkafka's
+    negative placeholders such as -1 for "any partition" or -1001 for "no offset")."""
+    if not topic:
+        return ""
+    if partition is None or partition < 0:
+        return topic
+    if offset is None or offset < 0:
+        return f"{topic}[{partition}]"
+    return f"{topic}[{partition}]@{offset}"
+
+
+def message_location(msg: Message) -> str:
+    return record_location(msg.topic(), msg.partition(), msg.offset())
+
+
+def broker_error(exc: KafkaException | KafkaError, action: str, *, topic: str | None = None,
+                 partition: int | None = None, offset: int | None = None, hint: str = "") -> BrokerError:
+    """The BrokerError for a confluent-kafka failure; use as ``raise broker_error(...) from exc``.
+
+    ``action`` says what was being done ("committing offsets"); ``hint`` what to check.
+    """
+    where = record_location(topic, partition, offset)
+    message = f"{action} failed" + (f" at {where}" if where else "") + f": {_describe(exc)}"
+    return BrokerError(f"{message}; {hint}" if hint else message)
+
+
+@contextmanager
+def translate_kafka_errors(action: str, *, topic: str | None = None, partition: int | None = None,
+                           offset: int | None = None, hint: str = "") -> Iterator[None]:
+    """Re-raise a ``KafkaException`` from the block as :func:`broker_error`."""
+    try:
+        yield
+    except KafkaException as exc:
+        raise broker_error(exc, action, topic=topic, partition=partition, offset=offset, hint=hint) from exc
+
+
+def kafka_error_code(exc: KafkaException | KafkaError) -> int | None:
+    err = _kafka_error(exc)
+    return err.code() if err is not None else None
+
+
+def _kafka_error(exc: KafkaException | KafkaError) -> KafkaError | None:
+    if isinstance(exc, KafkaError):
+        return exc
+    first = exc.args[0] if exc.args else None
+    return first if isinstance(first, KafkaError) else None
+
+
+def _describe(exc: KafkaException | KafkaError) -> str:
+    err = _kafka_error(exc)
+    if err is None:
+        return str(exc)
+    # the name (e.g. _TRANSPORT, TOPIC_AUTHORIZATION_FAILED) is what one searches for
+    return f"{err.str()} ({err.name()})"
