@@ -44,3 +44,9 @@ class TokenDriftError(AgentLoopError):
 
 class PromptTooLongError(AgentLoopError, ValueError):
     """A multimodal prompt exceeds ``prompt_length`` and cannot be truncated safely."""
+
+
+class SessionDivergedError(AgentLoopError):
+    """A resumed session's agent loop asked for something other than what its log holds
+    (a tool answered differently, or the loop is not deterministic): it restarts as a new
+    attempt instead of mixing the two runs."""

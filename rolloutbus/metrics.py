@@ -55,6 +55,11 @@ class SessionMetrics(PerRegistry):
         self.turn_events = Counter("rolloutbus_sessions_turn_events_total",
                                    "Events written to the turn log, by type", ["type"],
                                    registry=registry)
+        self.recovery = Counter("rolloutbus_sessions_recovery_total",
+                                "Resuming from the turn log: resumed_sessions, "
+                                "replayed_generations (turns not sampled again), "
+                                "diverged_sessions (re-run as a new attempt)", ["kind"],
+                                registry=registry)
         self.tokens = Counter("rolloutbus_sessions_tokens_total",
                               "Tokens logged, by kind: sampled (mask 1) or observed (mask 0)",
                               ["kind"], registry=registry)
@@ -79,6 +84,12 @@ class SessionMetrics(PerRegistry):
 
     def count_session(self, *, failed: bool) -> None:
         self.sessions.labels(outcome="failed" if failed else "finished").inc()
+
+    def count_recovery(self, before: dict[str, int], after: dict[str, int]) -> None:
+        """Add what resuming from the log did since ``before`` (SessionStats as a dict)."""
+        for kind, value in after.items():
+            if value > before.get(kind, 0):
+                self.recovery.labels(kind=kind).inc(value - before.get(kind, 0))
 
 
 class ReplayBufferMetrics(PerRegistry):

@@ -59,6 +59,9 @@ class GroupStarted(_Event):
     validate_: bool = Field(default=False, alias="validate")
     global_steps: Int64 = 0  # as wide as PromptGroup's: every accepted group can be logged
     policy_version: Int64 = 0
+    # the prompt group's sampling settings, so a worker that resumes the group from the log
+    # samples as the one that started it (empty in logs written before this field existed)
+    sampling_params: dict[str, Any] = Field(default_factory=dict)
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
@@ -66,6 +69,9 @@ class GroupStarted(_Event):
 class SessionStarted(_SessionEvent):
     type: Literal["session_started"] = "session_started"
     agent_name: str | None
+    # the attempt whose logged turns this one replays before it goes on live (a session
+    # resumed after a crash or a rebalance); None for a session run from its start
+    resumed_from: str | None = None
 
 
 class SegmentStarted(_SessionEvent):
@@ -88,6 +94,9 @@ class Generation(_SessionEvent):
     stop_reason: str | None = None
     num_preempted: int | None = None
     latency_s: float = 0.0
+    # the TokenOutput's extra_fields (finish reason, replica, weight version ...): a session
+    # resumed from the log gets back exactly what the replica returned
+    extra_fields: dict[str, Any] = Field(default_factory=dict)
 
 
 class Observation(_SessionEvent):

@@ -11,14 +11,16 @@ drift, reported as an error, never silently rewritten.
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections import deque
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from pydantic import BaseModel
 
-from rolloutbus.errors import AgentLoopError, TokenDriftError
+from rolloutbus.errors import AgentLoopError, SessionDivergedError, TokenDriftError
 from rolloutbus.schemas.agent_loop import AgentLoopOutput, TokenOutput
 from rolloutbus.schemas.turns import (
     Generation,
@@ -36,13 +38,19 @@ LOGPROB_TOLERANCE = 1e-3  # float32 on the wire vs. float64 in the loop
 class RecordingLLMClient:
     """Exposes verl's ``generate`` signature; forwards to ``client`` and logs the turn."""
 
-    def __init__(self, client: Any, emit: Emit, *, uid: str, session_id: int, attempt: str):
+    def __init__(self, client: Any, emit: Emit, *, uid: str, session_id: int, attempt: str,
+                 replay: Sequence[Any] = ()):
         self._client = client
         self._emit = emit
         self._ids = SessionIds(uid=uid, session_id=session_id, attempt=attempt)
         self.segments: dict[int, SegmentStream] = {}
         self._turn = 0
         self._lock = asyncio.Lock()  # one session's turns are logged strictly in order
+        # Resuming: the logged events of the attempt this one continues. Each event this
+        # recorder would emit must be the next of them (it is re-logged under this attempt),
+        # and a logged generation answers generate() instead of the replica.
+        self._replay: deque[Any] = deque(replay)
+        self.replayed_generations = 0
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._client, name)  # extra client API (e.g. add_replica) passes through
@@ -51,6 +59,8 @@ class RecordingLLMClient:
                        sampling_params: dict[str, Any], **kwargs: Any) -> TokenOutput:
         async with self._lock:
             segment = await self._log_prompt(list(prompt_ids))
+            if self._replay:
+                return await self._replay_generation(segment)
             started = time.monotonic()
             out: TokenOutput = await self._client.generate(
                 request_id, prompt_ids=prompt_ids, sampling_params=sampling_params, **kwargs)
@@ -61,10 +71,46 @@ class RecordingLLMClient:
                 logprobs=out.log_probs, replica=str(extra.get("replica_id", "")),
                 engine_request_id=str(extra.get("engine_request_id", "")),
                 policy_version=version, stop_reason=out.stop_reason,
-                num_preempted=out.num_preempted, latency_s=time.monotonic() - started))
+                num_preempted=out.num_preempted, latency_s=time.monotonic() - started,
+                extra_fields=_loggable(extra)))
             self.segments[segment].add_generation(out.token_ids, out.log_probs, version)
             self._turn += 1
             return out
+
+    async def _replay_generation(self, segment: int) -> TokenOutput:
+        """Answer generate() from the log: no token is sampled twice."""
+        logged = self._replay.popleft()
+        if not isinstance(logged, Generation) or logged.segment != segment:
+            raise self._diverged(f"a generation on segment {segment}", logged)
+        await self._emit(logged.model_copy(update={**self._ids, "turn": self._turn}))
+        self.segments[segment].add_generation(logged.token_ids, logged.logprobs,
+                                              logged.policy_version)
+        self._turn += 1
+        self.replayed_generations += 1
+        return TokenOutput(token_ids=list(logged.token_ids),
+                           log_probs=None if logged.logprobs is None else list(logged.logprobs),
+                           stop_reason=logged.stop_reason, num_preempted=logged.num_preempted,
+                           extra_fields=dict(logged.extra_fields))
+
+    async def _record(self, event: BaseModel) -> None:
+        """Log ``event``; while resuming it must equal the next logged event."""
+        if self._replay:
+            logged = self._replay[0]
+            if _content(logged) != _content(event):
+                raise self._diverged(f"{getattr(event, 'type', type(event).__name__)}", logged)
+            self._replay.popleft()
+        await self._emit(event)
+
+    def _diverged(self, wanted: str, logged: Any) -> SessionDivergedError:
+        return SessionDivergedError(
+            f"session {self._ids['uid']}_{self._ids['session_id']}: the resumed agent loop "
+            f"produced {wanted} where its log holds {getattr(logged, 'type', logged)!r}; "
+            "it restarts as a new attempt")
+
+    def check_replayed(self) -> None:
+        """A loop that returned before using its whole log did not run as it did before."""
+        if self._replay:
+            raise self._diverged("its result", self._replay[0])
 
     async def _log_prompt(self, prompt: list[int]) -> int:
         """Place a prompt in the logged streams; emit its observation or a new segment."""
@@ -73,8 +119,8 @@ class RecordingLLMClient:
             index, seg = max(extended, key=lambda item: len(item[1].tokens))
             suffix = prompt[len(seg.tokens):]
             if suffix:
-                await self._emit(Observation(**self._ids, segment=index, turn=self._turn,
-                                             token_ids=suffix))
+                await self._record(Observation(**self._ids, segment=index, turn=self._turn,
+                                               token_ids=suffix))
                 seg.add_observation(suffix)
             return index
         for index, seg in self.segments.items():
@@ -87,7 +133,7 @@ class RecordingLLMClient:
                     f"(logged {seg.tokens[at:at + 4]}, got {prompt[at:at + 4]}); the loop "
                     "re-rendered its history instead of appending to the token stream")
         index = len(self.segments)
-        await self._emit(SegmentStarted(**self._ids, segment=index, prompt_ids=prompt))
+        await self._record(SegmentStarted(**self._ids, segment=index, prompt_ids=prompt))
         self.segments[index] = SegmentStream.start(prompt)
         return index
 
@@ -133,6 +179,23 @@ class RecordingLLMClient:
             has_logprobs=output.response_logprobs is not None,
             reward_score=output.reward_score, num_turns=output.num_turns,
             metrics=output.metrics, extra_fields=output.extra_fields)
+
+
+def _content(event: Any) -> dict[str, Any]:
+    """What an event says, without whose it is or when it was written."""
+    return event.model_dump(exclude={"uid", "session_id", "attempt", "seq", "ts"})
+
+
+def _loggable(extra: dict[str, Any]) -> dict[str, Any]:
+    """The JSON-safe part of a TokenOutput's extra_fields (engines put plain values there)."""
+    out = {}
+    for key, value in extra.items():
+        try:
+            json.dumps(value)
+        except (TypeError, ValueError):
+            continue  # e.g. an array; a resumed turn goes without it
+        out[key] = value
+    return out
 
 
 def _as_version(value: Any) -> int | None:

@@ -1,26 +1,33 @@
 """Run a prompt group: fan it out into n sessions, each one agent-loop run, every turn logged.
 
 This module is the session processor's algorithm, free of Faust: ``run_group`` takes an
-``emit`` coroutine that puts one event on rollout.turns. ``streams/session_worker.py``
-binds it to a Faust agent.
+``emit`` coroutine that puts one event on rollout.turns. ``streams/sessions/worker.py``
+binds it to a Faust agent and resumes groups from the log (``run_sessions`` with ``resume``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import traceback
 import uuid
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import BaseModel
 
 from rolloutbus.config import Config
-from rolloutbus.errors import AgentLoopError, RolloutBusError, UnknownAgentLoopError
+from rolloutbus.errors import (
+    AgentLoopError,
+    RolloutBusError,
+    SchemaError,
+    SessionDivergedError,
+    UnknownAgentLoopError,
+)
 from rolloutbus.schemas.agent_loop import AgentLoopOutput
-from rolloutbus.schemas.prompts import PromptGroup
+from rolloutbus.schemas.prompts import GroupSamplingParams, PromptGroup
 from rolloutbus.schemas.turns import (
     GroupStarted,
     SessionFailed,
@@ -32,6 +39,7 @@ from rolloutbus.streams.agent_loop import registry
 from rolloutbus.streams.agent_loop.base import DictConfigWrap
 from rolloutbus.streams.agent_loop.reward import score_outputs
 from rolloutbus.streams.sessions.recorder import Emit, RecordingLLMClient
+from rolloutbus.streams.sessions.recovery import LoggedAttempt
 
 log = logging.getLogger(__name__)
 
@@ -50,21 +58,58 @@ class SessionContext:
     processor: Any = None
     # called with (original bytes, reason) for a session whose row names no usable agent
     dead_letter: Callable[[bytes, str], None] | None = None
+    stats: SessionStats = field(default_factory=lambda: SessionStats())
 
 
 def new_attempt_id() -> str:
     return uuid.uuid4().hex[:12]
 
 
+@dataclass
+class SessionStats:
+    """Counts of what resuming from the log did, for the worker's metrics and the tests."""
+
+    resumed_sessions: int = 0
+    replayed_generations: int = 0  # turns answered from the log instead of the replica
+    diverged_sessions: int = 0  # resumed loops that did not match their log: re-run
+
+
+def group_started(group: PromptGroup) -> GroupStarted:
+    """The first event of a group in the turn log; once written, the group belongs to the log."""
+    return GroupStarted(uid=group.uid, attempt=new_attempt_id(), n=group.n, row=group.row,
+                        validate=group.validate_, global_steps=group.global_steps,
+                        policy_version=group.policy_version,
+                        sampling_params=group.sampling_params.model_dump())
+
+
+def prompt_group_of(started: GroupStarted) -> PromptGroup:
+    """The prompt group a logged ``group_started`` describes (to resume it from the log)."""
+    return PromptGroup(uid=started.uid, row=started.row, n=started.n, validate=started.validate_,
+                       sampling_params=GroupSamplingParams(**started.sampling_params),
+                       global_steps=started.global_steps, policy_version=started.policy_version)
+
+
 async def run_group(ctx: SessionContext, group: PromptGroup, emit: Emit) -> list[BaseModel]:
     """Log GroupStarted, run n sessions concurrently; siblings survive a failed session."""
-    attempt = new_attempt_id()
-    await emit(GroupStarted(uid=group.uid, attempt=attempt, n=group.n, row=group.row,
-                            validate=group.validate_, global_steps=group.global_steps,
-                            policy_version=group.policy_version))
-    results = await asyncio.gather(
-        *(run_session(ctx, group, session_id, attempt, emit) for session_id in range(group.n)),
-        return_exceptions=True)
+    started = group_started(group)
+    await emit(started)
+    return await run_sessions(ctx, group, started.attempt, emit)
+
+
+async def run_sessions(ctx: SessionContext, group: PromptGroup, attempt: str, emit: Emit,
+                       resume: Mapping[int, LoggedAttempt | None] | None = None
+                       ) -> list[BaseModel]:
+    """Run the group's sessions (all n, or the unsettled ones of ``resume``) concurrently.
+
+    ``resume`` maps a session id to the logged attempt to continue, or to None for a
+    session that never started; such sessions run under new attempt ids.
+    """
+    if resume is None:
+        runs = [run_session(ctx, group, sid, attempt, emit) for sid in range(group.n)]
+    else:
+        runs = [run_session(ctx, group, sid, new_attempt_id(), emit, resume=logged)
+                for sid, logged in sorted(resume.items())]
+    results = await asyncio.gather(*runs, return_exceptions=True)
     terminals: list[BaseModel] = []
     for result in results:
         if isinstance(result, BaseException):
@@ -74,13 +119,30 @@ async def run_group(ctx: SessionContext, group: PromptGroup, emit: Emit) -> list
 
 
 async def run_session(ctx: SessionContext, group: PromptGroup, session_id: int, attempt: str,
-                      emit: Emit) -> BaseModel:
+                      emit: Emit, *, resume: LoggedAttempt | None = None) -> BaseModel:
+    """One session; with ``resume``, it first replays that attempt's logged turns."""
+    if resume is not None:
+        ctx.stats.resumed_sessions += 1
+        try:
+            return await _run_attempt(ctx, group, session_id, attempt, emit, resume)
+        except SessionDivergedError as exc:
+            ctx.stats.diverged_sessions += 1
+            log.warning("%s", exc)
+            attempt = new_attempt_id()
+    return await _run_attempt(ctx, group, session_id, attempt, emit, None)
+
+
+async def _run_attempt(ctx: SessionContext, group: PromptGroup, session_id: int, attempt: str,
+                       emit: Emit, resume: LoggedAttempt | None) -> BaseModel:
     ids = SessionIds(uid=group.uid, session_id=session_id, attempt=attempt)
     agent_name: str | None = None
+    seq = itertools.count()  # this attempt's event sequence numbers
 
     async def checked_emit(event: BaseModel) -> None:
         try:
-            await emit(event)
+            await emit(event.model_copy(update={"seq": next(seq)}))
+        except SchemaError:
+            raise  # this event can never be logged (too large): the session fails, not the log
         except Exception as exc:  # a broken turn log is fatal for the worker
             raise EmitError(f"could not log {type(event).__name__} of "
                             f"{group.uid}_{session_id}: {exc}") from exc
@@ -88,12 +150,18 @@ async def run_session(ctx: SessionContext, group: PromptGroup, session_id: int, 
     try:
         agent_name = registry.resolve_agent_name(
             group.row, ctx.config.rollout.agent.default_agent_loop)
-        await checked_emit(SessionStarted(**ids, agent_name=agent_name))
-        recorder = RecordingLLMClient(ctx.llm_client, checked_emit, **ids)
-        outputs = await _run_agent_loop(ctx, group, session_id, agent_name, recorder)
+        await checked_emit(SessionStarted(**ids, agent_name=agent_name,
+                                          resumed_from=resume.attempt if resume else None))
+        recorder = RecordingLLMClient(ctx.llm_client, checked_emit, **ids,
+                                      replay=resume.events if resume else ())
+        try:
+            outputs = await _run_agent_loop(ctx, group, session_id, agent_name, recorder)
+            recorder.check_replayed()
+        finally:
+            ctx.stats.replayed_generations += recorder.replayed_generations
         summaries = recorder.summarize(outputs, ctx.config.rollout.response_length)
         terminal: BaseModel = SessionFinished(**ids, outputs=summaries)
-    except EmitError:
+    except (EmitError, SessionDivergedError):
         raise
     except Exception as exc:  # the loop failed: an explicit record, siblings go on
         log.warning("session %s_%s (agent %r) failed: %s", group.uid, session_id, agent_name,
@@ -103,7 +171,12 @@ async def run_session(ctx: SessionContext, group: PromptGroup, session_id: int, 
         if isinstance(exc, UnknownAgentLoopError) and ctx.dead_letter is not None:
             ctx.dead_letter(group.model_dump_json(by_alias=True).encode(),
                             f"session {group.uid}_{session_id}: {exc}")
-    await checked_emit(terminal)
+    try:
+        await checked_emit(terminal)
+    except SchemaError as exc:
+        terminal = SessionFailed(**ids, agent_name=agent_name,
+                                 error=f"the session's result cannot be logged: {exc}")
+        await checked_emit(terminal)
     return terminal
 
 

@@ -1,9 +1,27 @@
 """The session processor as a Faust worker: rollout.prompts in, rollout.turns out.
 
-Guarantee on this hop: at-least-once. A prompt's offset is acknowledged only after the
-events of all its sessions are delivered (acks=all), so a crash re-runs the group under
-a new attempt id; the replay buffer folds one attempt per session and releases each
-group once, which makes the trajectory topic exactly-once downstream.
+The turn log is the source of truth for sessions (recovery is replay):
+
+1. A prompt group is taken from rollout.prompts in offset order, one at a time, and its
+   ``group_started`` is written to rollout.turns through an idempotent producer; only
+   once that write is durable is the prompt acknowledged (and Faust may commit its
+   offset). From then on the group belongs to the log.
+2. Its n sessions run in the background (at most ``sessions.concurrency`` groups at once),
+   every turn logged as it happens, each event numbered (``seq``) within its attempt.
+3. A worker that gains a partition (start, rebalance, restart after a crash) folds that
+   partition's turn log from the replay buffer's committed offset (the first event of the
+   oldest group not yet released) and resumes every group that started and did not
+   finish: each unsettled session re-runs its agent loop with generate() answered from
+   its logged generations, so no token is sampled twice, then goes on live. Prompts of
+   the partition wait until that is done, and a redelivered prompt whose group is already
+   in the log is skipped.
+
+So correctness never rests on Faust's offset bookkeeping: acknowledging in offset order
+after the durable write only decides how much a restarted worker reads again. A write
+that fails after the producer's retries ends the process (exit 70) before anything more
+is acknowledged; the restart resumes from the log. A crash of every worker loses at most
+the turns being generated at that moment.
+
 Faust's own exactly-once mode is not used: it is still experimental upstream, with open
 duplicate-on-rebalance bugs (github.com/faust-streaming/faust issues #323 and #517).
 """
@@ -12,107 +30,246 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable
+import os
+from collections import OrderedDict
+from dataclasses import dataclass, field
 from typing import Any
 
 import faust
-from faust.types import RecordMetadata
+from confluent_kafka import TopicPartition
 from pydantic import BaseModel, ValidationError
 
 from rolloutbus.config import Config
-from rolloutbus.kafka.clients import record_location
+from rolloutbus.errors import BrokerError, SchemaError
+from rolloutbus.kafka.async_producer import AsyncProducer
+from rolloutbus.kafka.clients import (
+    read_committed_consumer,
+    record_location,
+    translate_kafka_errors,
+)
 from rolloutbus.kafka.dead_letters import DeadLetterWriter
+from rolloutbus.kafka.partition_reader import read_partition
 from rolloutbus.metrics import SessionMetrics, start_metrics_server
 from rolloutbus.replica.models import load_tokenizer
 from rolloutbus.schemas.prompts import PromptGroup
-from rolloutbus.schemas.turns import SessionFailed, encode_turn_event
+from rolloutbus.schemas.turns import SessionFailed, decode_turn_event, encode_turn_event
 from rolloutbus.streams.agent_loop import registry
 from rolloutbus.streams.inference.llm_client import LLMClient
-from rolloutbus.streams.sessions.runner import SessionContext, run_group
+from rolloutbus.streams.sessions.recovery import TurnLogScan, UnfinishedGroup
+from rolloutbus.streams.sessions.runner import (
+    EmitError,
+    SessionContext,
+    group_started,
+    prompt_group_of,
+    run_sessions,
+)
 from rolloutbus.topics import Topics, partition_for, session_key
 
 log = logging.getLogger(__name__)
 
+EXIT_TURN_LOG_UNWRITABLE = 70  # EX_SOFTWARE: restart the worker; it resumes from the log
+# uids per partition remembered as already in the turn log (a redelivered prompt is
+# skipped); a prompt redelivered after more groups than this is run again, and the replay
+# buffer's released record keeps it from being released twice
+STARTED_UIDS_MEMORY = 100_000
+OFFSET_QUERY_TIMEOUT_S = 30.0  # seconds for the committed-offset lookup on assignment
 
-def _broker_url(cfg: Config) -> str:
-    return ";".join(f"kafka://{hp}" for hp in cfg.kafka.bootstrap_servers.split(","))
+
+class RecordTooLargeError(SchemaError):
+    """An event is larger than the topic accepts: it cannot be logged, ever."""
 
 
-def build_app(cfg: Config) -> faust.App:
-    """A Faust app whose one agent runs prompt groups; nothing is created at import time."""
-    topics = Topics.from_config(cfg.kafka)
-    app = faust.App(
-        cfg.sessions.app_id,
-        broker=_broker_url(cfg),
-        value_serializer="raw",
-        key_serializer="raw",
-        web_enabled=False,
-        topic_disable_leader=True,
-        producer_acks=-1,
-        producer_max_request_size=cfg.kafka.max_message_bytes,
-        consumer_max_fetch_size=cfg.kafka.max_message_bytes,
-        consumer_auto_offset_reset="earliest",
-        broker_commit_interval=1.0,  # seconds; bounds the re-run work after a crash
-        stream_wait_empty=False,
-    )
-    prompts = app.topic(topics.prompts, key_type=bytes, value_type=bytes,
-                        partitions=cfg.kafka.partitions)
-    turns = app.topic(topics.turns, key_type=bytes, value_type=bytes,
-                      partitions=cfg.kafka.partitions)
-    state: dict[str, Any] = {}
+@dataclass
+class PartitionState:
+    recovered: asyncio.Event = field(default_factory=asyncio.Event)
+    started_uids: OrderedDict[str, None] = field(default_factory=OrderedDict)
+    tasks: set[asyncio.Task[Any]] = field(default_factory=set)
 
-    @app.task
-    async def start_session_context() -> None:
-        state["dlq"] = DeadLetterWriter(cfg.kafka, stage="sessions")
-        state["ctx"] = _build_context(cfg, state["dlq"])
-        state["metrics"] = SessionMetrics()
-        if cfg.sessions.metrics_port is not None:
-            start_metrics_server(cfg.sessions.metrics_port)
-        state["ready"].set()
+    def remember(self, uid: str) -> None:
+        self.started_uids[uid] = None
+        while len(self.started_uids) > STARTED_UIDS_MEMORY:
+            self.started_uids.popitem(last=False)
 
-    state["ready"] = asyncio.Event()
 
-    @app.agent(prompts, concurrency=cfg.sessions.concurrency)
-    async def run_prompt_groups(stream: faust.StreamT) -> None:
-        await state["ready"].wait()
-        async for event in stream.events():
-            group = _parse_group(event.value, state["dlq"], event)
-            if group is None:
+class TurnLog:
+    """Writes turn events to their group's partition of rollout.turns, durably, in order."""
+
+    def __init__(self, cfg: Config, producer: AsyncProducer, metrics: SessionMetrics):
+        self.topic = Topics.from_config(cfg.kafka).turns
+        self.partitions = cfg.kafka.partitions
+        self.max_bytes = cfg.kafka.max_message_bytes
+        self._producer = producer
+        self._metrics = metrics
+
+    async def emit(self, event: BaseModel) -> None:
+        uid: str = event.uid  # type: ignore[attr-defined]  # every turn event has one
+        session_id = getattr(event, "session_id", None)
+        key = uid if session_id is None else session_key(uid, session_id)
+        value = encode_turn_event(event)
+        if len(value) > self.max_bytes:
+            raise RecordTooLargeError(
+                f"{getattr(event, 'type', 'event')} of {key} is {len(value)} bytes, over "
+                f"kafka.max_message_bytes ({self.max_bytes})")
+        await self._producer.send(self.topic, key=key.encode(), value=value,
+                                  partition=partition_for(uid, self.partitions))
+        self._metrics.count_event(event)
+
+
+class SessionWorker:
+    """The worker's state: what it owns, what runs, and how it resumes from the log."""
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.topics = Topics.from_config(cfg.kafka)
+        self.partitions: dict[int, PartitionState] = {}
+        self.ready = asyncio.Event()
+        self._slots = asyncio.Semaphore(cfg.sessions.concurrency)
+        self.metrics = SessionMetrics()
+
+    async def start(self) -> None:
+        self.dlq = DeadLetterWriter(self.cfg.kafka, stage="sessions")
+        self.producer = AsyncProducer(self.cfg.kafka)
+        self.turn_log = TurnLog(self.cfg, self.producer, self.metrics)
+        self.ctx = _build_context(self.cfg, self.dlq)
+        if self.cfg.sessions.metrics_port is not None:
+            start_metrics_server(self.cfg.sessions.metrics_port)
+        self.ready.set()
+
+    # -- assignment --------------------------------------------------------------------
+    def on_assigned(self, assigned: set[Any]) -> None:
+        """Nothing slow here (a rebalance callback): recovery runs as a task."""
+        mine = {tp.partition for tp in assigned if tp.topic == self.topics.prompts}
+        for partition in sorted(mine - set(self.partitions)):
+            state = self.partitions[partition] = PartitionState()
+            state.tasks.add(asyncio.ensure_future(self._recover(partition, state)))
+
+    def on_revoked(self, revoked: set[Any]) -> None:
+        """Stop the groups of partitions we lost: their new owner resumes them from the log."""
+        for tp in revoked:
+            if tp.topic != self.topics.prompts:
                 continue
-            await _run_and_deliver(state, group, turns, cfg.kafka.partitions)
+            state = self.partitions.pop(tp.partition, None)
+            for task in state.tasks if state else ():
+                task.cancel()
 
-    return app
+    async def _recover(self, partition: int, state: PartitionState) -> None:
+        await self.ready.wait()
+        scan = await asyncio.to_thread(self._scan_turn_log, partition)
+        for uid in scan.started_uids:
+            state.remember(uid)
+        unfinished = scan.unfinished()
+        log.info("turns[%d]: %d events scanned, %d groups to resume", partition, scan.events,
+                 len(unfinished))
+        for group in unfinished:
+            await self._slots.acquire()
+            self._spawn(state, self._resume_group(group))
+        state.recovered.set()
+
+    def _scan_turn_log(self, partition: int) -> TurnLogScan:
+        scan = TurnLogScan()
+        start = self._scan_start(partition)
+        for msg in read_partition(self.cfg.kafka, self.topics.turns, partition, start):
+            try:
+                event = decode_turn_event(msg.value() or b"")
+            except ValidationError:
+                continue  # the replay buffer dead-letters it; it is no session's event
+            scan.apply(msg.offset() or 0, event)
+        return scan
+
+    def _scan_start(self, partition: int) -> int:
+        """The replay buffer's committed offset: every group before it was released."""
+        consumer = read_committed_consumer(self.cfg.kafka, self.cfg.replay_buffer.group_id)
+        try:
+            with translate_kafka_errors("reading committed offsets", topic=self.topics.turns,
+                                        partition=partition):
+                [tp] = consumer.committed([TopicPartition(self.topics.turns, partition)],
+                                          timeout=OFFSET_QUERY_TIMEOUT_S)
+        finally:
+            consumer.close()
+        return max(tp.offset, 0)  # never committed: the whole retained log
+
+    # -- prompts -----------------------------------------------------------------------
+    async def take(self, event: Any) -> None:
+        """Write the group's ``group_started``, then run it in the background."""
+        partition = event.message.partition
+        state = self.partitions.get(partition)
+        if state is None:  # the assignment signal has not come yet
+            self.on_assigned({event.message.tp})
+            state = self.partitions[partition]
+        await state.recovered.wait()
+        group = self._parse(event)
+        if group is None:
+            return
+        if group.uid in state.started_uids:
+            log.info("prompt group %s is already in the turn log; not started again", group.uid)
+            return
+        await self._slots.acquire()
+        started = group_started(group)
+        try:
+            await self.turn_log.emit(started)
+        except RecordTooLargeError as exc:
+            self._slots.release()
+            self.dlq.write(event.value, str(exc), source=_source(event))
+            return
+        except BrokerError as exc:
+            _exit_unwritable(exc)
+        state.remember(group.uid)
+        self._spawn(state, self._run_group(group, started.attempt))
+
+    def _parse(self, event: Any) -> PromptGroup | None:
+        try:
+            return PromptGroup.model_validate_json(event.value)
+        except ValidationError as exc:
+            self.dlq.write(event.value, f"prompt group does not match its schema: {exc}",
+                           source=_source(event))
+            return None
+
+    # -- running -----------------------------------------------------------------------
+    def _spawn(self, state: PartitionState, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        state.tasks.add(task)
+        task.add_done_callback(state.tasks.discard)
+
+    async def _run_group(self, group: PromptGroup, attempt: str) -> None:
+        await self._run_logged(group, attempt, None)
+
+    async def _resume_group(self, unfinished: UnfinishedGroup) -> None:
+        group = prompt_group_of(unfinished.group)
+        log.info("resuming %s: sessions %s", group.uid, sorted(unfinished.sessions))
+        await self._run_logged(group, unfinished.group.attempt, unfinished.sessions)
+
+    async def _run_logged(self, group: PromptGroup, attempt: str, resume: Any) -> None:
+        before = _stats(self.ctx)
+        try:
+            with self.metrics.track_group():
+                results = await run_sessions(self.ctx, group, attempt, self._emit, resume)
+            for result in results:
+                self.metrics.count_session(failed=isinstance(result, SessionFailed))
+        except EmitError as exc:
+            _exit_unwritable(exc)
+        finally:
+            self._slots.release()
+            self.metrics.count_recovery(before, _stats(self.ctx))
+
+    async def _emit(self, event: BaseModel) -> None:
+        await self.turn_log.emit(event)
 
 
-async def _run_and_deliver(state: dict[str, Any], group: PromptGroup, turns: faust.TopicT,
-                           partitions: int) -> None:
-    pending: list[Awaitable[RecordMetadata]] = []
-    partition = partition_for(group.uid, partitions)
-
-    async def emit(event: BaseModel) -> None:
-        key = getattr(event, "session_id", None)
-        key_text = group.uid if key is None else session_key(group.uid, key)
-        fut = await turns.send(key=key_text.encode(), value=encode_turn_event(event),
-                               partition=partition, force=True)
-        pending.append(fut)
-        metrics.count_event(event)
-
-    metrics: SessionMetrics = state["metrics"]
-    with metrics.track_group():
-        results = await run_group(state["ctx"], group, emit)
-        await asyncio.gather(*pending)  # delivered before the prompt's offset is acked
-    for result in results:
-        metrics.count_session(failed=isinstance(result, SessionFailed))
+def _stats(ctx: SessionContext) -> dict[str, int]:
+    return dict(vars(ctx.stats))
 
 
-def _parse_group(value: bytes, dlq: DeadLetterWriter, event: Any) -> PromptGroup | None:
-    try:
-        return PromptGroup.model_validate_json(value)
-    except ValidationError as exc:
-        received = event.message  # Faust's message: topic, partition, offset as attributes
-        dlq.write(value, f"prompt group does not match its schema: {exc}",
-                  source=record_location(received.topic, received.partition, received.offset))
-        return None
+def _source(event: Any) -> str:
+    received = event.message  # Faust's message: topic, partition, offset as attributes
+    return record_location(received.topic, received.partition, received.offset)
+
+
+def _exit_unwritable(exc: BaseException) -> None:
+    """The turn log cannot be written: stop before anything more is acknowledged."""
+    log.critical("cannot write the turn log (%s); exiting so a restarted worker resumes "
+                 "from the log", exc)
+    logging.shutdown()
+    os._exit(EXIT_TURN_LOG_UNWRITABLE)
 
 
 def _build_context(cfg: Config, dlq: DeadLetterWriter) -> SessionContext:
@@ -123,8 +280,57 @@ def _build_context(cfg: Config, dlq: DeadLetterWriter) -> SessionContext:
                           dead_letter=lambda original, reason: dlq.write(original, reason))
 
 
+def _broker_url(cfg: Config) -> str:
+    return ";".join(f"kafka://{hp}" for hp in cfg.kafka.bootstrap_servers.split(","))
+
+
+def build_app(cfg: Config) -> faust.App:
+    """A Faust app that takes prompt groups in order; nothing is created at import time."""
+    topics = Topics.from_config(cfg.kafka)
+    app = faust.App(
+        cfg.sessions.app_id,
+        broker=_broker_url(cfg),
+        value_serializer="raw",
+        key_serializer="raw",
+        web_enabled=False,
+        topic_disable_leader=True,
+        consumer_max_fetch_size=cfg.kafka.max_message_bytes,
+        consumer_auto_offset_reset="earliest",
+        broker_commit_interval=1.0,  # seconds; bounds how much a restart reads again
+        stream_wait_empty=False,
+    )
+    prompts = app.topic(topics.prompts, key_type=bytes, value_type=bytes,
+                        partitions=cfg.kafka.partitions)
+    worker = SessionWorker(cfg)
+
+    @app.task
+    async def start_worker() -> None:
+        await worker.start()
+
+    @app.on_partitions_assigned.connect
+    async def on_assigned(sender: Any, assigned: set[Any], **kwargs: Any) -> None:
+        worker.on_assigned(assigned)
+
+    @app.on_partitions_revoked.connect
+    async def on_revoked(sender: Any, revoked: set[Any], **kwargs: Any) -> None:
+        worker.on_revoked(revoked)
+
+    # concurrency 1: prompts are taken (and acknowledged) strictly in offset order; the
+    # groups themselves run concurrently in the background
+    @app.agent(prompts, concurrency=1)
+    async def take_prompt_groups(stream: faust.StreamT) -> None:
+        await worker.ready.wait()
+        async for event in stream.events():
+            await worker.take(event)
+
+    return app
+
+
 def run_session_worker(cfg: Config, loglevel: str = "info") -> None:
     """Blocking: run one session-processor worker until SIGTERM/SIGINT."""
     app = build_app(cfg)
     worker = faust.Worker(app, loglevel=loglevel, quiet=True)
     worker.execute_from_commandline()
+
+
+__all__ = ["RecordTooLargeError", "SessionWorker", "TurnLog", "build_app", "run_session_worker"]
