@@ -19,7 +19,7 @@ def consume_and_report(cfg: Config, *, max_groups: int | None, timeout_s: float 
                        out: Path | None, group_id: str, tokenizer: Any = None,
                        stream=sys.stdout) -> list[TrajectoryGroup]:
     groups: list[TrajectoryGroup] = []
-    with TrainerClient(cfg.kafka, group_id) as client:
+    with TrainerClient(cfg.kafka, group_id, config=cfg.trainer) as client:
         for group in client.groups(max_groups=max_groups, timeout_s=timeout_s):
             groups.append(group)
             client.commit(group)

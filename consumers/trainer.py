@@ -12,14 +12,15 @@ for monitoring, and the resume point of a trainer that does not checkpoint.
 
 **The position.** Per partition, ``offset`` is the first offset of the oldest group not yet
 yielded that has records in the partition, or just past the last record consumed when none
-is pending: everything before it was yielded. Groups may interleave in a partition, so
-groups yielded *after* that offset are listed too (``yielded``: uid → offset of the
-group's last record) and their records are skipped on resume. An entry leaves the list
-once the offset passes the group's last record, so the list only holds groups that
-completed while an older one was still incomplete: empty in practice (the replay buffer
-writes each group's records together), and bounded by ``trainer.max_interleaved_groups``.
-Listing uids, rather than keeping every group in flight back to the offset, is what lets
-the position stay small and exact.
+is pending: every group wholly before it was yielded. Groups may interleave in a partition
+(a0 b0 b1 a1: b is yielded while a is incomplete), and an offset alone cannot say "re-read
+a but not b", so the groups yielded past the offset are listed too (``yielded``: uid →
+offset of the group's last record) and their records are skipped on resume. An entry leaves
+the list once the offset passes the group's last record, so the list holds only groups
+that completed while an older one was incomplete: empty in practice (the replay buffer
+writes each group's records together), and at most ``trainer.max_interleaved_groups``. The
+alternatives were worse: committing past the incomplete group loses it on a crash, stopping
+at it without the list trains b twice, and remembering every uid ever yielded is unbounded.
 
 **Rebalances.** The committed offset of a partition carries the same position (the offset,
 and the ``yielded`` list as commit metadata). On revoke the client commits, synchronously,
@@ -27,7 +28,9 @@ the position of everything it yielded from the revoked partitions, so the next o
 starts after it; it drops their partial groups (the next owner re-reads them) and never
 commits for a partition it no longer owns. A partition assigned again never moves back:
 the start is the checkpoint's position on the first assignment, else the later of the
-committed position and the one this client left behind.
+committed position and the one this client left behind. A checkpointing trainer is its
+group's only member (its ranks share the batches of one client); ``resume_from`` applies to
+the partitions of the first assignment.
 
 The remembered trajectory keys (``trainer.dedupe_window_keys``) are only a safety net for
 a record written twice (a group the replay buffer released again).
@@ -385,7 +388,7 @@ class TrainerClient:
             committed = consumer.committed(partitions, timeout=ASSIGN_TIMEOUT_S)
         starts: dict[int, PartitionPosition] = {}
         for tp in committed:
-            checkpoint = self._resume.pop(tp.partition, None)  # the truth, on the first assignment only
+            checkpoint = self._resume.pop(tp.partition, None)
             if checkpoint is not None:
                 starts[tp.partition] = checkpoint
                 continue
@@ -393,7 +396,17 @@ class TrainerClient:
             own = self._left_behind.pop(tp.partition, None)
             starts[tp.partition] = (_later(group, own) if group or own
                                     else PartitionPosition(offset=self._reset_offset(consumer, tp.partition)))
+        self._forget_checkpoint_of_others()
         return starts
+
+    def _forget_checkpoint_of_others(self) -> None:
+        """The checkpoint holds for the first assignment only: a partition that went to another
+        member meanwhile moved on, and going back to the checkpoint would deliver again."""
+        if self._resume:
+            log.warning("resume_from names %s, not assigned to this client: they start at the group's "
+                        "committed offsets (a checkpointing trainer should be its group's only member)",
+                        ", ".join(record_location(self.topic, p) for p in sorted(self._resume)))
+            self._resume.clear()
 
     def _reset_offset(self, consumer: Consumer, partition: int) -> int:
         """Where a partition with no commit starts, as a number: the position needs one."""

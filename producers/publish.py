@@ -1,7 +1,29 @@
-"""Publish dataset rows as prompt groups to rollout.prompts; bad rows go to rollout.dlq."""
+"""Publish dataset rows as prompt groups to rollout.prompts; bad rows go to rollout.dlq.
+
+**Idempotent publish.** A group's uid is the row's own ``uid`` column when it has one, else
+derived from (dataset identity, row index, epoch, global_steps, validate): the identity is
+the SHA-256 of the file's bytes, so the same file publishes the same uids wherever it lies,
+and an edited file is a new dataset. Re-running a publish after a partial failure therefore
+re-sends the same uids (keyed records, partition by uid) and adds no second group:
+
+* the replay buffer folds one group per uid: a uid already released is ignored (it keeps
+  the newest ``replay_buffer.max_released_uids`` releases per partition, read back from the
+  released-groups topic after a restart); a uid still open gets the duplicate's sessions
+  folded in, first terminal attempt per session wins;
+* the trainer client drops a trajectory key it has already yielded (the last safety net).
+
+The session worker does run a duplicate's sessions again: the cost of a re-publish is the
+rollouts of the rows sent twice, never a second group. Publishing the same rows again *on
+purpose* (another epoch) takes ``epoch=`` (``rolloutbus publish --epoch``).
+
+Rows are validated where they enter: a verl row (``DatasetRow``), ``n`` within
+``limits.max_n``, the record within ``kafka.max_message_bytes``; anything else is a dead
+letter whose reason names the row.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import sys
 import uuid
@@ -23,6 +45,9 @@ from rolloutbus.topics import Topics, partition_for
 log = logging.getLogger(__name__)
 FLUSH_TIMEOUT_S = 60.0  # seconds to drain the producer at the end of a publish
 LINGER_MS = 20  # ms a record waits to batch with others; publishing is bulk, not latency-bound
+HASH_CHUNK_BYTES = 1 << 20  # bytes read at a time while hashing a dataset file
+UID_BYTES = 16  # bytes of digest in a derived uid: 32 hex characters, like a uuid4's hex
+UID_SCHEME = "rolloutbus-uid-v1"  # versions the derivation: changing it changes every uid
 
 
 @dataclass
@@ -40,6 +65,24 @@ def new_uid() -> str:
     return uuid.uuid4().hex  # no "_": the uid is the first segment of every key
 
 
+def dataset_identity(path: str | Path) -> str:
+    """SHA-256 of the file's bytes: the dataset's identity for derived uids."""
+    digest = hashlib.sha256()
+    with Path(path).open("rb") as f:
+        while chunk := f.read(HASH_CHUNK_BYTES):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def derive_uid(dataset_id: str, row_index: int, *, epoch: int = 0, global_steps: int = 0,
+               validate: bool = False) -> str:
+    """The uid of row ``row_index`` of a dataset in one epoch: the same inputs, the same uid
+    (hex, so it never holds the key separator ``_``)."""
+    parts = [UID_SCHEME, dataset_id, str(row_index), str(epoch), str(global_steps),
+             "validate" if validate else "train"]
+    return hashlib.blake2b("\x1f".join(parts).encode(), digest_size=UID_BYTES).hexdigest()
+
+
 def sampling_params(cfg: Config, validate: bool) -> GroupSamplingParams:
     r = cfg.rollout
     if validate:
@@ -55,20 +98,43 @@ def sampling_params(cfg: Config, validate: bool) -> GroupSamplingParams:
 
 def build_group(cfg: Config, row: dict[str, Any], *, validate: bool = False, global_steps: int = 0,
                 policy_version: int = 0, uid: str | None = None) -> PromptGroup:
-    """Validate a row and wrap it; raises ValueError (with the reason) for a bad row."""
+    """Validate a row and wrap it; raises ValueError (with the reason) for a bad row.
+
+    The uid is the row's ``uid`` column if it has one, else ``uid``, else a random one.
+    """
     row = _prompt_from_column(row, cfg.data.prompt_key)
-    DatasetRow.model_validate(row)
+    checked = DatasetRow.model_validate(row)
     row = dict(row)
-    n_override = row.pop("__rollout_n__", None)
+    n = _group_size(cfg, row.pop("__rollout_n__", None), validate)
     do_sample = row.pop("__do_sample__", None)
-    n = int(n_override) if n_override is not None else (
-        cfg.rollout.val_kwargs.n if validate else cfg.rollout.n)
     params = sampling_params(cfg, validate)
     if do_sample is False:
         params = params.model_copy(update={"temperature": 0.0})
-    return PromptGroup(uid=uid or new_uid(), row=row, n=n, validate=validate,
+    return PromptGroup(uid=checked.uid or uid or new_uid(), row=row, n=n, validate=validate,
                        sampling_params=params, global_steps=global_steps,
                        policy_version=policy_version)
+
+
+def encode_group(cfg: Config, group: PromptGroup) -> bytes:
+    """The record value; ValueError if it is over ``kafka.max_message_bytes``."""
+    value = group.model_dump_json(by_alias=True).encode()
+    if len(value) > cfg.kafka.max_message_bytes:
+        raise ValueError(f"the prompt group is {len(value)} bytes, over kafka.max_message_bytes "
+                         f"({cfg.kafka.max_message_bytes})")
+    return value
+
+
+def _group_size(cfg: Config, override: Any, validate: bool) -> int:
+    """``n``: the row's ``__rollout_n__``, else rollout.n (val_kwargs.n when validating)."""
+    if override is None:
+        n = cfg.rollout.val_kwargs.n if validate else cfg.rollout.n
+    elif isinstance(override, int) and not isinstance(override, bool):
+        n = override
+    else:
+        raise ValueError(f"__rollout_n__ must be an integer, got {override!r}")
+    if not 1 <= n <= cfg.limits.max_n:
+        raise ValueError(f"n = {n} is outside 1..{cfg.limits.max_n} (limits.max_n)")
+    return n
 
 
 def _prompt_from_column(row: dict[str, Any], prompt_key: str) -> dict[str, Any]:
@@ -94,17 +160,20 @@ class PromptPublisher:
         self.dlq = DeadLetterWriter(cfg.kafka, stage="publish", producer=self._producer)
 
     def publish_group(self, group: PromptGroup) -> None:
-        value = group.model_dump_json(by_alias=True).encode()
-        partition = partition_for(group.uid, self.cfg.kafka.partitions)
+        """Send one group (keyed and partitioned by uid); ValueError if it is too large."""
+        self._produce(group.uid, encode_group(self.cfg, group))
+
+    def _produce(self, uid: str, value: bytes) -> None:
+        partition = partition_for(uid, self.cfg.kafka.partitions)
         while True:
             try:
-                self._producer.produce(self.topics.prompts, key=group.uid, value=value,
+                self._producer.produce(self.topics.prompts, key=uid, value=value,
                                        partition=partition, on_delivery=_raise_on_error)
                 break
             except BufferError:
                 self._producer.poll(0.1)
             except KafkaException as exc:
-                raise broker_error(exc, f"publishing prompt group {group.uid}", topic=self.topics.prompts,
+                raise broker_error(exc, f"publishing prompt group {uid}", topic=self.topics.prompts,
                                    partition=partition) from exc
         self._producer.poll(0)
 
@@ -114,32 +183,51 @@ class PromptPublisher:
                               f"within {FLUSH_TIMEOUT_S} s")
 
     def publish_file(self, path: str | Path, *, validate: bool = False, global_steps: int = 0,
-                     progress: bool = True) -> PublishReport:
+                     epoch: int = 0, dataset_id: str | None = None, progress: bool = True) -> PublishReport:
+        """Publish every row; the same file, epoch, global_steps and validate flag give the
+        same uids (``dataset_id`` replaces the file's content hash as its identity)."""
         report = PublishReport(uids=[])
-        bar = _progress(count_rows(path), progress)
-        for item in read_rows(path):
-            self._publish_item(item, report, validate=validate, global_steps=global_steps)
+        bar = _progress(count_rows(path), progress)  # checks the path first
+        identity = dataset_id or dataset_identity(path)
+        rows_by_uid: dict[str, str] = {}  # a row's own uid -> that row, within this file
+        for index, item in enumerate(read_rows(path)):
+            uid = derive_uid(identity, index, epoch=epoch, global_steps=global_steps, validate=validate)
+            self._publish_item(item, report, rows_by_uid, uid=uid, validate=validate,
+                               global_steps=global_steps)
             bar.update(1)
         bar.close()
         self.flush()
         return report
 
-    def _publish_item(self, item: RawRow | BadRow, report: PublishReport, **kw: Any) -> None:
+    def _publish_item(self, item: RawRow | BadRow, report: PublishReport, rows_by_uid: dict[str, str],
+                      **kw: Any) -> None:
         if isinstance(item, BadRow):
-            self.dlq.write(item.original, item.reason, source=item.source)
-            report.dead_lettered += 1
+            self._dead_letter(item.original, item.reason, item.source, report)
             return
         try:
             group = build_group(self.cfg, item.data, **kw)
+            value = encode_group(self.cfg, group)
+            if "uid" in item.data:  # derived uids are distinct by construction
+                _check_unused(group.uid, item.source, rows_by_uid)
         except (ValidationError, ValueError) as exc:
-            reason = _row_reason(exc, item.source)
-            self.dlq.write(_json_bytes(item.data), reason, source=item.source)
-            report.dead_lettered += 1
+            original, note = _letter_original(_json_bytes(item.data), self.cfg.kafka.max_message_bytes)
+            self._dead_letter(original, _row_reason(exc, item.source) + note, item.source, report)
             return
-        self.publish_group(group)
+        self._produce(group.uid, value)
         report.published += 1
         assert report.uids is not None
         report.uids.append(group.uid)
+
+    def _dead_letter(self, original: bytes, reason: str, source: str, report: PublishReport) -> None:
+        self.dlq.write(original, reason, source=source)
+        report.dead_lettered += 1
+
+
+def _check_unused(uid: str, source: str, rows_by_uid: dict[str, str]) -> None:
+    """Two rows of one file naming the same uid would silently make one group downstream."""
+    if uid in rows_by_uid:
+        raise ValueError(f"uid {uid!r} is already used by row {rows_by_uid[uid]}")
+    rows_by_uid[uid] = source
 
 
 def _raise_on_error(err: Any, msg: Any) -> None:
@@ -155,6 +243,15 @@ def _row_reason(exc: Exception, source: str) -> str:
             parts.append(f"{field}: {e['msg']}")
         return f"row {source} is not a valid verl row: " + "; ".join(parts)
     return f"row {source}: {exc}"
+
+
+def _letter_original(original: bytes, max_message_bytes: int) -> tuple[bytes, str]:
+    """The row's bytes for its dead letter, cut so the letter (base64 inside JSON, ~4/3 the
+    size) still fits in a record; the note says when it was cut."""
+    limit = max_message_bytes // 2
+    if len(original) <= limit:
+        return original, ""
+    return original[:limit], f" (original cut to its first {limit} of {len(original)} bytes)"
 
 
 def _json_bytes(data: dict[str, Any]) -> bytes:

@@ -101,7 +101,8 @@ def cmd_publish(args: argparse.Namespace, cfg: Config) -> int:
     publisher = PromptPublisher(cfg)
     for dataset in datasets:
         report = publisher.publish_file(dataset, validate=args.validate,
-                                        global_steps=args.global_steps, progress=not args.quiet)
+                                        global_steps=args.global_steps, epoch=args.epoch,
+                                        progress=not args.quiet)
         for uid in report.uids or []:
             print(uid)
         print(f"{dataset}: read {report.read} rows: {report.published} published, "
@@ -192,6 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a .parquet or .jsonl file (default: every file in data.train_files)")
     p.add_argument("--validate", action="store_true", help="validation rows: val_kwargs apply")
     p.add_argument("--global-steps", type=int, default=0, help="trainer step at dispatch")
+    p.add_argument("--epoch", type=int, default=0,
+                   help="pass over the dataset: the same file, epoch and --global-steps publish the "
+                        "same uids, so a re-run adds nothing twice; a new epoch publishes new groups")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     _add_config(p)
     p.set_defaults(handler=cmd_publish)

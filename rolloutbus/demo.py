@@ -105,7 +105,9 @@ def _publish_demo_rows(cfg: Config, rows: int, path: Path) -> list[str]:
     from rolloutbus.producers.publish import PromptPublisher
 
     write_jsonl(make_arithmetic_rows(rows, seed=7), path)
-    report = PromptPublisher(cfg).publish_file(path, progress=False)
+    # the bundled rows are the same every run: a dataset id of its own per run keeps a rerun
+    # on a persistent broker from being taken for a re-publish of the last run's groups
+    report = PromptPublisher(cfg).publish_file(path, progress=False, dataset_id=f"demo-{time.time_ns()}")
     _say(f"published {report.published} prompt groups (n={cfg.rollout.n}); "
          f"{report.dead_lettered} rows to the dead-letter topic")
     return list(report.uids or [])

@@ -7,8 +7,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from rolloutbus.schemas.tokens import Int64
+from rolloutbus.schemas.tokens import INT32_MAX, Int64
 from rolloutbus.schemas.version import SCHEMA_VERSION
+from rolloutbus.topics import KEY_SEPARATOR
 
 ROLES = {"system", "user", "assistant", "tool"}
 
@@ -43,6 +44,21 @@ class DatasetRow(BaseModel):
     agent_name: str | None = None
     reward_model: dict[str, Any] | None = None
     extra_info: dict[str, Any] | None = None
+    uid: str | None = None  # the group's uid, when the dataset names its groups itself
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _chat_messages(cls, prompt: Any) -> Any:
+        # pydantic's own message ("Input should be a valid list") does not say what was meant
+        if isinstance(prompt, str | bytes):
+            raise ValueError("must be a list of chat messages [{'role': ..., 'content': ...}], "
+                             "got a string (is data.prompt_key the messages column?)")
+        return prompt
+
+    @field_validator("uid")
+    @classmethod
+    def _usable_uid(cls, uid: str | None) -> str | None:
+        return None if uid is None else check_uid_text(uid)
 
 
 class GroupSamplingParams(BaseModel):
@@ -71,12 +87,17 @@ class PromptGroup(BaseModel):
     schema_version: int = SCHEMA_VERSION
     uid: str
     row: dict[str, Any]  # the dataset row exactly as published (see DatasetRow)
-    n: int = Field(ge=1)
+    n: int = Field(ge=1, le=INT32_MAX)  # the trajectories' group_size column is int32
     validate_: bool = Field(default=False, alias="validate")
     sampling_params: GroupSamplingParams
     global_steps: Int64 = 0  # int64, as the trajectory's global_steps column
     policy_version: Int64 = 0
     created_at: float = Field(default_factory=time.time)
+
+    @field_validator("uid")
+    @classmethod
+    def _usable_uid(cls, uid: str) -> str:
+        return check_uid_text(uid)
 
     @field_validator("row")
     @classmethod
@@ -88,3 +109,10 @@ class PromptGroup(BaseModel):
         # itself is kept as it came (agent_name absent and null mean different things).
         DatasetRow.model_validate(row)
         return row
+
+
+def check_uid_text(uid: str) -> str:
+    """A uid is the first segment of every key: non-empty, without the key separator."""
+    if not uid or KEY_SEPARATOR in uid:
+        raise ValueError(f"uid {uid!r} must be non-empty and contain no {KEY_SEPARATOR!r}")
+    return uid

@@ -107,3 +107,18 @@ def test_publish_without_a_dataset_reads_data_train_files(kafka_bootstrap, tmp_p
     assert result.returncode == 0, result.stderr[-2000:]
     assert len(result.stdout.split()) == 2  # one uid per row of the configured file
     assert f"{rows}: read 2 rows: 2 published" in result.stderr
+
+
+def test_publish_again_prints_the_same_uids_and_a_new_epoch_new_ones(kafka_bootstrap, tmp_path):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"prompt": [{"role": "user", "content": "two"}]}\n'
+                    '{"prompt": [{"role": "user", "content": "three"}]}\n')
+    config = Config.model_validate({
+        "kafka": {"bootstrap_servers": kafka_bootstrap, "topic_prefix": unique_name("p"), "partitions": 1}})
+    path = write_config(config, tmp_path / "c.yaml")
+    assert _cli("topics", "--config", str(path)).returncode == 0
+    runs = [_cli("publish", str(rows), "-q", *extra, "--config", str(path))
+            for extra in ([], [], ["--epoch", "1"])]
+    assert all(run.returncode == 0 for run in runs), runs[-1].stderr[-2000:]
+    first, again, next_epoch = (run.stdout.split() for run in runs)
+    assert first == again and len(first) == 2 and not set(first) & set(next_epoch)

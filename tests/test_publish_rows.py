@@ -72,3 +72,72 @@ def test_data_prompt_key_names_the_messages_column():
         build_group(cfg, _row())
     with pytest.raises(ValueError, match="both 'question'"):
         build_group(cfg, _row(question=messages))
+
+
+# -- idempotent uids, validation where rows enter, size limits ------------------------------
+
+
+def test_derived_uids_are_stable_and_change_with_epoch_steps_validate_and_row():
+    from rolloutbus.producers.publish import derive_uid
+
+    uid = derive_uid("d" * 64, 3)
+    assert uid == derive_uid("d" * 64, 3) and len(uid) == 32 and "_" not in uid
+    others = {derive_uid("d" * 64, 3, epoch=1), derive_uid("d" * 64, 3, global_steps=7),
+              derive_uid("d" * 64, 3, validate=True), derive_uid("d" * 64, 4), derive_uid("e" * 64, 3)}
+    assert uid not in others and len(others) == 5
+
+
+def test_dataset_identity_is_the_content_not_the_path(tmp_path):
+    from rolloutbus.producers.publish import dataset_identity
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    (tmp_path / "a" / "rows.jsonl").write_text('{"prompt": []}\n')
+    (tmp_path / "b" / "copy.jsonl").write_text('{"prompt": []}\n')
+    (tmp_path / "b" / "edited.jsonl").write_text('{"prompt": [] }\n')
+    ids = [dataset_identity(tmp_path / p) for p in ("a/rows.jsonl", "b/copy.jsonl", "b/edited.jsonl")]
+    assert ids[0] == ids[1] != ids[2]
+
+
+def test_a_row_may_name_its_own_uid_which_is_checked():
+    assert build_group(Config(), _row(uid="mine42"), uid="derived").uid == "mine42"
+    assert build_group(Config(), _row(), uid="derived").uid == "derived"
+    for bad in ("a_b", "", 5):
+        with pytest.raises(ValueError, match="uid"):
+            build_group(Config(), _row(uid=bad))
+
+
+def test_a_string_prompt_is_refused_with_a_clear_reason_by_the_row_and_the_group_schema():
+    from rolloutbus.schemas.prompts import GroupSamplingParams, PromptGroup
+
+    with pytest.raises(ValueError, match="list of chat messages"):
+        build_group(Config(), _row(prompt="What is 2 + 2?"))
+    # a group written by another producer is refused where it is read (the session worker)
+    with pytest.raises(ValueError, match="row.prompt"):
+        PromptGroup(uid="u1", row=_row(prompt="What is 2 + 2?"), n=1, sampling_params=GroupSamplingParams())
+    with pytest.raises(ValueError, match="uid"):
+        PromptGroup(uid="u_1", row=_row(), n=1, sampling_params=GroupSamplingParams())
+
+
+def test_n_is_bounded_by_limits_max_n():
+    cfg = Config.model_validate({"limits": {"max_n": 8}})
+    assert Config().limits.max_n == 256
+    assert build_group(cfg, _row(__rollout_n__=8)).n == 8
+    for n in (9, 0):
+        with pytest.raises(ValueError, match=r"limits.max_n"):
+            build_group(cfg, _row(__rollout_n__=n))
+    with pytest.raises(ValueError, match="limits.max_n"):
+        build_group(Config.model_validate({"rollout": {"n": 300}}), _row())
+    for bad in ("eight", True, 2.5):
+        with pytest.raises(ValueError, match="__rollout_n__ must be an integer"):
+            build_group(cfg, _row(__rollout_n__=bad))
+
+
+def test_a_group_over_the_record_size_limit_is_refused_before_it_reaches_the_broker():
+    from rolloutbus.producers.publish import encode_group
+
+    cfg = Config.model_validate({"kafka": {"max_message_bytes": 2048}})
+    assert len(encode_group(cfg, build_group(cfg, _row()))) < 2048
+    big = build_group(cfg, _row(prompt=[{"role": "user", "content": "x" * 4096}]))
+    with pytest.raises(ValueError, match="kafka.max_message_bytes"):
+        encode_group(cfg, big)
