@@ -16,6 +16,8 @@ from prometheus_client import (
     start_http_server,
 )
 
+from rolloutbus.config import LOOPBACK
+
 # seconds; a prompt group on CPU takes seconds, on a busy GPU fleet up to half an hour
 GROUP_SECONDS_BUCKETS = (0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800)
 
@@ -107,7 +109,31 @@ class ReplayBufferMetrics(PerRegistry):
                                   registry=registry)
         self.dead_letters = Counter("rolloutbus_replay_buffer_dead_letters_total",
                                     "Turn events sent to the dead-letter topic", registry=registry)
+        self.groups_released_early = Counter(
+            "rolloutbus_replay_buffer_groups_released_early_total",
+            "Groups released before all their sessions settled (unsettled ones as failed "
+            "records) or rejected, by kind: deadline, too_many_open_groups, head_missing, rejected",
+            ["kind"], registry=registry)
+        self.released_uids = Gauge("rolloutbus_replay_buffer_released_uids",
+                                   "Released uids remembered (read back from the released topic "
+                                   "on assignment)", registry=registry)
+        self.released_uids_forgotten = Counter(
+            "rolloutbus_replay_buffer_released_uids_forgotten_total",
+            "Released uids dropped from memory past replay_buffer.max_released_uids",
+            registry=registry)
+        self.recoveries = Counter("rolloutbus_replay_buffer_partition_recoveries_total",
+                                  "Partitions (re)loaded from committed offsets and the released "
+                                  "topic: on assignment and after an aborted transaction",
+                                  registry=registry)
+        self.transaction_aborts = Counter(
+            "rolloutbus_replay_buffer_transaction_aborts_total",
+            "Transactions aborted and retried from the committed offsets, by cause: abortable "
+            "(a broker error), retries_exhausted, wedged (a client call that never returned)",
+            ["cause"], registry=registry)
 
 
-def start_metrics_server(port: int, addr: str = "127.0.0.1") -> None:
+def start_metrics_server(port: int, addr: str = LOOPBACK) -> None:
+    """Serve ``/metrics`` on ``addr:port``: loopback unless the caller passes the configured
+    address (``sessions.metrics_host``, ``replay_buffer.metrics_host``); prometheus_client's
+    own default would be every interface."""
     start_http_server(port, addr=addr)

@@ -54,7 +54,7 @@ class GroupStarted(_Event):
 
     type: Literal["group_started"] = "group_started"
     attempt: str
-    n: int = Field(ge=1)
+    n: int = Field(ge=1, le=INT32_MAX)  # as PromptGroup.n
     row: dict[str, Any]
     validate_: bool = Field(default=False, alias="validate")
     global_steps: Int64 = 0  # as wide as PromptGroup's: every accepted group can be logged

@@ -24,7 +24,14 @@ READY_TIMEOUT_S = 180.0  # seconds; torch import and model build on 2 shared cor
 
 
 def write_config(cfg: Config, path: Path) -> Path:
-    path.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    """The config as YAML for a worker process, secrets included (JSON dumps mask them)."""
+    data = cfg.model_dump(mode="json")
+    if cfg.kafka.sasl_password is not None:
+        data["kafka"]["sasl_password"] = cfg.kafka.sasl_password.get_secret_value()
+    if cfg.broker.sasl_users:
+        data["broker"]["sasl_users"] = {user: secret.get_secret_value()
+                                        for user, secret in cfg.broker.sasl_users.items()}
+    path.write_text(yaml.safe_dump(data))
     return path
 
 

@@ -6,6 +6,7 @@ the agent loop is a small deterministic two-turn loop with a tool-like observati
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
@@ -188,3 +189,44 @@ async def test_any_crash_point_resumes_to_the_fault_free_result(generations):
     client.calls = generations
     await _resume(crashed, client)
     assert _columns(_released(crashed.events)) == reference
+
+
+async def test_an_event_too_large_for_the_log_fails_its_session_not_the_worker():
+    from rolloutbus.streams.sessions.worker import RecordTooLargeError
+
+    log = Log()
+
+    async def emit(event) -> None:
+        if event.type == "generation" and event.session_id == 1:
+            raise RecordTooLargeError("generation of g1_1 is 99 bytes, over 10")
+        await log.emit(event)
+
+    ctx = SessionContext(config=Config(), tokenizer=None, llm_client=CountingClient())
+    results = await run_group(ctx, _group(), emit)
+    assert [r.type for r in results] == ["session_finished", "session_failed"]
+    assert "over 10" in results[1].error
+    statuses = [t.status.value for t in _released(log.events)]
+    assert statuses == ["completed", "failed"]  # the group is released, never left open
+
+
+@register("hangs_test")
+class HangingLoop(AgentLoopBase):
+    async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> AgentLoopOutput:
+        await self.server_manager.generate("r", prompt_ids=PROMPT, sampling_params=sampling_params)
+        await asyncio.sleep(3600)  # a tool that never answers
+        raise AssertionError("unreachable")
+
+
+async def test_a_session_past_its_deadline_is_recorded_as_failed():
+    from rolloutbus.config import with_overrides
+
+    log = Log()
+    cfg = with_overrides(Config(), {"deadlines.session_s": 0.2})
+    group = PromptGroup(uid="g9", n=1, sampling_params=GroupSamplingParams(),
+                        row={"prompt": [{"role": "user", "content": "hi"}],
+                             "agent_name": "hangs_test"})
+    [result] = await run_group(SessionContext(config=cfg, tokenizer=None,
+                                              llm_client=CountingClient()), group, log.emit)
+    assert result.type == "session_failed" and "deadlines.session_s" in result.error
+    [t] = _released(log.events)
+    assert t.status.value == "failed"

@@ -491,9 +491,7 @@ def _java_command(libs: Path, data_dir: Path, heap: str | None = None) -> list[s
 def _format_storage_once(libs: Path, properties: Path, data_dir: Path) -> None:
     if (data_dir / "kraft-logs" / "meta.properties").exists():
         return
-    # A cluster id is 16 random bytes, base64url without padding (Kafka's Uuid format);
-    # made here to spare a JVM start for `StorageTool random-uuid`.
-    cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+    cluster_id = _random_cluster_id()
     cmd = [
         *_java_command(libs, data_dir), STORAGE_TOOL_CLASS, "format",
         "--standalone", "-t", cluster_id, "-c", str(properties), "--ignore-formatted",
@@ -505,6 +503,17 @@ def _format_storage_once(libs: Path, properties: Path, data_dir: Path) -> None:
     if result.returncode != 0:
         output = _tail_text(result.stdout + result.stderr, LOG_TAIL_LINES)
         raise BrokerError(f"formatting KRaft storage in {data_dir} failed (exit {result.returncode}):\n{output}")
+
+
+def _random_cluster_id() -> str:
+    """16 random bytes, base64url without padding (Kafka's Uuid format), made here to spare a
+    JVM start for `StorageTool random-uuid`. Like Kafka's Uuid.randomUuid, never one that
+    starts with "-": the storage tool's argument parser would take it for an option
+    ("argument --cluster-id/-t: expected one argument"), one start in 64."""
+    while True:
+        cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+        if not cluster_id.startswith("-"):
+            return cluster_id
 
 
 def _launch_jvm(cfg: Config, libs: Path, properties: Path, data_dir: Path) -> int:

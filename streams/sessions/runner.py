@@ -12,7 +12,7 @@ import itertools
 import logging
 import traceback
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,6 +46,10 @@ log = logging.getLogger(__name__)
 
 class EmitError(RolloutBusError):
     """The turn log could not be written: the worker must stop, not record a failure."""
+
+
+class SessionDeadlineError(AgentLoopError):
+    """A session ran past ``deadlines.session_s``: it is recorded as failed."""
 
 
 @dataclass
@@ -155,7 +159,9 @@ async def _run_attempt(ctx: SessionContext, group: PromptGroup, session_id: int,
         recorder = RecordingLLMClient(ctx.llm_client, checked_emit, **ids,
                                       replay=resume.events if resume else ())
         try:
-            outputs = await _run_agent_loop(ctx, group, session_id, agent_name, recorder)
+            outputs = await _within_deadline(
+                _run_agent_loop(ctx, group, session_id, agent_name, recorder),
+                ctx.config.deadlines.session_s)
             recorder.check_replayed()
         finally:
             ctx.stats.replayed_generations += recorder.replayed_generations
@@ -193,6 +199,16 @@ async def _run_agent_loop(ctx: SessionContext, group: PromptGroup, session_id: i
     if outputs and group.row.get("reward_model") is not None:
         await asyncio.to_thread(score_outputs, outputs, group.row, ctx.tokenizer)
     return outputs
+
+
+async def _within_deadline(run: Awaitable[list[AgentLoopOutput]], seconds: float
+                           ) -> list[AgentLoopOutput]:
+    try:
+        return await asyncio.wait_for(run, seconds)
+    except TimeoutError:
+        raise SessionDeadlineError(
+            f"the agent loop ran past deadlines.session_s ({seconds:g} s) and was cancelled"
+        ) from None
 
 
 def _loop_kwargs(group: PromptGroup, session_id: int) -> dict[str, Any]:

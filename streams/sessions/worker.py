@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import ssl
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -132,7 +133,7 @@ class SessionWorker:
         self.turn_log = TurnLog(self.cfg, self.producer, self.metrics)
         self.ctx = _build_context(self.cfg, self.dlq)
         if self.cfg.sessions.metrics_port is not None:
-            start_metrics_server(self.cfg.sessions.metrics_port)
+            start_metrics_server(self.cfg.sessions.metrics_port, self.cfg.sessions.metrics_host)
         self.ready.set()
 
     # -- assignment --------------------------------------------------------------------
@@ -217,6 +218,10 @@ class SessionWorker:
         self._spawn(state, self._run_group(group, started.attempt))
 
     def _parse(self, event: Any) -> PromptGroup | None:
+        if event.value is None:  # a tombstone: nothing to run, but never silently dropped
+            self.dlq.write(b"", "a record without a value (tombstone) on the prompts topic",
+                           source=_source(event))
+            return None
         try:
             return PromptGroup.model_validate_json(event.value)
         except ValidationError as exc:
@@ -284,12 +289,29 @@ def _broker_url(cfg: Config) -> str:
     return ";".join(f"kafka://{hp}" for hp in cfg.kafka.bootstrap_servers.split(","))
 
 
+def _broker_credentials(cfg: Config) -> Any:
+    """Faust's consumer gets the same security settings as every confluent-kafka client."""
+    kafka = cfg.kafka
+    protocol = (kafka.security_protocol or "PLAINTEXT").upper()
+    if protocol == "PLAINTEXT":
+        return None
+    context = None
+    if protocol.endswith("SSL"):
+        context = ssl.create_default_context(cafile=kafka.ssl_ca_location)
+    if protocol == "SSL":
+        return faust.SSLCredentials(context)
+    password = kafka.sasl_password.get_secret_value() if kafka.sasl_password else None
+    return faust.SASLCredentials(username=kafka.sasl_username, password=password,
+                                 mechanism=kafka.sasl_mechanism or "PLAIN", ssl_context=context)
+
+
 def build_app(cfg: Config) -> faust.App:
     """A Faust app that takes prompt groups in order; nothing is created at import time."""
     topics = Topics.from_config(cfg.kafka)
     app = faust.App(
         cfg.sessions.app_id,
         broker=_broker_url(cfg),
+        broker_credentials=_broker_credentials(cfg),
         value_serializer="raw",
         key_serializer="raw",
         web_enabled=False,
