@@ -34,7 +34,7 @@ import os
 import ssl
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import faust
 from confluent_kafka import TopicPartition
@@ -329,13 +329,15 @@ def build_app(cfg: Config) -> faust.App:
     async def start_worker() -> None:
         await worker.start()
 
-    @app.on_partitions_assigned.connect
-    async def on_assigned(sender: Any, assigned: set[Any], **kwargs: Any) -> None:
-        worker.on_assigned(assigned)
+    def on_assigned(sender: Any, assigned: Any, **kwargs: Any) -> None:
+        worker.on_assigned(set(assigned))  # the new assignment: every topic's partitions
 
-    @app.on_partitions_revoked.connect
-    async def on_revoked(sender: Any, revoked: set[Any], **kwargs: Any) -> None:
-        worker.on_revoked(revoked)
+    def on_revoked(sender: Any, revoked: Any, **kwargs: Any) -> None:
+        worker.on_revoked(set(revoked))
+
+    # cast: mode's typing of Signal.connect does not admit a plain receiver function
+    app.on_partitions_assigned.connect(cast(Any, on_assigned))
+    app.on_partitions_revoked.connect(cast(Any, on_revoked))
 
     # concurrency 1: prompts are taken (and acknowledged) strictly in offset order; the
     # groups themselves run concurrently in the background
