@@ -214,12 +214,43 @@ class SessionsConfig(_Section):
 
 class ReplayBufferConfig(_Section):
     group_id: str = "rolloutbus-replay-buffer"
-    transactional_id: str = "rolloutbus-replay-buffer-0"  # unique per worker process
-    # seconds of trajectory history rescanned on partition assignment, so a group that a
-    # restarted session worker re-runs after its first release is still recognised
-    rescan_lookback_s: float = 3600.0
+    # None: one of its own per process, ``{group_id}-{hostname}-{pid}-{random}``, so two
+    # workers started from one config never fence each other (zombie workers are fenced
+    # through the consumer group instead, KIP-447). Set it only to pin an id: a second
+    # process with the same id fences the first.
+    transactional_id: str | None = None
+    # Open groups per turn-log partition; past it the oldest is released with its unsettled
+    # sessions as failed records ("too many open groups") and a dead letter. An open group
+    # holds its sessions' token streams, ~80 bytes per token (8 sessions x 4k tokens is
+    # ~2.6 MB), so 2048 of them can hold ~5 GB; keep it above the groups in flight per
+    # partition (session workers x sessions.concurrency / kafka.partitions).
+    max_open_groups: int = Field(default=2048, ge=1)
+    # Released uids remembered per partition, ~200 bytes each (20 MB per partition at the
+    # default); read back from the released-groups topic on assignment, newest kept. A
+    # duplicate, re-run or late event of a group older than the newest this many on its
+    # partition is not recognised: a re-run is released again. Keep it above the groups a
+    # partition releases within the turn log's retention (kafka.retention_ms).
+    max_released_uids: int = Field(default=100_000, ge=1)
     metrics_port: int | None = None
     metrics_host: str = LOOPBACK  # where metrics_port binds
+
+
+class DeadlinesConfig(_Section):
+    """How long work may stay unfinished before it is released as failed records.
+
+    Measured in log time: the ``ts`` that session workers write on every turn event, never
+    the clock of the process that reads them, so replaying the log decides the same.
+    """
+
+    # seconds from a group's first event until an event more than this much later releases
+    # it, unsettled sessions as failed records naming this deadline; above the longest a
+    # healthy group takes (a slow multi-turn group on a busy fleet: tens of minutes)
+    group_s: float = Field(default=3600.0, gt=0)
+    # seconds one session's agent loop may run in a session worker (a hung loop or tool);
+    # then it is cancelled and the session recorded as failed, naming this deadline. Counted
+    # by the worker's clock from the (re)start of the session. The turn and tool deadlines
+    # are replicas.request_timeout_s and rollout.multi_turn.tool_timeout_s.
+    session_s: float = Field(default=1800.0, gt=0)
 
 
 class TrainerConfig(_Section):
@@ -271,6 +302,7 @@ class Config(_Section):
     replicas: ReplicasConfig = Field(default_factory=ReplicasConfig)
     sessions: SessionsConfig = Field(default_factory=SessionsConfig)
     replay_buffer: ReplayBufferConfig = Field(default_factory=ReplayBufferConfig)
+    deadlines: DeadlinesConfig = Field(default_factory=DeadlinesConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)

@@ -49,7 +49,9 @@ async def _session_events(uid: str, session_id: int, attempt: str) -> list[tuple
                              response_mask=mask, response_logprobs=None, num_turns=2 * TURNS,
                              metrics=AgentLoopMetrics())
     events.append(SessionFinished(**ids, outputs=rec.summarize([output], 10_000)))
-    return [(session_key(uid, session_id), encode_turn_event(e)) for e in events]
+    # numbered within the attempt, as the session runner numbers what it logs
+    return [(session_key(uid, session_id), encode_turn_event(e.model_copy(update={"seq": seq})))
+            for seq, e in enumerate(events)]
 
 
 def group_events(uid: str, attempt: str = "a") -> list[tuple[str, str, bytes]]:

@@ -91,11 +91,16 @@ def test_ensure_topics_is_idempotent(kafka_config: KafkaConfig) -> None:
 
 
 def test_topics_carry_size_retention_and_cleanup(kafka_config: KafkaConfig) -> None:
+    released = Topics.from_config(kafka_config).released
     for name in Topics.from_config(kafka_config).all():
         configs = _describe_topic_configs(kafka_config, name)
         assert configs["max.message.bytes"] == str(kafka_config.max_message_bytes), name
-        assert configs["retention.ms"] == str(kafka_config.retention_ms), name
-        assert configs["cleanup.policy"] == "delete", name
+        if name == released:  # one record per uid, kept longer than the turns it names
+            assert configs["cleanup.policy"] == "compact,delete"
+            assert int(configs["retention.ms"]) > kafka_config.retention_ms
+        else:
+            assert configs["retention.ms"] == str(kafka_config.retention_ms), name
+            assert configs["cleanup.policy"] == "delete", name
 
 
 def test_partition_count_mismatch_names_topic(kafka_config: KafkaConfig) -> None:

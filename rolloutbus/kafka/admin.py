@@ -1,4 +1,5 @@
-"""Topic administration: the five rollout topics, created idempotently.
+"""Topic administration: the rollout topics, created idempotently, and their partition
+counts checked against the config.
 
 Works against any cluster (the embedded broker or the user's own). Every confluent-kafka
 error is translated here into :class:`BrokerError`, naming the topic and the bootstrap.
@@ -13,11 +14,12 @@ from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka.admin import AdminClient, ClusterMetadata, NewTopic
 
 from rolloutbus.config import KafkaConfig
-from rolloutbus.errors import BrokerError
+from rolloutbus.errors import BrokerError, ConfigError
 from rolloutbus.kafka.clients import admin_client, broker_error, kafka_error_code
 from rolloutbus.topics import Topics
 
-__all__ = ["delete_topics", "ensure_topics", "topic_configs", "topic_partitions"]
+__all__ = ["check_partition_counts", "delete_topics", "ensure_topics", "topic_configs",
+           "topic_partitions"]
 
 # Policy versions are a single ordered stream that every worker reads in full, so the
 # control topic has one partition; the others share kafka.partitions (see topics.py).
@@ -51,13 +53,58 @@ def topic_partitions(kafka: KafkaConfig) -> dict[str, int]:
     return counts
 
 
-def topic_configs(kafka: KafkaConfig) -> dict[str, str]:
-    """Topic-level settings shared by every rollout topic."""
+# The released-groups topic is compacted (one record per uid) and also time-bounded, so
+# reading a partition of it on assignment costs the groups released within its retention,
+# not every group ever. It keeps a record twice as long as the turn log keeps events: a
+# group's turn events are older than its released record, so while any of them can still be
+# replayed the record is there to say the group was released.
+RELEASED_RETENTION_FACTOR = 2
+
+
+def topic_configs(kafka: KafkaConfig, name: str | None = None) -> dict[str, str]:
+    """Topic-level settings of the rollout topic ``name`` (None: those most topics share)."""
+    if name is not None and name == Topics.from_config(kafka).released:
+        return {
+            "cleanup.policy": "compact,delete",
+            "retention.ms": str(kafka.retention_ms * RELEASED_RETENTION_FACTOR),
+            "max.message.bytes": str(kafka.max_message_bytes),
+        }
     return {
         "cleanup.policy": "delete",
         "retention.ms": str(kafka.retention_ms),
         "max.message.bytes": str(kafka.max_message_bytes),
     }
+
+
+def check_partition_counts(kafka: KafkaConfig, timeout_s: float = ADMIN_TIMEOUT_S) -> int:
+    """The partition count of the uid-partitioned topics, read from the cluster.
+
+    A uid maps to partition ``crc32(uid) % count`` on every topic, so prompts, turns,
+    trajectories and released must have one count, and ``kafka.partitions`` must name it
+    (the publisher and the session worker place records by it). Raises BrokerError when a
+    topic is missing or the topics disagree, ConfigError when they agree with each other
+    but not with the config; each message says what to do.
+    """
+    names = Topics.from_config(kafka).partitioned_by_uid()
+    existing = _partition_counts(_admin(kafka), kafka, timeout_s)
+    missing = [name for name in names if name not in existing]
+    if missing:
+        raise BrokerError(f"topics {', '.join(missing)} do not exist on {kafka.bootstrap_servers}: "
+                          "create them with `rolloutbus topics` (same config)")
+    counts = {name: existing[name] for name in names}
+    if len(set(counts.values())) > 1:
+        found = ", ".join(f"{name} has {count}" for name, count in counts.items())
+        raise BrokerError(
+            f"the rollout topics on {kafka.bootstrap_servers} disagree on their partition count "
+            f"({found}): a uid would map to different partitions on different topics; recreate "
+            "them with one count, or use another kafka.topic_prefix")
+    count = counts[names[0]]
+    if count != kafka.partitions:
+        raise ConfigError(
+            f"the rollout topics ({kafka.topic_prefix}.*) on {kafka.bootstrap_servers} have {count} "
+            f"partitions but kafka.partitions is {kafka.partitions}: set kafka.partitions: {count} "
+            "(or use another kafka.topic_prefix)")
+    return count
 
 
 def ensure_topics(kafka: KafkaConfig, timeout_s: float = ADMIN_TIMEOUT_S) -> list[str]:
@@ -126,9 +173,9 @@ def _create(admin: AdminClient, kafka: KafkaConfig, names: list[str], wanted: di
             timeout_s: float) -> list[str]:
     if not names:
         return []
-    configs = topic_configs(kafka)
     new_topics = [
-        NewTopic(name, num_partitions=wanted[name], replication_factor=kafka.replication_factor, config=configs)
+        NewTopic(name, num_partitions=wanted[name], replication_factor=kafka.replication_factor,
+                 config=topic_configs(kafka, name))
         for name in names
     ]
     futures = admin.create_topics(new_topics, operation_timeout=timeout_s, request_timeout=timeout_s)

@@ -1,54 +1,84 @@
 """The replay-buffer processor: rollout.turns in, rollout.trajectories out, exactly once.
 
 Guarantee on this hop: exactly-once, by Kafka transactions (consume-transform-produce
-with confluent-kafka; Faust's exactly-once mode is experimental upstream). Per poll batch:
+with confluent-kafka; Faust's exactly-once mode is experimental upstream). Per batch:
 
-1. fold the new turn events; collect the groups they complete;
-2. begin a transaction; produce every trajectory of those groups (and any dead letters);
-3. send the consumer offsets to the transaction: per partition, the low watermark (first
-   event of the oldest open group) with metadata naming the trajectory offset from which
-   a restart must read to learn which later groups were already released;
+1. fold the new turn events of the partitions that are ready; collect the groups released;
+2. begin a transaction; produce every trajectory of those groups, their dead letters, and
+   one record per group on the released-groups topic (``released.py``, key uid);
+3. send the consumer offsets to the transaction — per partition the low watermark, the
+   first event of the oldest open group — with the consumer group's metadata, so a worker
+   that lost the partition in a rebalance is fenced (KIP-447);
 4. commit the transaction. Trainers read with isolation.level=read_committed.
 
-On partition assignment the processor runs *released-groups recovery*: it reads the
-trajectory partition from the offset named in that metadata (or from
-``rescan_lookback_s`` ago, if earlier: a prompt redelivered to a restarted session worker
-re-runs a group that may have been released before that offset) and remembers the uids
-it finds there as released, so they are never released twice. A uid maps to the
-same partition number on every topic, so partition p of the turns feeds partition p of
-the trajectories and one transactional writer owns it.
+**Which groups were released** is read from the released-groups topic, never inferred
+from offsets: a group's released record commits with its trajectories, and on assignment
+a partition's released uids are read back before any of its events is folded. So a
+restart, lost or expired consumer offsets, a new group id, or a session worker re-running
+a group cannot release a group twice.
+
+**Partition lifecycle.** The rebalance callbacks only record the change (no I/O in a
+callback) and bump an assignment generation. A newly assigned partition is *pending*:
+paused, its polled records dropped, until the main loop has read its committed offset and
+its released uids, built its fold, and sought it back to the committed offset. A batch
+during whose polls the generation changed is dropped whole, and the partitions still
+owned are sought back to where their folds stand: nothing polled before a rebalance is
+folded after it.
+
+**Failures.** Bad input never stops the worker (``trajectories.py``: failed records plus a
+dead letter). A broker error during a transaction: a retriable one is retried with
+backoff; an abortable one (or retries used up) aborts the transaction and re-reads every
+partition from its committed offset (the fold state of the aborted batch is discarded);
+a fatal one (e.g. fenced by another process with the same ``transactional_id``) ends the
+process with one line naming the cause. Transactional calls run under a watchdog: librdkafka
+can block in ``send_offsets_to_transaction`` forever when the coordinator goes away during
+a broker restart (confluentinc/librdkafka#5456, #5511); a call that outlives its timeout
+plus ``CALL_GRACE_S`` retires the producer (kept referenced, never closed under a blocked
+call) for a new one with the same transactional id, whose ``init_transactions`` fences
+the old and aborts its transaction. A broker that stays unusable for ``BROKER_RETRY_S``
+ends the process.
 """
 
 from __future__ import annotations
 
-import json
 import logging
+import os
+import secrets
 import signal
+import socket
 import threading
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
 from pydantic import ValidationError
 
 from rolloutbus.config import Config
+from rolloutbus.errors import BrokerError, RolloutBusError, SchemaError
+from rolloutbus.kafka.admin import check_partition_counts
 from rolloutbus.kafka.clients import (
     broker_error,
-    consume_records,
     message_location,
     read_committed_consumer,
+    record_or_partition_end,
     record_position,
     transactional_producer,
     translate_kafka_errors,
 )
-from rolloutbus.kafka.dead_letters import DeadLetterRecord, DeadLetterWriter
-from rolloutbus.kafka.partition_reader import read_partition
+from rolloutbus.kafka.dead_letters import dead_letter_record
 from rolloutbus.metrics import ReplayBufferMetrics, start_metrics_server
-from rolloutbus.schemas.trajectories import Trajectory, encode_trajectories
+from rolloutbus.schemas.trajectories import TrajectoryStatus
 from rolloutbus.schemas.turns import decode_turn_event
-from rolloutbus.streams.assembly.partition_fold import PartitionFold, ReleasedGroup
-from rolloutbus.streams.assembly.trajectories import finalize_group
-from rolloutbus.topics import Topics, uid_of_key
+from rolloutbus.streams.assembly.partition_fold import FoldLimits, PartitionFold, ReleasedGroup
+from rolloutbus.streams.assembly.released import read_released_uids, released_record
+from rolloutbus.streams.assembly.session_fold import short_error
+from rolloutbus.streams.assembly.trajectories import (
+    RECORD_HEADROOM_BYTES,
+    finalize_group,
+    max_record_bytes,
+)
+from rolloutbus.topics import Topics
 
 log = logging.getLogger(__name__)
 
@@ -60,10 +90,51 @@ POLL_TIMEOUT_S = 0.5  # seconds; also the idle commit cadence
 BATCH_WINDOW_S = 0.1
 BATCH_MAX_RECORDS = 5000
 COMMIT_IDLE_S = 5.0  # seconds between watermark-only commits when nothing is released
-TXN_TIMEOUT_S = 30.0  # seconds for init/commit of a transaction
+TXN_TIMEOUT_S = 30.0  # seconds for each transactional call and offset query
+# ms the coordinator lets a transaction stay open: a crashed worker's open transaction holds
+# back read_committed readers of its output partitions (trainers, the next owner's read of
+# the released topic) until then; a batch's transaction lasts well under a second
+TRANSACTION_TIMEOUT_MS = 30_000
+CALL_GRACE_S = 5.0  # seconds past a call's own timeout (librdkafka answers by then unless it hangs)
+BROKER_RETRY_S = 300.0  # seconds of a broker failing every retry before the worker gives up
+RETRY_BACKOFF_S = 0.5  # seconds before the first retry, doubled up to RETRY_BACKOFF_MAX_S
+RETRY_BACKOFF_MAX_S = 5.0
 LINGER_MS = 5  # ms a record waits to batch; small, since each batch is flushed by its commit
+LETTER_REASON_CHARS = 4000  # characters of a decoder's error kept in a dead letter's reason
 ANY_PARTITION = -1  # an outgoing record the producer's partitioner places (dead letters)
-FENCED_OR_DOWN_HINT = "fenced by a newer worker with the same transactional id, or the broker is down"
+# consumer errors no retry can fix; every other non-fatal one is retried by librdkafka itself
+PERMANENT_CONSUMER_ERRORS = frozenset({
+    KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError.TOPIC_AUTHORIZATION_FAILED,
+    KafkaError.GROUP_AUTHORIZATION_FAILED, KafkaError._UNKNOWN_TOPIC,
+})
+HEAD_MISSING_REASON = (
+    "turn event of group {uid}, whose group_started is not in the turn log (deleted by "
+    "retention, or never written): the group's sessions are released as failed records once "
+    "it passes deadlines.group_s or replay_buffer.max_open_groups")
+FENCED_HINT = ("another process runs with the same replay_buffer.transactional_id; leave it unset "
+               "to give every process its own")
+
+
+class Outgoing(NamedTuple):
+    """A record to produce inside the batch's transaction."""
+
+    topic: str
+    key: str
+    value: bytes
+    partition: int  # ANY_PARTITION: the producer's partitioner places it
+
+
+class TransactionFailed(RolloutBusError):
+    """A transaction must be aborted and its batch re-read from the committed offsets."""
+
+    def __init__(self, cause: str, action: str, detail: str):
+        super().__init__(f"{action}: {detail}")
+        self.cause = cause  # abortable, retries_exhausted or wedged (a metrics label)
+
+
+def default_transactional_id(group_id: str) -> str:
+    """One per process: two workers from one config must not fence each other."""
+    return f"{group_id}-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
 
 
 class ReplayBuffer:
@@ -71,214 +142,407 @@ class ReplayBuffer:
         self.cfg = cfg
         self.topics = Topics.from_config(cfg.kafka)
         self.metrics = metrics or ReplayBufferMetrics()
-        self.partitions: dict[int, PartitionFold] = {}
+        self.transactional_id = (cfg.replay_buffer.transactional_id
+                                 or default_transactional_id(cfg.replay_buffer.group_id))
+        self.limits = FoldLimits.from_config(cfg)
+        self.max_record_bytes = max_record_bytes(cfg.kafka)
+        self.partitions: dict[int, PartitionFold] = {}  # ready: recovered, being folded
+        self._pending: dict[int, float] = {}  # assigned, not yet recovered -> since (monotonic)
+        self._paused: set[int] = set()
+        self._generation = 0  # bumped by every rebalance callback
         self._stop = threading.Event()
         self._consumer = read_committed_consumer(cfg.kafka, cfg.replay_buffer.group_id,
                                                  overrides={"auto.offset.reset": "earliest"})
-        self._producer = transactional_producer(cfg.kafka, cfg.replay_buffer.transactional_id,
-                                                {"linger.ms": LINGER_MS, "compression.type": "lz4"})
-        # letters are produced by _commit, inside the batch's transaction
-        self._dead_letters = DeadLetterWriter(cfg.kafka, stage="replay_buffer", producer=self._producer)
+        self._producer = self._new_producer()
+        self._retired: list[Producer] = []  # wedged producers: a thread may still be inside one
         self._dirty = False
         self._last_commit = time.monotonic()
+        self._failing_since: float | None = None  # first of consecutive failed transactions
 
-    # -- lifecycle -------------------------------------------------------------
+    # -- lifecycle -------------------------------------------------------------------------
     def stop(self) -> None:
         self._stop.set()
 
     def run(self) -> None:
         """Consume until stop(); every exit path closes the consumer (leaving the group)."""
-        with translate_kafka_errors(f"replay buffer: init_transactions for "
-                                    f"{self.cfg.replay_buffer.transactional_id!r}"):
-            self._producer.init_transactions(TXN_TIMEOUT_S)
-        self._consumer.subscribe([self.topics.turns], on_assign=self._on_assign,
-                                 on_revoke=self._on_revoke, on_lost=self._on_revoke)
-        log.info("replay buffer consuming %s", self.topics.turns)
         try:
+            check_partition_counts(self.cfg.kafka)
+            self._init_transactions()
+            self._consumer.subscribe([self.topics.turns], on_assign=self._on_assign,
+                                     on_revoke=self._on_revoke, on_lost=self._on_revoke)
+            log.info("replay buffer %s consuming %s", self.transactional_id, self.topics.turns)
             while not self._stop.is_set():
                 self.step()
         finally:
             self._consumer.close()
+            self._flush_quietly()
+
+    def _flush_quietly(self) -> None:
+        """Best effort on the way out: the error that ended the run, if any, is the one to
+        report, not a flush failing after it (a fenced producer fails every call)."""
+        if self._retired:
+            return  # a retired producer may hold a call that never returns
+        try:
             self._producer.flush(TXN_TIMEOUT_S)
+        except KafkaException as exc:
+            log.debug("flush on exit failed: %s", exc)
 
     def step(self) -> int:
-        """One batch of polls, folded and committed in one transaction. Returns records read."""
-        messages = self._poll_batch()
-        outgoing: list[tuple[str, str, bytes, int]] = []  # topic, key, value, partition
+        """Recover pending partitions, then one batch of polls folded and committed in one
+        transaction. Returns the records read."""
+        self._recover_pending()
+        messages, generation = self._poll_batch()
+        if generation != self._generation:
+            self._seek_ready_partitions_back()
+            return 0
+        outgoing: list[Outgoing] = []
         for msg in messages:
-            outgoing.extend(self._fold_message(msg))
+            self._fold_message(msg, outgoing)
         idle_commit = self._dirty and time.monotonic() - self._last_commit > COMMIT_IDLE_S
         if outgoing or idle_commit:
             self._commit(outgoing)
-        self.metrics.open_groups.set(sum(len(p.open) for p in self.partitions.values()))
+        self._update_gauges()
         return len(messages)
 
-    def _poll_batch(self) -> list[Message]:
-        messages = consume_records(self._consumer, POLL_BATCH, POLL_TIMEOUT_S)
+    # -- polling ---------------------------------------------------------------------------
+    def _poll_batch(self) -> tuple[list[Message], int]:
+        """Records polled in one batch window, and the assignment generation they belong to
+        (changed by the end if a rebalance callback ran during the polls)."""
+        generation = self._generation
+        messages = self._consume(POLL_TIMEOUT_S)
         deadline = time.monotonic() + BATCH_WINDOW_S
-        while messages and len(messages) < BATCH_MAX_RECORDS and time.monotonic() < deadline:
-            more = consume_records(self._consumer, POLL_BATCH, max(0.0, deadline - time.monotonic()))
+        while (messages and len(messages) < BATCH_MAX_RECORDS and time.monotonic() < deadline
+               and self._generation == generation):
+            more = self._consume(max(0.0, deadline - time.monotonic()))
             if not more:
                 break
             messages.extend(more)
-        return messages
+        self._pause_pending()
+        return messages, generation
 
-    # -- folding ---------------------------------------------------------------
-    def _fold_message(self, msg: Message) -> list[tuple[str, str, bytes, int]]:
+    def _consume(self, timeout_s: float) -> list[Message]:
+        """Records only; a transient consumer error (the broker restarting) is logged and
+        left to librdkafka's own retries, a fatal or permanent one raises BrokerError."""
+        with translate_kafka_errors("consuming", topic=self.topics.turns):
+            batch = self._consumer.consume(POLL_BATCH, timeout_s)
+        records = []
+        for msg in batch:
+            err = msg.error()
+            if err is None:
+                records.append(msg)
+            elif err.code() == KafkaError._PARTITION_EOF:
+                continue
+            elif err.fatal() or err.code() in PERMANENT_CONSUMER_ERRORS:
+                record_or_partition_end(msg)  # raises the BrokerError
+            else:
+                log.warning("consumer: %s (%s); the client retries", err.str(), err.name())
+        return records
+
+    def _pause_pending(self) -> None:
+        """Stop fetching partitions that are not recovered yet (their records are dropped
+        and re-read after recovery seeks back)."""
+        todo = [p for p in self._pending if p not in self._paused]
+        if not todo:
+            return
+        try:
+            self._consumer.pause([TopicPartition(self.topics.turns, p) for p in todo])
+        except KafkaException as exc:  # only saves fetches: recovery seeks back anyway
+            log.debug("pausing %s failed: %s", todo, exc)
+        self._paused.update(todo)
+
+    def _seek_ready_partitions_back(self) -> None:
+        """A rebalance ran during the polls: drop the batch; the partitions still owned go
+        on from where their folds stand."""
+        for part, fold in self.partitions.items():
+            with translate_kafka_errors("seeking back after a rebalance", topic=self.topics.turns,
+                                        partition=part, offset=fold.next_offset):
+                self._consumer.seek(TopicPartition(self.topics.turns, part, fold.next_offset))
+
+    # -- folding ---------------------------------------------------------------------------
+    def _fold_message(self, msg: Message, outgoing: list[Outgoing]) -> None:
         part, offset = record_position(msg)
-        state = self.partitions.get(part)
-        if state is None:
-            return []  # revoked meanwhile
+        fold = self.partitions.get(part)
+        if fold is None or offset < fold.next_offset:
+            return  # not recovered yet (re-read after its seek), or folded already
         self._dirty = True
         try:
             event = decode_turn_event(msg.value() or b"")  # a null value is dead-lettered too
-        except ValidationError as exc:
-            state.next_offset = offset + 1
-            self.metrics.dead_letters.inc()
-            return [self._dead_letter(msg, f"turn event does not match its schema: {exc}")]
+        except (ValidationError, RolloutBusError) as exc:
+            fold.next_offset = offset + 1
+            outgoing.append(self._dead_letter(
+                msg, f"turn event does not match its schema: {short_error(exc, LETTER_REASON_CHARS)}"))
+            return
         self.metrics.events.labels(type=event.type).inc()
-        before = state.ignored
-        released = state.apply(offset, event)
-        if state.ignored > before:
-            self.metrics.duplicates.inc()
-        return self._trajectory_records(part, released) if released else []
-
-    def _trajectory_records(self, part: int, released: ReleasedGroup) -> list[tuple[str, str, bytes, int]]:
-        trajectories, broken = finalize_group(released, self.cfg.rollout)
-        self.metrics.groups.inc()
-        letters = [self._invariant_letter(v.trajectory, v.problems) for v in broken]
-        for t in trajectories:
-            self.metrics.trajectories.labels(status=t.status.value).inc()
-        return letters + [(self.topics.trajectories, t.key, value, part)
-                          for t, value in zip(trajectories, encode_trajectories(trajectories), strict=True)]
-
-    def _invariant_letter(self, t: Trajectory, problems: list[str]) -> tuple[str, str, bytes, int]:
-        reason = f"trajectory {t.key} released as failed: " + "; ".join(problems)
-        self.metrics.dead_letters.inc()
-        letter = self._dead_letters.record(encode_trajectories([t])[0], reason,
-                                           source=f"{self.topics.trajectories} key {t.key}", key=t.key)
-        return _outgoing(letter)
-
-    def _dead_letter(self, msg: Message, reason: str) -> tuple[str, str, bytes, int]:
-        key = (msg.key() or b"").decode("utf-8", "replace")
-        letter = self._dead_letters.record(msg.value() or b"", reason, source=message_location(msg), key=key)
-        return _outgoing(letter)
-
-    # -- the transaction -------------------------------------------------------
-    def _commit(self, outgoing: list[tuple[str, str, bytes, int]]) -> None:
-        delivered: dict[int, int] = {}
-
-        def on_delivery(err: KafkaError | None, msg: Message) -> None:
-            if err is None and msg.topic() == self.topics.trajectories:
-                partition, offset = record_position(msg)
-                delivered[partition] = max(delivered.get(partition, -1), offset)
-
+        ignored_before = fold.ignored
         try:
-            self._producer.begin_transaction()
-            for topic, key, value, partition in outgoing:
-                kwargs: dict[str, Any] = {} if partition == ANY_PARTITION else {"partition": partition}
-                self._produce(topic, key, value, on_delivery, **kwargs)
-            self._producer.send_offsets_to_transaction(
-                self._offsets(), self._consumer.consumer_group_metadata(), TXN_TIMEOUT_S)
-            self._producer.commit_transaction(TXN_TIMEOUT_S)
-        except KafkaException as exc:
-            self._abort(exc)
-            raise broker_error(exc, "replay buffer transaction", hint=FENCED_OR_DOWN_HINT) from exc
-        for part, last in delivered.items():
-            if part in self.partitions:
-                self.partitions[part].traj_next_offset = last + 1
+            released = fold.fold(offset, event)
+        except SchemaError as exc:
+            outgoing.append(self._dead_letter(msg, f"turn event cannot be folded: {exc}"))
+            return
+        if fold.opened_headless is not None:
+            outgoing.append(self._dead_letter(msg, HEAD_MISSING_REASON.format(uid=event.uid)))
+        if fold.ignored > ignored_before:
+            self.metrics.duplicates.inc(fold.ignored - ignored_before)
+        if fold.forgotten:
+            self.metrics.released_uids_forgotten.inc(fold.forgotten)
+            fold.forgotten = 0
+        for group in released:
+            outgoing.extend(self._release(part, group))
+
+    def _release(self, part: int, released: ReleasedGroup) -> list[Outgoing]:
+        """Trajectories, dead letters and the released record of one group."""
+        done = finalize_group(released, self.cfg.rollout, max_record_bytes=self.max_record_bytes)
+        uid = released.group.uid
+        self.metrics.groups.inc()
+        if released.kind != "completed":
+            self.metrics.groups_released_early.labels(kind=released.kind).inc()
+        # a letter about one trajectory names its key; one about the group, the event that
+        # released it
+        group_source = f"{self.topics.turns}[{part}]@{released.last_offset} uid {uid}"
+        out = [self._letter(letter.original, letter.reason, key=letter.key,
+                            source=group_source if letter.key == uid
+                            else f"{self.topics.trajectories} key {letter.key}")
+               for letter in done.letters]
+        for t, value in zip(done.trajectories, done.records, strict=True):
+            self.metrics.trajectories.labels(status=t.status.value).inc()
+            out.append(Outgoing(self.topics.trajectories, t.key, value, part))
+        record = released_record(
+            uid, part, trajectories=len(done.trajectories),
+            failed=sum(t.status == TrajectoryStatus.FAILED for t in done.trajectories),
+            kind=released.kind,
+            turns_first_offset=released.first_offset, turns_last_offset=released.last_offset)
+        out.append(Outgoing(self.topics.released, uid, record.encode(), part))
+        return out
+
+    def _dead_letter(self, msg: Message, reason: str) -> Outgoing:
+        key = (msg.key() or b"").decode("utf-8", "replace")
+        return self._letter(msg.value() or b"", reason, source=message_location(msg), key=key)
+
+    def _letter(self, original: bytes, reason: str, *, source: str, key: str) -> Outgoing:
+        """A dead letter that fits the topic: an original too large to carry in base64 is
+        cut, and the reason says so (a record over the limit would abort every retry)."""
+        self.metrics.dead_letters.inc()
+        letter = dead_letter_record(self.topics.dlq, original, stage="replay_buffer",
+                                    reason=reason, source=source, key=key)
+        if len(letter.value) > self.max_record_bytes:
+            keep = max(0, (self.max_record_bytes - len(letter.value) + len(original) * 4 // 3) * 3 // 4
+                       - RECORD_HEADROOM_BYTES)
+            letter = dead_letter_record(
+                self.topics.dlq, original[:keep], stage="replay_buffer", source=source, key=key,
+                reason=f"{reason} (original cut to its first {keep} of {len(original)} bytes)")
+        return Outgoing(letter.topic, letter.key or "", letter.value, ANY_PARTITION)
+
+    # -- the transaction -------------------------------------------------------------------
+    def _commit(self, outgoing: list[Outgoing]) -> None:
+        try:
+            self._call("beginning a transaction", self._producer.begin_transaction)  # 2.
+            for record in outgoing:
+                self._produce(record)
+            offsets = self._offsets()  # 3.
+            with translate_kafka_errors("reading the consumer group metadata"):
+                group_metadata = self._consumer.consumer_group_metadata()
+            self._call("sending offsets to the transaction", lambda: self._producer.send_offsets_to_transaction(
+                offsets, group_metadata, TXN_TIMEOUT_S))
+            self._call("committing the transaction",  # 4.
+                       lambda: self._producer.commit_transaction(TXN_TIMEOUT_S))
+        except TransactionFailed as failure:
+            self._abort_and_rewind(failure)
+            return
         self._dirty = False
         self._last_commit = time.monotonic()
+        self._failing_since = None
 
-    def _produce(self, topic: str, key: str, value: bytes, on_delivery: Any, **kwargs: Any) -> None:
+    def _produce(self, record: Outgoing) -> None:
+        kwargs: dict[str, Any] = {} if record.partition == ANY_PARTITION else {"partition": record.partition}
         while True:
             try:
-                self._producer.produce(topic, key=key, value=value, on_delivery=on_delivery, **kwargs)
+                self._producer.produce(record.topic, key=record.key, value=record.value, **kwargs)
                 return
             except BufferError:
                 self._producer.poll(0.1)  # local queue full: let deliveries drain
+            except KafkaException as exc:
+                self._raise_if_fatal("producing", exc)
+                raise TransactionFailed("abortable", f"producing to {record.topic}", str(exc)) from exc
 
     def _offsets(self) -> list[TopicPartition]:
-        return [TopicPartition(self.topics.turns, part, state.low_watermark(),
-                               metadata=json.dumps({"traj_scan_from": state.scan_from()}))
-                for part, state in self.partitions.items()]
+        return [TopicPartition(self.topics.turns, part, fold.low_watermark())
+                for part, fold in self.partitions.items()]
 
-    def _abort(self, exc: KafkaException) -> None:
-        err = exc.args[0] if exc.args else None
-        if err is not None and getattr(err, "txn_requires_abort", lambda: False)():
+    def _call(self, action: str, call: Callable[[], Any]) -> Any:
+        """One transactional call: retriable errors retried with backoff for up to
+        BROKER_RETRY_S; abortable ones (and exhausted retries) raise TransactionFailed;
+        fatal ones raise BrokerError."""
+        give_up = time.monotonic() + BROKER_RETRY_S
+        backoff = RETRY_BACKOFF_S
+        while True:
             try:
-                self._producer.abort_transaction(TXN_TIMEOUT_S)
-            except KafkaException:
-                log.exception("abort_transaction failed")
+                return self._within_deadline(action, call)
+            except KafkaException as exc:
+                self._raise_if_fatal(action, exc)
+                err = exc.args[0] if exc.args and isinstance(exc.args[0], KafkaError) else None
+                if err is not None and err.txn_requires_abort():
+                    raise TransactionFailed("abortable", action, _describe(exc)) from exc
+                if err is None or not err.retriable():
+                    raise TransactionFailed("abortable", action, _describe(exc)) from exc
+                if time.monotonic() > give_up or self._stop.is_set():
+                    raise TransactionFailed("retries_exhausted", action, _describe(exc)) from exc
+                log.warning("replay buffer: %s: %s; retrying in %.1f s", action, _describe(exc), backoff)
+                self._stop.wait(backoff)
+                backoff = min(2 * backoff, RETRY_BACKOFF_MAX_S)
 
-    # -- rebalancing -----------------------------------------------------------
+    def _within_deadline(self, action: str, call: Callable[[], Any]) -> Any:
+        """Run ``call`` on a helper thread; a call still running after TXN_TIMEOUT_S +
+        CALL_GRACE_S has wedged the producer (librdkafka#5456)."""
+        box: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                box["result"] = call()
+            except BaseException as exc:  # re-raised on the caller's thread below
+                box["error"] = exc
+
+        helper = threading.Thread(target=run, name="replay-buffer-txn", daemon=True)
+        helper.start()
+        helper.join(TXN_TIMEOUT_S + CALL_GRACE_S)
+        if helper.is_alive():
+            raise TransactionFailed("wedged", action,
+                                    f"no answer within {TXN_TIMEOUT_S + CALL_GRACE_S:.0f} s")
+        if "error" in box:
+            raise box["error"]
+        return box.get("result")
+
+    def _raise_if_fatal(self, action: str, exc: KafkaException) -> None:
+        err = exc.args[0] if exc.args and isinstance(exc.args[0], KafkaError) else None
+        if err is not None and err.fatal():
+            fenced = err.code() in (KafkaError._FENCED, KafkaError.PRODUCER_FENCED,
+                                    KafkaError.INVALID_PRODUCER_EPOCH)
+            raise broker_error(exc, f"replay buffer {self.transactional_id}: {action} (fatal)",
+                               hint=FENCED_HINT if fenced else "restart the worker") from exc
+
+    def _abort_and_rewind(self, failure: TransactionFailed) -> None:
+        """Abort (or, for a wedged producer, replace it), then re-read every partition from
+        its committed offset: the fold state of the aborted batch is discarded."""
+        self.metrics.transaction_aborts.labels(cause=failure.cause).inc()
+        log.warning("replay buffer: %s (%s): aborting; every partition is re-read from its "
+                    "committed offset", failure, failure.cause)
+        if failure.cause == "wedged":
+            self._replace_producer()
+        else:
+            try:
+                self._call("aborting the transaction",
+                           lambda: self._producer.abort_transaction(TXN_TIMEOUT_S))
+            except TransactionFailed as again:
+                log.warning("replay buffer: %s; replacing the producer", again)
+                self._replace_producer()
+        now = time.monotonic()
+        for part in self.partitions:
+            self._pending[part] = now
+        self.partitions.clear()
+        self._paused.clear()
+        self._dirty = False  # the recovered folds are what was committed
+        self._failing_since = self._failing_since or now
+        if now - self._failing_since > BROKER_RETRY_S:
+            raise BrokerError(f"replay buffer {self.transactional_id}: no transaction committed for "
+                              f"{BROKER_RETRY_S:.0f} s; the last one failed: {failure}")
+        self._stop.wait(RETRY_BACKOFF_S)
+
+    def _new_producer(self) -> Producer:
+        return transactional_producer(self.cfg.kafka, self.transactional_id, {
+            "linger.ms": LINGER_MS, "compression.type": "lz4",
+            "transaction.timeout.ms": TRANSACTION_TIMEOUT_MS})
+
+    def _replace_producer(self) -> None:
+        """A new producer with the same transactional id: its init_transactions fences the
+        old one, and the coordinator aborts the old one's open transaction."""
+        self._retired.append(self._producer)
+        self._producer = self._new_producer()
+        self._init_transactions()
+
+    def _init_transactions(self) -> None:
+        give_up = time.monotonic() + BROKER_RETRY_S
+        while True:
+            try:
+                self._call(f"init_transactions for {self.transactional_id!r}",
+                           lambda: self._producer.init_transactions(TXN_TIMEOUT_S))
+                return
+            except TransactionFailed as failure:
+                if time.monotonic() > give_up:
+                    raise BrokerError(f"replay buffer: {failure}") from failure
+                if failure.cause == "wedged":
+                    self._retired.append(self._producer)
+                    self._producer = self._new_producer()
+                self._stop.wait(RETRY_BACKOFF_S)
+
+    # -- rebalancing: record only; the main loop does the work ----------------------------
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
-        with translate_kafka_errors("reading committed offsets", topic=self.topics.turns):
-            committed = consumer.committed(partitions, timeout=TXN_TIMEOUT_S)
-        for tp in committed:
-            released = self._recover_released_groups(tp)
-            start = tp.offset if tp.offset >= 0 else 0
-            _, high = self._trajectory_watermarks(tp.partition)
-            self.partitions[tp.partition] = PartitionFold(start, high, released)
-            log.info("assigned %s[%d] from offset %d; %d released groups remembered",
-                     tp.topic, tp.partition, start, len(released))
-
-    def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        self._generation += 1
+        now = time.monotonic()
         for tp in partitions:
             self.partitions.pop(tp.partition, None)
+            self._pending[tp.partition] = now
+            self._paused.discard(tp.partition)
+        log.info("assigned %s %s", self.topics.turns, sorted(tp.partition for tp in partitions))
 
-    # -- released-groups recovery -----------------------------------------------
-    def _recover_released_groups(self, committed: TopicPartition) -> set[str]:
-        """uids already released on this partition, read back from the trajectory topic, so
-        a group re-run after its release (a redelivered prompt) is not released again."""
-        recover_from = _committed_recovery_offset(committed)
-        if recover_from is None:
-            return set()
-        recover_from = min(recover_from, self._recovery_lookback_offset(committed.partition))
-        return self._uids_released_since(committed.partition, recover_from)
+    def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        self._generation += 1
+        for tp in partitions:
+            self.partitions.pop(tp.partition, None)
+            self._pending.pop(tp.partition, None)
+            self._paused.discard(tp.partition)
 
-    def _recovery_lookback_offset(self, partition: int) -> int:
-        """First trajectory offset written within ``rescan_lookback_s`` (a bounded read)."""
-        since_ms = int((time.time() - self.cfg.replay_buffer.rescan_lookback_s) * 1000)
-        with translate_kafka_errors("looking up offsets by time", topic=self.topics.trajectories,
-                                    partition=partition):
-            [tp] = self._consumer.offsets_for_times(
-                [TopicPartition(self.topics.trajectories, partition, since_ms)], timeout=TXN_TIMEOUT_S)
-        if tp.offset >= 0:
-            return tp.offset
-        return self._trajectory_watermarks(partition)[1]  # nothing that recent: read nothing extra
+    # -- partition recovery ----------------------------------------------------------------
+    def _recover_pending(self) -> None:
+        for part, since in sorted(self._pending.items()):
+            try:
+                fold = self._recover(part)
+            except BrokerError as exc:
+                if time.monotonic() - since > BROKER_RETRY_S:
+                    raise
+                log.warning("replay buffer: recovering %s[%d] failed (%s); retrying",
+                            self.topics.turns, part, exc)
+                self._stop.wait(RETRY_BACKOFF_S)
+                continue
+            self.partitions[part] = fold
+            del self._pending[part]
+            self._paused.discard(part)
+            self.metrics.recoveries.inc()
 
-    def _trajectory_watermarks(self, partition: int) -> tuple[int, int]:
-        tp = TopicPartition(self.topics.trajectories, partition)
-        with translate_kafka_errors("reading watermarks", topic=tp.topic, partition=partition):
-            return self._consumer.get_watermark_offsets(tp, timeout=TXN_TIMEOUT_S, cached=False)
+    def _recover(self, part: int) -> PartitionFold:
+        """The fold of ``part`` as of its committed offset: the uids already released on it
+        (the released topic), then a seek back to that offset."""
+        tp = TopicPartition(self.topics.turns, part)
+        with translate_kafka_errors("reading the committed offset", topic=tp.topic, partition=part):
+            [committed] = self._consumer.committed([tp], timeout=TXN_TIMEOUT_S)
+            low, _ = self._consumer.get_watermark_offsets(tp, timeout=TXN_TIMEOUT_S, cached=False)
+        if committed.error is not None:
+            raise broker_error(committed.error, "reading the committed offset", topic=tp.topic,
+                               partition=part)
+        released, read = read_released_uids(self.cfg.kafka, self.topics.released, part,
+                                            self.limits.max_released)
+        start = max(committed.offset, low) if committed.offset >= 0 else low
+        fold = PartitionFold(start, released=released, limits=self.limits)
+        with translate_kafka_errors("seeking to the committed offset", topic=tp.topic,
+                                    partition=part, offset=start):
+            self._consumer.seek(TopicPartition(tp.topic, part, start))
+            self._consumer.resume([tp])
+        log.info("recovered %s[%d] at offset %d: %d released groups remembered (of %d read)",
+                 tp.topic, part, start, len(released), read)
+        return fold
 
-    def _uids_released_since(self, partition: int, offset: int) -> set[str]:
-        """uids whose trajectories were committed to ``partition`` at or after ``offset``."""
-        records = read_partition(self.cfg.kafka, self.topics.trajectories, partition, offset)
-        # every record the replay buffer writes there has a key
-        return {uid_of_key(key.decode()) for msg in records if (key := msg.key()) is not None}
+    def _update_gauges(self) -> None:
+        self.metrics.open_groups.set(sum(len(f.open) for f in self.partitions.values()))
+        self.metrics.released_uids.set(sum(len(f.released) for f in self.partitions.values()))
 
 
-def _committed_recovery_offset(tp: TopicPartition) -> int | None:
-    """Where released-groups recovery starts, from the commit metadata written by
-    ``_offsets`` (its key, ``traj_scan_from``, is stored on the broker: not renamed)."""
-    if tp.offset < 0:
-        return None  # never committed: nothing was released by this group
-    try:
-        return int(json.loads(tp.metadata or "{}").get("traj_scan_from", 0))
-    except (ValueError, AttributeError):
-        return 0  # unreadable metadata: read the whole partition, slower but safe
-
-
-def _outgoing(letter: DeadLetterRecord) -> tuple[str, str, bytes, int]:
-    return (letter.topic, letter.key or "", letter.value, ANY_PARTITION)
+def _describe(exc: KafkaException) -> str:
+    err = exc.args[0] if exc.args and isinstance(exc.args[0], KafkaError) else None
+    return f"{err.str()} ({err.name()})" if err is not None else str(exc)
 
 
 def run_replay_buffer(cfg: Config) -> None:
     """Blocking: run one replay-buffer worker until SIGTERM/SIGINT."""
     if cfg.replay_buffer.metrics_port is not None:
-        start_metrics_server(cfg.replay_buffer.metrics_port)
+        start_metrics_server(cfg.replay_buffer.metrics_port, cfg.replay_buffer.metrics_host)
     buffer = ReplayBuffer(cfg)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: buffer.stop())

@@ -2,6 +2,23 @@
 
 Pure (no Kafka, no clock): the live replay buffer and the offline replay fold the same
 events into the same state.
+
+Every event of an attempt carries ``seq``, its position in the attempt's stream
+(``session_started`` is 0). The fold applies seq ``last + 1`` and nothing else:
+
+* ``seq <= last``: a duplicate (a producer retry, or a resumed worker writing an event the
+  log already holds) — ignored, so a duplicated generation is folded once;
+* ``seq > last + 1``: an event after a gap. It is held back (not applied): a worker that
+  resumes the attempt rewrites the missing events, and their successors, in order. A
+  terminal event after a gap settles the attempt; ``session_finished`` then fails it
+  (its tokens are not all in the log), ``session_failed`` keeps its own error.
+
+A log written before events were numbered has seq 0 on every event: after
+``session_started`` such an event is applied as it comes (there is nothing to
+de-duplicate it by). A turn log that cannot be folded (a generation before its
+``segment_started``: the attempt's head is not in the log) marks the attempt broken
+instead of raising; it settles as one failed record when its terminal event arrives, or
+when its group is released early (``partition_fold``).
 """
 
 from __future__ import annotations
@@ -20,6 +37,8 @@ from rolloutbus.schemas.turns import (
 )
 from rolloutbus.streams.token_stream import SegmentStream
 
+ERROR_CHARS = 1000  # characters of an error kept in a failed record (pydantic echoes inputs)
+
 
 @dataclass
 class SessionFold:
@@ -30,8 +49,54 @@ class SessionFold:
     agent_name: str | None = None
     segments: dict[int, SegmentStream] = field(default_factory=dict)
     terminal: SessionFinished | SessionFailed | None = None
+    error: str | None = None  # why this attempt's log cannot be folded; it settles as failed
+    last_seq: int = -1  # seq of the last event applied
+    ignored: int = 0  # duplicates and events held back after a gap
 
-    def apply(self, event: Any) -> None:
+    def apply(self, event: Any) -> bool:
+        """Fold one event; False when it was ignored (a duplicate, or after a gap)."""
+        if self.terminal is not None:
+            self.ignored += 1
+            return False
+        if event.seq == 0 and self.last_seq >= 0 and not isinstance(event, SessionStarted):
+            return self._apply_unnumbered(event)
+        expected = self.last_seq + 1
+        if event.seq < expected:
+            self.ignored += 1
+            return False
+        if event.seq > expected:
+            return self._apply_after_gap(event, expected)
+        self.last_seq = event.seq
+        self._fold(event)
+        return True
+
+    def _apply_unnumbered(self, event: Any) -> bool:
+        self._fold(event)  # a log from before seq numbers: every event has seq 0
+        return True
+
+    def _apply_after_gap(self, event: Any, expected: int) -> bool:
+        if not isinstance(event, SessionFinished | SessionFailed):
+            self.ignored += 1  # held back: the missing events may still come, rewritten
+            return False
+        if isinstance(event, SessionFinished) and self.error is None:
+            self.error = (f"session {event.uid}_{event.session_id} attempt {event.attempt}: "
+                          f"events with seq {expected}..{event.seq - 1} are not in the turn log")
+        self.last_seq = event.seq
+        self.terminal = event
+        return True
+
+    def _fold(self, event: Any) -> None:
+        if isinstance(event, SessionFinished | SessionFailed):
+            self.terminal = event
+            return
+        if self.error is not None:
+            return  # broken: only the terminal event still matters
+        try:
+            self._fold_tokens(event)
+        except (SchemaError, ValueError, TypeError) as exc:
+            self.error = short_error(exc)
+
+    def _fold_tokens(self, event: Any) -> None:
         if isinstance(event, SessionStarted):
             self.agent_name = event.agent_name
         elif isinstance(event, SegmentStarted):
@@ -40,8 +105,6 @@ class SessionFold:
             self._segment(event).add_generation(event.token_ids, event.logprobs, event.policy_version)
         elif isinstance(event, Observation):
             self._segment(event).add_observation(event.token_ids)
-        elif isinstance(event, SessionFinished | SessionFailed):
-            self.terminal = event
         else:
             raise SchemaError(f"unexpected event type {type(event).__name__} in session fold")
 
@@ -51,12 +114,24 @@ class SessionFold:
         except KeyError:
             raise SchemaError(
                 f"session {event.uid}_{event.session_id} attempt {event.attempt}: "
-                f"{event.type} for segment {event.segment} before its segment_started"
+                f"{event.type} for segment {event.segment} before its segment_started "
+                "(the head of the attempt is not in the turn log)"
             ) from None
+
+    @property
+    def failed(self) -> bool:
+        """Settles as one failed record: it failed, or its log cannot be folded."""
+        return self.error is not None or not isinstance(self.terminal, SessionFinished)
 
     @property
     def num_records(self) -> int:
         """Trajectory records this session contributes (a failure is one explicit record)."""
-        if isinstance(self.terminal, SessionFinished):
+        if isinstance(self.terminal, SessionFinished) and self.error is None:
             return len(self.terminal.outputs)
         return 1
+
+
+def short_error(exc: BaseException, limit: int = ERROR_CHARS) -> str:
+    """One line naming the error, at most ``limit`` characters: a failed record's reason."""
+    text = " ".join(f"{type(exc).__name__}: {exc}".split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."

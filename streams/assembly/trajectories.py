@@ -1,65 +1,186 @@
-"""A settled group's trajectories: built from its session folds, checked, ready to release.
+"""A settled group's trajectories: built from its session folds, checked, encoded, ready
+to release.
 
 Pure and deterministic (nothing reads a clock or a random source), so the live replay
 buffer and the offline replay (``consumers/log_replay.py``) produce byte-identical records
-from the same turn events. A trajectory that breaks an invariant (``violations``: mask and
-logprob lengths equal the response's, mask 0/1, logprob 0.0 on mask-0 tokens, prompt and
-response within their budgets) is not dropped: it is released with status ``failed`` and the violations as its error, so its
-group is never silently short, and the caller writes a dead letter naming the key.
+from the same turn events. Nothing a group's events hold can make :func:`finalize_group`
+raise: whatever cannot become a trajectory becomes an explicit failed record plus a
+:class:`Letter` (a dead letter for the caller to write), so a group is never silently
+short and bad input never stops a worker. In particular:
+
+* a trajectory that breaks an invariant (``violations``: mask and logprob lengths equal the
+  response's, mask 0/1, logprob 0.0 on mask-0 tokens, prompt and response within their
+  budgets) is released with status ``failed`` and the violations as its error;
+* a session whose log cannot be folded or built (a fold error, an output naming tokens the
+  log does not hold) is one failed record;
+* a row whose prompt columns cannot be carried (``prompt`` a string, say) fails every
+  session of the group, the records carrying no prompt columns;
+* a record that cannot be encoded, or is larger than ``max_record_bytes``, is replaced by
+  a failed record without tokens.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
+import pyarrow as pa
 
-from rolloutbus.config import RolloutConfig
-from rolloutbus.errors import SchemaError
-from rolloutbus.schemas.trajectories import Trajectory, TrajectoryStatus
-from rolloutbus.schemas.turns import GroupStarted, OutputSummary, SessionFailed, SessionFinished
+from rolloutbus.config import KafkaConfig, RolloutConfig
+from rolloutbus.errors import RolloutBusError, SchemaError
+from rolloutbus.schemas.trajectories import Trajectory, TrajectoryStatus, encode_trajectories
+from rolloutbus.schemas.turns import (
+    GroupStarted,
+    OutputSummary,
+    SessionFailed,
+    SessionFinished,
+    encode_turn_event,
+)
 from rolloutbus.streams.assembly.partition_fold import ReleasedGroup
-from rolloutbus.streams.assembly.session_fold import SessionFold
+from rolloutbus.streams.assembly.session_fold import SessionFold, short_error
 from rolloutbus.topics import trajectory_key
 
+# What bad data can raise while a group is built, checked and encoded (pydantic's
+# ValidationError is a ValueError; pyarrow's errors are ArrowException). Anything else is
+# a bug in this code and is not caught.
+DATA_ERRORS = (RolloutBusError, ValueError, TypeError, LookupError, ArithmeticError, pa.ArrowException)
+# bytes a record of kafka.max_message_bytes leaves for Kafka's record and batch headers
+RECORD_HEADROOM_BYTES = 1024
 
-@dataclass(frozen=True)
-class Violation:
-    trajectory: Trajectory  # as folded, before it was marked failed
-    problems: list[str]
+
+def max_record_bytes(kafka: KafkaConfig) -> int:
+    """The largest record value (plus key) the replay buffer writes to a topic."""
+    return kafka.max_message_bytes - RECORD_HEADROOM_BYTES
 
 
-def finalize_group(released: ReleasedGroup, rollout: RolloutConfig
-                   ) -> tuple[list[Trajectory], list[Violation]]:
-    """Fold, then check the invariants; a broken trajectory is released as failed."""
+class Letter(NamedTuple):
+    """A dead letter to write for a released group: key, reason, the original bytes."""
+
+    key: str
+    reason: str
+    original: bytes
+
+
+class FinalizedGroup(NamedTuple):
+    trajectories: list[Trajectory]  # ordered by session, then output index
+    records: list[bytes]  # one Arrow record per trajectory, exactly as released
+    letters: list[Letter]
+
+
+def finalize_group(released: ReleasedGroup, rollout: RolloutConfig, *,
+                   max_record_bytes: int | None = None) -> FinalizedGroup:
+    """Build, check and encode a released group's trajectories; never raises on bad data."""
+    group = released.group
+    if released.rejected:
+        return FinalizedGroup([], [], [Letter(group.uid, released.reason or "rejected",
+                                              _original(released))])
+    letters = []
+    if released.reason is not None:
+        letters.append(Letter(group.uid, f"group {group.uid} released unfinished: {released.reason}",
+                              _original(released)))
     try:
-        trajectories = build_group_trajectories(released.group, released.sessions,
-                                                rollout.response_length)
-    except SchemaError as exc:
-        reason = f"turn log of the group cannot be folded: {exc}"
-        trajectories = [failed_trajectory(released.group, s, reason, len(released.sessions))
-                        for s in released.sessions]
-    found = []
-    for i, t in enumerate(trajectories):
-        problems = violations(t, rollout)
-        if problems:
-            found.append(Violation(t, problems))
-            trajectories[i] = as_failed(t, problems)
-    return trajectories, found
+        trajectories = _build(released, rollout, letters)
+        records = _encode(trajectories, max_record_bytes, letters)
+    except DATA_ERRORS as exc:  # not expected: every step above contains its own failures
+        reason = f"the group cannot be released as built: {short_error(exc)}"
+        letters.append(Letter(group.uid, f"group {group.uid}: {reason}", _original(released)))
+        trajectories = _all_failed(released, reason)
+        records = encode_trajectories(trajectories)
+    return FinalizedGroup(trajectories, records, letters)
+
+
+def _build(released: ReleasedGroup, rollout: RolloutConfig, letters: list[Letter]) -> list[Trajectory]:
+    group = released.group
+    columns, problem = _checked_prompt_columns(group)
+    reason = ""
+    if problem is not None:
+        reason = f"the group's row cannot be carried into trajectories: {problem}"
+        letters.append(Letter(group.uid, f"group {group.uid}: {reason}; its sessions are released "
+                              "as failed", _original(released)))
+    per_session = []
+    for fold in sorted(released.sessions, key=lambda s: s.session_id):
+        failure = reason if problem is not None else released.failed.get(fold.session_id)
+        per_session.append(_session_trajectories(group, fold, columns, failure, rollout, letters))
+    group_size = sum(len(ts) for ts in per_session)
+    out = []
+    for ts in per_session:
+        for t in ts:
+            t = t.model_copy(update={"group_size": group_size})
+            problems = violations(t, rollout)
+            if problems:
+                letters.append(Letter(t.key, f"trajectory {t.key} released as failed: "
+                                      + "; ".join(problems), _encoded_or_empty(t)))
+                t = as_failed(t, problems)
+            out.append(t)
+    return out
+
+
+def _session_trajectories(group: GroupStarted, fold: SessionFold, columns: dict[str, Any],
+                          failure: str | None, rollout: RolloutConfig,
+                          letters: list[Letter]) -> list[Trajectory]:
+    """The records of one session, group_size 0 (set once every session is built)."""
+    if failure is None and fold.error is not None:
+        failure = f"turn log of the session cannot be folded: {fold.error}"
+        letters.append(Letter(trajectory_key(group.uid, fold.session_id, 0),
+                              f"session {group.uid}_{fold.session_id} released as failed: {failure}",
+                              _event_or_empty(fold.terminal)))
+    if failure is not None:
+        return [_failed(group, fold, failure, columns)]
+    if isinstance(fold.terminal, SessionFailed):
+        return [_failed(group, fold, fold.terminal.error, columns, agent_name=fold.terminal.agent_name)]
+    if not isinstance(fold.terminal, SessionFinished):
+        return [_failed(group, fold, "the session has not settled", columns)]
+    outputs = fold.terminal.outputs
+    try:
+        return [_output_trajectory(group, fold, i, len(outputs), summary, 0, rollout.response_length,
+                                   columns)
+                for i, summary in enumerate(outputs)]
+    except DATA_ERRORS as exc:
+        failure = f"turn log of the session cannot be folded: {short_error(exc)}"
+        letters.append(Letter(trajectory_key(group.uid, fold.session_id, 0),
+                              f"session {group.uid}_{fold.session_id} released as failed: {failure}",
+                              _event_or_empty(fold.terminal)))
+        return [_failed(group, fold, failure, columns)]
+
+
+def _encode(trajectories: list[Trajectory], max_record_bytes: int | None,
+            letters: list[Letter]) -> list[bytes]:
+    """One record per trajectory; one that cannot be encoded or is too large for the topic
+    becomes a failed record without tokens."""
+    try:
+        records = encode_trajectories(trajectories)
+    except DATA_ERRORS:
+        records = [_encoded_or_empty(t) for t in trajectories]  # find the one that fails
+    for i, (t, record) in enumerate(zip(trajectories, records, strict=True)):
+        too_large = max_record_bytes is not None and len(record) + len(t.key.encode()) > max_record_bytes
+        if record and not too_large:
+            continue
+        reason = (f"its record is {len(record)} bytes, over {max_record_bytes} (kafka.max_message_bytes "
+                  "less headers)") if too_large else "its record cannot be encoded"
+        letters.append(Letter(t.key, f"trajectory {t.key} released as failed: {reason}", b""))
+        trajectories[i] = _stripped_failure(t, reason)
+        records[i] = encode_trajectories([trajectories[i]])[0]
+    return records
 
 
 def build_group_trajectories(group: GroupStarted, sessions: list[SessionFold],
                              response_length: int | None = None) -> list[Trajectory]:
-    """Every trajectory of a settled group, ordered by session then output index."""
+    """Every trajectory of a settled group, ordered by session then output index.
+
+    Strict (raises SchemaError where the log cannot be built); :func:`finalize_group` is the
+    path that turns such a failure into records.
+    """
     group_size = sum(s.num_records for s in sessions)
+    columns = _prompt_columns(group)
     out: list[Trajectory] = []
     for fold in sorted(sessions, key=lambda s: s.session_id):
+        if fold.error is not None:
+            raise SchemaError(fold.error)
         if isinstance(fold.terminal, SessionFinished):
             outputs = fold.terminal.outputs
             for i, summary in enumerate(outputs):
                 out.append(_output_trajectory(group, fold, i, len(outputs), summary, group_size,
-                                              response_length))
+                                              response_length, columns))
         elif isinstance(fold.terminal, SessionFailed):
             out.append(failed_trajectory(group, fold, fold.terminal.error, group_size,
                                          agent_name=fold.terminal.agent_name))
@@ -80,9 +201,30 @@ def _prompt_columns(group: GroupStarted) -> dict[str, Any]:
     }
 
 
+def _checked_prompt_columns(group: GroupStarted) -> tuple[dict[str, Any], str | None]:
+    """The prompt columns, or, when the row cannot fill them, the columns every group can
+    carry (validate, global_steps) and why."""
+    prompt = group.row.get("prompt")
+    if prompt is not None and not isinstance(prompt, list):
+        return _scalar_columns(group), (f"row.prompt must be a list of chat messages, got "
+                                        f"{type(prompt).__name__}")
+    try:
+        columns = _prompt_columns(group)
+        Trajectory(key="", uid="", session_id=0, output_index=0, num_outputs=1, group_size=0,
+                   status=TrajectoryStatus.FAILED, **columns)
+    except DATA_ERRORS as exc:
+        return _scalar_columns(group), short_error(exc)
+    return columns, None
+
+
+def _scalar_columns(group: GroupStarted) -> dict[str, Any]:
+    return {"validate": group.validate_, "global_steps": group.global_steps}
+
+
 def _output_trajectory(group: GroupStarted, fold: SessionFold, index: int, num_outputs: int,
                        summary: OutputSummary, group_size: int,
-                       response_length: int | None) -> Trajectory:
+                       response_length: int | None, columns: dict[str, Any] | None = None
+                       ) -> Trajectory:
     seg = fold.segments.get(summary.segment)
     if seg is None:
         raise SchemaError(f"session {group.uid}_{fold.session_id}: output {index} names "
@@ -122,13 +264,19 @@ def _output_trajectory(group: GroupStarted, fold: SessionFold, index: int, num_o
         extra_fields=summary.extra_fields,
         min_global_steps=min(versions) if versions else None,
         max_global_steps=max(versions) if versions else None,
-        **_prompt_columns(group),
+        **(_prompt_columns(group) if columns is None else columns),
     )
 
 
 def failed_trajectory(group: GroupStarted, fold: SessionFold, reason: str, group_size: int,
                       *, agent_name: str | None = None) -> Trajectory:
     """The one explicit record a failed session contributes to its group."""
+    return _failed(group, fold, reason, _prompt_columns(group), agent_name=agent_name,
+                   group_size=group_size)
+
+
+def _failed(group: GroupStarted, fold: SessionFold, reason: str, columns: dict[str, Any], *,
+            agent_name: str | None = None, group_size: int = 0) -> Trajectory:
     return Trajectory(
         key=trajectory_key(group.uid, fold.session_id, 0),
         uid=group.uid,
@@ -140,8 +288,39 @@ def failed_trajectory(group: GroupStarted, fold: SessionFold, reason: str, group
         error=reason,
         agent_name=agent_name or fold.agent_name,
         attempt=fold.attempt,
-        **_prompt_columns(group),
+        **columns,
     )
+
+
+def _stripped_failure(t: Trajectory, reason: str) -> Trajectory:
+    """``t`` as a failed record that keeps its key and counts but no tokens or row columns."""
+    return Trajectory(key=t.key, uid=t.uid, session_id=t.session_id, output_index=t.output_index,
+                      num_outputs=t.num_outputs, group_size=t.group_size,
+                      status=TrajectoryStatus.FAILED, error=reason, agent_name=t.agent_name,
+                      attempt=t.attempt, validate=t.validate_, global_steps=t.global_steps)
+
+
+def _all_failed(released: ReleasedGroup, reason: str) -> list[Trajectory]:
+    group = released.group
+    sessions = sorted(released.sessions, key=lambda s: s.session_id)
+    return [_failed(group, fold, reason, _scalar_columns(group), group_size=len(sessions))
+            for fold in sessions]
+
+
+def _original(released: ReleasedGroup) -> bytes:
+    """What a group's dead letter carries: its group_started as logged (re-encoded)."""
+    return b"" if released.kind == "head_missing" else encode_turn_event(released.group)
+
+
+def _event_or_empty(event: Any) -> bytes:
+    return b"" if event is None else encode_turn_event(event)
+
+
+def _encoded_or_empty(t: Trajectory) -> bytes:
+    try:
+        return encode_trajectories([t])[0]
+    except DATA_ERRORS:
+        return b""
 
 
 def violations(t: Trajectory, rollout: RolloutConfig) -> list[str]:

@@ -42,6 +42,7 @@ from pydantic import BaseModel, ValidationError
 
 from rolloutbus.config import Config
 from rolloutbus.errors import BrokerError, SchemaError
+from rolloutbus.kafka.admin import check_partition_counts
 from rolloutbus.kafka.async_producer import AsyncProducer
 from rolloutbus.kafka.clients import (
     read_committed_consumer,
@@ -352,6 +353,9 @@ def build_app(cfg: Config) -> faust.App:
 
 def run_session_worker(cfg: Config, loglevel: str = "info") -> None:
     """Blocking: run one session-processor worker until SIGTERM/SIGINT."""
+    # a uid must land on the same partition number of every topic; stop before any work
+    # if the cluster's topics disagree with each other or with kafka.partitions
+    check_partition_counts(cfg.kafka)
     app = build_app(cfg)
     worker = faust.Worker(app, loglevel=loglevel, quiet=True)
     worker.execute_from_commandline()

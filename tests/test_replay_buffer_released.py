@@ -1,0 +1,378 @@
+"""The replay buffer against a real broker: the released-groups topic makes releases
+durable (new group ids, restarts, re-runs release nothing twice), partition counts are
+read from the cluster, deadlines release unfinished groups, poison input becomes failed
+records, two workers from one config do not fence each other, and a broker restart is
+survived. Workers run in a thread (``ReplayBuffer.run``) or as ``rolloutbus replay-buffer
+run`` processes."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+from confluent_kafka.admin import NewTopic
+from helpers import free_port, unique_name
+from pipeline import dead_letters, read_topic, running, spawn, write_config
+from synthetic import N, group_events
+
+from rolloutbus.config import BrokerConfig, Config, KafkaConfig, with_overrides
+from rolloutbus.errors import BrokerError, ConfigError
+from rolloutbus.kafka.admin import check_partition_counts, delete_topics, ensure_topics
+from rolloutbus.kafka.broker import start_broker, stop_broker
+from rolloutbus.kafka.clients import admin_client, idempotent_producer
+from rolloutbus.schemas.trajectories import batch_to_trajectories, decode_trajectory_batch
+from rolloutbus.schemas.turns import (
+    Generation,
+    GroupStarted,
+    OutputSummary,
+    SessionFailed,
+    SessionFinished,
+    decode_turn_event,
+    encode_turn_event,
+)
+from rolloutbus.streams.assembly.released import ReleasedRecord
+from rolloutbus.streams.assembly.replay_buffer import ReplayBuffer
+from rolloutbus.topics import Topics, partition_for
+
+ROW = {"prompt": [{"role": "user", "content": "q"}]}
+WAIT_S = 120.0  # seconds for a buffer to release what was produced (two busy cores)
+
+
+def _config(kafka: KafkaConfig, **overrides) -> Config:
+    return with_overrides(Config(kafka=kafka), {"replay_buffer.group_id": unique_name("rb"), **overrides})
+
+
+def _produce(kafka: KafkaConfig, events) -> None:
+    """(uid, key, value) triples to the turn log, each on its uid's partition."""
+    producer = idempotent_producer(kafka, {"linger.ms": 5})
+    topic = Topics.from_config(kafka).turns
+    for uid, key, value in events:
+        producer.produce(topic, key=key, value=value, partition=partition_for(uid, kafka.partitions))
+        producer.poll(0)
+    assert producer.flush(30) == 0
+
+
+def _raw(*events) -> list[tuple[str, str, bytes]]:
+    return [(e.uid, e.uid, encode_turn_event(e)) for e in events]
+
+
+def _uids_on_every_partition(kafka: KafkaConfig, prefix: str = "m") -> list[str]:
+    """One fresh uid per partition: a marker released after everything produced before it."""
+    found: dict[int, str] = {}
+    while len(found) < kafka.partitions:
+        uid = f"{prefix}{uuid.uuid4().hex[:10]}"
+        found.setdefault(partition_for(uid, kafka.partitions), uid)
+    return list(found.values())
+
+
+def _keys(cfg: Config) -> list[str]:
+    return [m.key().decode() for m in read_topic(cfg, Topics.from_config(cfg.kafka).trajectories)]
+
+
+def _trajectories(cfg: Config) -> dict[str, list]:
+    out: dict[str, list] = {}
+    for msg in read_topic(cfg, Topics.from_config(cfg.kafka).trajectories):
+        [t] = batch_to_trajectories(decode_trajectory_batch(msg.value()))
+        out.setdefault(t.key, []).append(t)
+    return out
+
+
+def _wait_for_keys(cfg: Config, wanted: set[str], timeout_s: float = WAIT_S, procs=()) -> list[str]:
+    deadline = time.monotonic() + timeout_s
+    keys: list[str] = []
+    while time.monotonic() < deadline:
+        keys = _keys(cfg)
+        if wanted <= set(keys):
+            time.sleep(2)  # a duplicate, if any, has the time to appear
+            return _keys(cfg)
+        assert all(p.poll() is None for p in procs), "a replay buffer exited"
+        time.sleep(0.5)
+    raise AssertionError(f"not released within {timeout_s} s: {sorted(wanted - set(keys))[:5]}")
+
+
+def _expected_keys(uids) -> set[str]:
+    return {f"{uid}_{s}_0" for uid in uids for s in range(N)}
+
+
+@contextmanager
+def _buffer(cfg: Config) -> Iterator[ReplayBuffer]:
+    """A replay buffer running in a thread of this process; an error in it fails the test."""
+    buffer = ReplayBuffer(cfg)
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            buffer.run()
+        except BaseException as exc:  # reported on the test's thread below
+            errors.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        yield buffer
+    finally:
+        buffer.stop()
+        thread.join(60)
+    assert not errors, errors
+
+
+def _dupes(keys: list[str]) -> dict[str, int]:
+    return {k: c for k, c in Counter(keys).items() if c > 1}
+
+
+# --- 2. the released record replaces the lookback rescan ----------------------------------
+
+
+@pytest.mark.slow
+def test_a_new_group_id_releases_nothing_twice(kafka_config: KafkaConfig):
+    """Lost offsets (a new consumer group) re-read the whole turn log: every group in it is
+    known as released from the released topic, so no trajectory key appears twice."""
+    first = _config(kafka_config)
+    uids = [f"g{uuid.uuid4().hex[:10]}" for _ in range(12)]
+    _produce(kafka_config, [e for uid in uids for e in group_events(uid)])
+    with _buffer(first):
+        _wait_for_keys(first, _expected_keys(uids))
+
+    second = _config(kafka_config)  # same topics, new group id: no committed offsets
+    markers = _uids_on_every_partition(kafka_config)
+    _produce(kafka_config, [e for uid in markers for e in group_events(uid)])
+    with _buffer(second):
+        keys = _wait_for_keys(second, _expected_keys(uids + markers))
+    assert not _dupes(keys), f"released twice: {sorted(_dupes(keys))[:5]}"
+    assert set(keys) == _expected_keys(uids + markers)
+    released = [ReleasedRecord.model_validate_json(m.value())
+                for m in read_topic(first, Topics.from_config(kafka_config).released)]
+    assert sorted(r.uid for r in released) == sorted(uids + markers)
+    assert all(r.trajectories == N and r.partition == partition_for(r.uid, kafka_config.partitions)
+               for r in released)
+
+
+# --- 3. a uid with the key separator ---------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_uid_with_an_underscore_is_released_once_across_a_restart(kafka_config: KafkaConfig):
+    cfg = _config(kafka_config)
+    uid = f"with_under_{uuid.uuid4().hex[:6]}"  # keys {uid}_{s}_0 split wrongly at the first "_"
+    _produce(kafka_config, group_events(uid))
+    with _buffer(cfg):
+        _wait_for_keys(cfg, _expected_keys([uid]))
+    # the session worker re-runs the released group (a redelivered prompt), then restart
+    markers = _uids_on_every_partition(kafka_config)
+    _produce(kafka_config, group_events(uid, attempt="rerun")
+             + [e for m in markers for e in group_events(m)])
+    with _buffer(cfg):
+        keys = _wait_for_keys(cfg, _expected_keys(markers))
+    assert Counter(keys) == Counter(_expected_keys([uid] + markers))
+    assert {t.attempt for k in _expected_keys([uid]) for t in _trajectories(cfg)[k]} == {"a"}
+
+
+# --- 4. partition counts read from the cluster -----------------------------------------------
+
+
+def test_partition_counts_are_checked_against_the_cluster(kafka_bootstrap: str):
+    kafka = KafkaConfig(bootstrap_servers=kafka_bootstrap, topic_prefix=unique_name("t"), partitions=2)
+    topics = Topics.from_config(kafka)
+    admin = admin_client(kafka)
+    counts = {topics.prompts: 2, topics.turns: 3, topics.trajectories: 2, topics.dlq: 1}
+    try:
+        for future in admin.create_topics([NewTopic(n, c, 1) for n, c in counts.items()]).values():
+            future.result()
+        with pytest.raises(BrokerError, match="rolloutbus topics"):
+            check_partition_counts(kafka)  # no released topic yet
+        admin.create_topics([NewTopic(topics.released, 2, 1)])[topics.released].result()
+        _wait_until_visible(kafka, topics.released)
+        with pytest.raises(BrokerError, match=f"{topics.turns} has 3") as info:
+            check_partition_counts(kafka)
+        assert "recreate" in str(info.value)
+        with pytest.raises(BrokerError, match="disagree"):
+            ReplayBuffer(Config(kafka=kafka)).run()  # the buffer checks before consuming
+    finally:
+        delete_topics(kafka, topics.all())
+
+    ensure_topics(kafka.model_copy(update={"partitions": 3}))
+    try:
+        with pytest.raises(ConfigError, match="set kafka.partitions: 3"):
+            check_partition_counts(kafka)
+        assert check_partition_counts(kafka.model_copy(update={"partitions": 3})) == 3
+    finally:
+        delete_topics(kafka, topics.all())
+
+
+def _wait_until_visible(kafka: KafkaConfig, topic: str, timeout_s: float = 30.0) -> None:
+    """A topic just created may take a moment to show in the broker's metadata."""
+    admin = admin_client(kafka)
+    deadline = time.monotonic() + timeout_s
+    while topic not in admin.list_topics(timeout=10).topics:
+        assert time.monotonic() < deadline, f"{topic} not visible after {timeout_s} s"
+        time.sleep(0.2)
+
+
+# --- 6. deadlines ----------------------------------------------------------------------------
+
+
+def _stamped(events, ts: float) -> list[tuple[str, str, bytes]]:
+    return [(uid, key, encode_turn_event(decode_turn_event(value).model_copy(update={"ts": ts})))
+            for uid, key, value in events]
+
+
+@pytest.mark.slow
+def test_a_group_past_its_deadline_is_released_as_failed_records(kafka_config: KafkaConfig):
+    cfg = _config(kafka_config, **{"deadlines.group_s": 5.0})
+    stuck = f"s{uuid.uuid4().hex[:10]}"
+    later = next(u for u in (f"l{uuid.uuid4().hex[:10]}" for _ in range(100))
+                 if partition_for(u, 2) == partition_for(stuck, 2))
+    now = time.time()
+    _produce(kafka_config, _stamped(group_events(stuck)[:-1], now))  # the last session never ends
+    _produce(kafka_config, _stamped(group_events(later), now + 10))  # 10 s of log time later
+    with _buffer(cfg):
+        keys = _wait_for_keys(cfg, _expected_keys([stuck, later]))
+    assert not _dupes(keys)
+    records = _trajectories(cfg)
+    last = f"{stuck}_{N - 1}_0"
+    [failed] = records[last]
+    assert failed.status.value == "failed" and "deadlines.group_s = 5 s" in failed.error
+    assert all(records[k][0].status.value == "completed" for k in _expected_keys([stuck, later]) - {last})
+    assert any("deadlines.group_s" in letter["reason"] for letter in dead_letters(cfg))
+
+
+# --- 5. poison input, as a real process ------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_poison_groups_become_failed_records_and_the_process_goes_on(kafka_config: KafkaConfig, tmp_path):
+    cfg = _config(kafka_config)
+    string_prompt, orphan = f"p{uuid.uuid4().hex[:10]}", f"o{uuid.uuid4().hex[:10]}"
+    ids = {"uid": orphan, "session_id": 0, "attempt": "a"}
+    poison = _raw(
+        GroupStarted(uid=string_prompt, attempt="a", n=1, row={"prompt": "a string prompt"}),
+        SessionFailed(uid=string_prompt, session_id=0, attempt="a", error="no prompt", seq=1),
+        GroupStarted(uid=orphan, attempt="a", n=1, row=ROW),
+        # the head of the session is missing: a generation and a finish, seq 1 and 2
+        Generation(**ids, segment=0, turn=0, token_ids=[1], seq=1),
+        SessionFinished(**ids, outputs=[OutputSummary(segment=0, prompt_len=0, response_len=1)], seq=2))
+    good = _uids_on_every_partition(kafka_config, "good")
+    _produce(kafka_config, poison)
+    log = tmp_path / "rb.log"
+    with running([spawn(["replay-buffer", "run"], write_config(cfg, tmp_path / "c.yaml"), log)]) as [proc]:
+        _wait_for_keys(cfg, {f"{string_prompt}_0_0", f"{orphan}_0_0"}, procs=[proc])
+        _produce(kafka_config, [e for uid in good for e in group_events(uid)])
+        keys = _wait_for_keys(cfg, _expected_keys(good) | {f"{string_prompt}_0_0", f"{orphan}_0_0"},
+                              procs=[proc])
+        assert proc.poll() is None, log.read_text()[-3000:]
+    assert not _dupes(keys)
+    records = _trajectories(cfg)
+    [bad_row] = records[f"{string_prompt}_0_0"]
+    assert bad_row.status.value == "failed" and "row cannot be carried" in bad_row.error
+    [headless] = records[f"{orphan}_0_0"]
+    assert headless.status.value == "failed" and "seq 0..1 are not in the turn log" in headless.error
+    reasons = [letter["reason"] for letter in dead_letters(cfg)]
+    assert any(string_prompt in r and "row.prompt must be a list" in r for r in reasons)
+    assert any(f"{orphan}_0" in r and "not in the turn log" in r for r in reasons)
+
+
+# --- 8. transactional ids and broker restarts ------------------------------------------------
+
+
+@pytest.mark.slow
+def test_two_buffers_from_one_config_share_the_work_without_fencing(kafka_config: KafkaConfig, tmp_path):
+    cfg = _config(kafka_config)
+    assert cfg.replay_buffer.transactional_id is None  # each process makes its own
+    config_path = write_config(cfg, tmp_path / "c.yaml")
+    logs = [tmp_path / "rb1.log", tmp_path / "rb2.log"]
+    uids = [f"g{uuid.uuid4().hex[:10]}" for _ in range(30)]
+    with running([spawn(["replay-buffer", "run"], config_path, log) for log in logs]) as procs:
+        _produce(kafka_config, [e for uid in uids[:15] for e in group_events(uid)])
+        for log, proc in zip(logs, procs, strict=True):  # both join: rebalances mid-stream
+            _wait_for_recovered(log, proc, partitions=1)
+        _produce(kafka_config, [e for uid in uids[15:] for e in group_events(uid)])
+        keys = _wait_for_keys(cfg, _expected_keys(uids), procs=procs)
+        alive = [p.poll() is None for p in procs]
+    assert alive == [True, True], "\n".join(log.read_text()[-2000:] for log in logs)
+    assert not _dupes(keys) and set(keys) == _expected_keys(uids)
+
+
+@pytest.mark.slow
+def test_a_pinned_transactional_id_in_two_processes_ends_the_older_with_one_line(
+        kafka_config: KafkaConfig, tmp_path):
+    """Pinning replay_buffer.transactional_id and starting it twice fences the first
+    process: a fatal error, which ends it with exit code 1 and one line naming the cause."""
+    cfg = _config(kafka_config, **{"replay_buffer.transactional_id": unique_name("pinned")})
+    config_path = write_config(cfg, tmp_path / "c.yaml")
+    first_log, second_log = tmp_path / "rb1.log", tmp_path / "rb2.log"
+    uids = [f"g{uuid.uuid4().hex[:10]}" for _ in range(10)]
+    with running([spawn(["replay-buffer", "run"], config_path, first_log)]) as [first]:
+        _produce(kafka_config, [e for uid in uids[:5] for e in group_events(uid)])
+        _wait_for_keys(cfg, _expected_keys(uids[:5]), procs=[first])
+        with running([spawn(["replay-buffer", "run"], config_path, second_log)]) as [second]:
+            deadline = time.monotonic() + WAIT_S
+            while first.poll() is None and time.monotonic() < deadline:
+                _produce(kafka_config, group_events(f"f{uuid.uuid4().hex[:10]}"))  # gives it work
+                time.sleep(1)
+            assert first.returncode == 1, first_log.read_text()[-3000:]
+            assert second.poll() is None, second_log.read_text()[-3000:]
+    last_line = first_log.read_text().strip().splitlines()[-1]
+    assert last_line.startswith("rolloutbus: ") and "fatal" in last_line
+    assert "replay_buffer.transactional_id" in last_line
+
+
+@pytest.mark.slow
+@pytest.mark.kafka  # a broker of its own, restarted mid-run
+def test_the_buffer_survives_a_broker_restart(tmp_path: Path):
+    port = free_port()
+    broker_cfg = Config(
+        broker=BrokerConfig(data_dir=tmp_path / "kafka", port=port, controller_port=free_port(),
+                            heap="256m", start_timeout_s=120.0),
+        kafka=KafkaConfig(bootstrap_servers=f"127.0.0.1:{port}", topic_prefix="r", partitions=2))
+    cfg = _config(broker_cfg.kafka)
+    uids = [f"b{uuid.uuid4().hex[:10]}" for _ in range(300)]
+    log = tmp_path / "rb.log"
+    try:
+        start_broker(broker_cfg)
+        ensure_topics(cfg.kafka)
+        with running([spawn(["replay-buffer", "run"], write_config(cfg, tmp_path / "c.yaml"), log)]) as [proc]:
+            _wait_for_recovered(log, proc)
+            # groups keep arriving (the producer queues while the broker is down), so the
+            # buffer is between polls and commits when the broker goes away
+            feeder = threading.Thread(target=_trickle, args=(cfg.kafka, uids, 0.02), daemon=True)
+            feeder.start()
+            time.sleep(2)
+            assert stop_broker(broker_cfg)
+            time.sleep(3)
+            start_broker(broker_cfg)
+            feeder.join(180)
+            keys = _wait_for_keys(cfg, _expected_keys(uids), timeout_s=240, procs=[proc])
+            assert proc.poll() is None, log.read_text()[-3000:]
+    finally:
+        stop_broker(broker_cfg)
+    assert not _dupes(keys), f"released twice: {sorted(_dupes(keys))[:5]}"
+    assert set(keys) == _expected_keys(uids)
+
+
+def _trickle(kafka: KafkaConfig, uids: list[str], pause_s: float) -> None:
+    """One group every ``pause_s`` seconds; waits for every delivery at the end."""
+    producer = idempotent_producer(kafka, {"linger.ms": 5})
+    topic = Topics.from_config(kafka).turns
+    for uid in uids:
+        for _, key, value in group_events(uid):
+            producer.produce(topic, key=key, value=value, partition=partition_for(uid, kafka.partitions))
+        producer.poll(pause_s)
+    assert producer.flush(120) == 0
+
+
+def _wait_for_recovered(log: Path, proc, timeout_s: float = 60.0, partitions: int = 2) -> None:
+    """Until the buffer logging to ``log`` has recovered ``partitions`` partitions."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(log.read_text()[-3000:])
+        if log.exists() and log.read_text().count("recovered") >= partitions:
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"buffer did not take its partitions: {log.read_text()[-3000:]}")
