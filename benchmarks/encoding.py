@@ -27,20 +27,32 @@ def _median_s(fn) -> float:
 
 def main() -> None:
     rng = random.Random(0)
-    print(f"{'tokens':>7} {'json B':>8} {'binary B':>9} {'size':>6} {'json enc+dec us':>16} "
-          f"{'binary enc+dec us':>18} {'time':>6}")
+    print(
+        f"{'tokens':>7} {'json B':>8} {'binary B':>9} {'size':>6} {'json enc+dec us':>16} "
+        f"{'binary enc+dec us':>18} {'time':>6}"
+    )
     for n in (64, 512, 4096):
         tokens = [rng.randrange(151_936) for _ in range(n)]
         logprobs = [-rng.random() * 5 for _ in range(n)]
-        event = Generation(uid="u", session_id=0, attempt="a", segment=0, turn=0,
-                           token_ids=tokens, logprobs=logprobs)
+        event = Generation(
+            uid="u",
+            session_id=0,
+            attempt="a",
+            segment=0,
+            turn=0,
+            token_ids=tokens,
+            logprobs=logprobs,
+        )
         as_json = {**event.model_dump(mode="python"), "token_ids": tokens, "logprobs": logprobs}
         json_bytes = json.dumps(as_json).encode()
         bin_bytes = encode_turn_event(event)
         t_json = _median_s(lambda: json.loads(json.dumps(as_json)))  # noqa: B023
         t_bin = _median_s(lambda: decode_turn_event(encode_turn_event(event)))  # noqa: B023
-        print(f"{n:>7} {len(json_bytes):>8} {len(bin_bytes):>9} {len(bin_bytes) / len(json_bytes):>6.2f} "
-              f"{t_json * 1e6:>16.0f} {t_bin * 1e6:>18.0f} {t_bin / t_json:>6.2f}")
+        print(
+            f"{n:>7} {len(json_bytes):>8} {len(bin_bytes):>9} "
+            f"{len(bin_bytes) / len(json_bytes):>6.2f} "
+            f"{t_json * 1e6:>16.0f} {t_bin * 1e6:>18.0f} {t_bin / t_json:>6.2f}"
+        )
 
 
 if __name__ == "__main__":

@@ -43,7 +43,9 @@ def produce_all(kafka: KafkaConfig, topic: str, events) -> None:
     for uid, key, value in events:
         while True:
             try:
-                p.produce(topic, key=key, value=value, partition=partition_for(uid, kafka.partitions))
+                p.produce(
+                    topic, key=key, value=value, partition=partition_for(uid, kafka.partitions)
+                )
                 break
             except BufferError:
                 p.poll(0.05)
@@ -52,8 +54,13 @@ def produce_all(kafka: KafkaConfig, topic: str, events) -> None:
 
 
 def run_pipeline(kafka: KafkaConfig, events, groups: int) -> float:
-    cfg = Config(kafka=kafka, replay_buffer=ReplayBufferConfig(
-        group_id=f"bench-rb-{uuid.uuid4().hex[:6]}", transactional_id=f"bench-tx-{uuid.uuid4().hex[:6]}"))
+    cfg = Config(
+        kafka=kafka,
+        replay_buffer=ReplayBufferConfig(
+            group_id=f"bench-rb-{uuid.uuid4().hex[:6]}",
+            transactional_id=f"bench-tx-{uuid.uuid4().hex[:6]}",
+        ),
+    )
     buffer = ReplayBuffer(cfg)
     thread = threading.Thread(target=buffer.run, daemon=True)
     thread.start()
@@ -74,11 +81,20 @@ def run_baseline(kafka: KafkaConfig, events) -> float:
     from confluent_kafka.admin import NewTopic
 
     admin = admin_client(kafka)
-    admin.create_topics([NewTopic(topic, kafka.partitions, 1,
-                                  config={"max.message.bytes": str(kafka.max_message_bytes)})])[topic].result()
+    admin.create_topics(
+        [
+            NewTopic(
+                topic,
+                kafka.partitions,
+                1,
+                config={"max.message.bytes": str(kafka.max_message_bytes)},
+            )
+        ]
+    )[topic].result()
     # nothing on this topic is transactional, so read_committed reads what any consumer would
-    c = read_committed_consumer(kafka, f"bench-base-{uuid.uuid4().hex[:6]}",
-                                overrides={"auto.offset.reset": "earliest"})
+    c = read_committed_consumer(
+        kafka, f"bench-base-{uuid.uuid4().hex[:6]}", overrides={"auto.offset.reset": "earliest"}
+    )
     c.subscribe([topic])
     started = time.perf_counter()
     produce_all(kafka, topic, events)
@@ -102,9 +118,12 @@ def main() -> int:
         from rolloutbus.kafka.broker import start_broker
 
         port, cport = free_port(), free_port()
-        broker_cfg = Config(broker=BrokerConfig(data_dir=Path(tempfile.mkdtemp()), port=port,
-                                                controller_port=cport),
-                            kafka=KafkaConfig(bootstrap_servers=f"127.0.0.1:{port}"))
+        broker_cfg = Config(
+            broker=BrokerConfig(
+                data_dir=Path(tempfile.mkdtemp()), port=port, controller_port=cport
+            ),
+            kafka=KafkaConfig(bootstrap_servers=f"127.0.0.1:{port}"),
+        )
         print(f"starting a broker on 127.0.0.1:{port}", file=sys.stderr)
         start_broker(broker_cfg)
         args.bootstrap = broker_cfg.kafka.bootstrap_servers
@@ -114,21 +133,33 @@ def main() -> int:
         total_bytes = sum(len(v) for _, _, v in events)
         pipe_s, base_s = [], []
         for r in range(args.rounds):
-            kafka = KafkaConfig(bootstrap_servers=args.bootstrap, topic_prefix=f"bench{uuid.uuid4().hex[:6]}",
-                                partitions=2)
+            kafka = KafkaConfig(
+                bootstrap_servers=args.bootstrap,
+                topic_prefix=f"bench{uuid.uuid4().hex[:6]}",
+                partitions=2,
+            )
             ensure_topics(kafka)
             base_s.append(run_baseline(kafka, events))
             pipe_s.append(run_pipeline(kafka, events, args.groups))
             delete_topics(kafka, Topics.from_config(kafka).all())
-            print(f"round {r + 1}: pipeline {pipe_s[-1]:.2f} s, baseline {base_s[-1]:.2f} s", file=sys.stderr)
+            print(
+                f"round {r + 1}: pipeline {pipe_s[-1]:.2f} s, baseline {base_s[-1]:.2f} s",
+                file=sys.stderr,
+            )
         pm, bm = statistics.median(pipe_s), statistics.median(base_s)
-        print(f"events: {len(events)} ({total_bytes / 1e6:.1f} MB), groups: {args.groups}, "
-              f"trajectories: {args.groups * N}, rounds: {args.rounds}")
+        print(
+            f"events: {len(events)} ({total_bytes / 1e6:.1f} MB), groups: {args.groups}, "
+            f"trajectories: {args.groups * N}, rounds: {args.rounds}"
+        )
         print(f"{'path':<52} {'events/s':>10} {'MB/s':>7} {'groups/s':>9}")
-        print(f"{'plain confluent-kafka produce->consume (baseline)':<52} {len(events) / bm:>10.0f} "
-              f"{total_bytes / 1e6 / bm:>7.1f} {args.groups / bm:>9.1f}")
-        print(f"{'turns -> replay buffer (txn) -> trainer client':<52} {len(events) / pm:>10.0f} "
-              f"{total_bytes / 1e6 / pm:>7.1f} {args.groups / pm:>9.1f}")
+        print(
+            f"{'plain confluent-kafka produce->consume (baseline)':<52} {len(events) / bm:>10.0f} "
+            f"{total_bytes / 1e6 / bm:>7.1f} {args.groups / bm:>9.1f}"
+        )
+        print(
+            f"{'turns -> replay buffer (txn) -> trainer client':<52} {len(events) / pm:>10.0f} "
+            f"{total_bytes / 1e6 / pm:>7.1f} {args.groups / pm:>9.1f}"
+        )
         print(f"ratio pipeline/baseline throughput: {bm / pm:.2f}")
     finally:
         if broker_cfg is not None:

@@ -33,8 +33,13 @@ class ReplayResult:
     open_groups: list[str] = field(default_factory=list)  # not settled within the range
 
 
-def replay_turns(cfg: Config, *, partitions: list[int] | None = None, start_offset: int = 0,
-                 end_offset: int | None = None) -> ReplayResult:
+def replay_turns(
+    cfg: Config,
+    *,
+    partitions: list[int] | None = None,
+    start_offset: int = 0,
+    end_offset: int | None = None,
+) -> ReplayResult:
     """Fold ``[start_offset, end_offset)`` of each partition (default: all, to the end)."""
     topic = Topics.from_config(cfg.kafka).turns
     result = ReplayResult()

@@ -15,9 +15,16 @@ from rolloutbus.schemas.trajectories import TRAJECTORY_SCHEMA, Trajectory, traje
 TEXT_WIDTH = 48  # characters of decoded response shown per row
 
 
-def consume_and_report(cfg: Config, *, max_groups: int | None, timeout_s: float | None,
-                       out: Path | None, group_id: str, tokenizer: Any = None,
-                       stream=sys.stdout) -> list[TrajectoryGroup]:
+def consume_and_report(
+    cfg: Config,
+    *,
+    max_groups: int | None,
+    timeout_s: float | None,
+    out: Path | None,
+    group_id: str,
+    tokenizer: Any = None,
+    stream=sys.stdout,
+) -> list[TrajectoryGroup]:
     groups: list[TrajectoryGroup] = []
     with TrainerClient(cfg.kafka, group_id, config=cfg.trainer) as client:
         for group in client.groups(max_groups=max_groups, timeout_s=timeout_s):
@@ -45,10 +52,16 @@ def write_trajectories(trajectories: list[Trajectory], path: Path) -> None:
             writer.write_batch(trajectories_to_batch(trajectories))
 
 
-def print_table(groups: list[TrajectoryGroup], tokenizer: Any, stream,
-                trajectories: list[Trajectory] | None = None) -> None:
-    header = f"{'key':<40} {'agent':<18} {'status':<10} {'prompt':>6} {'resp':>5} " \
-             f"{'mask1':>5} {'lp':>5} {'turns':>5} {'reward':>6}  text"
+def print_table(
+    groups: list[TrajectoryGroup],
+    tokenizer: Any,
+    stream,
+    trajectories: list[Trajectory] | None = None,
+) -> None:
+    header = (
+        f"{'key':<40} {'agent':<18} {'status':<10} {'prompt':>6} {'resp':>5} "
+        f"{'mask1':>5} {'lp':>5} {'turns':>5} {'reward':>6}  text"
+    )
     print(header, file=stream)
     print("-" * len(header), file=stream)
     rows = [row for g in groups for row in g.batch.to_pylist()]
@@ -67,7 +80,9 @@ def _format_row(row: dict[str, Any], tokenizer: Any) -> str:
         text = tokenizer.decode(sampled, skip_special_tokens=True).replace("\n", " ")[:TEXT_WIDTH]
     elif row["error"]:
         text = f"error: {row['error']}"[:TEXT_WIDTH]
-    return (f"{row['key']:<40} {str(row['agent_name']):<18} {row['status']:<10} "
-            f"{row['prompt_len']:>6} {row['response_len']:>5} {sum(row['response_mask']):>5} "
-            f"{len(logprobs) if logprobs is not None else '-':>5} {row['num_turns']:>5} "
-            f"{reward:>6}  {text}")
+    return (
+        f"{row['key']:<40} {str(row['agent_name']):<18} {row['status']:<10} "
+        f"{row['prompt_len']:>6} {row['response_len']:>5} {sum(row['response_mask']):>5} "
+        f"{len(logprobs) if logprobs is not None else '-':>5} {row['num_turns']:>5} "
+        f"{reward:>6}  {text}"
+    )

@@ -25,24 +25,28 @@ def to_jagged(batch: pa.RecordBatch, column: str, dtype: torch.dtype | None = No
         t_values = t_values.to(dtype)
     max_len = int(lengths.max()) if len(lengths) else 0
     return torch.nested.nested_tensor_from_jagged(
-        t_values, torch.from_numpy(offsets.astype(np.int64)), max_seqlen=max_len)
+        t_values, torch.from_numpy(offsets.astype(np.int64)), max_seqlen=max_len
+    )
 
 
-def _pad_rows(column: pa.Array, width: int, pad: float, left: bool, dtype: torch.dtype) -> torch.Tensor:
+def _pad_rows(
+    column: pa.Array, width: int, pad: float, left: bool, dtype: torch.dtype
+) -> torch.Tensor:
     values, offsets = _ragged(column)
     out = torch.full((len(offsets) - 1, width), pad, dtype=dtype)
     for i in range(len(offsets) - 1):
-        values_i = np.array(values[offsets[i]:offsets[i + 1]])  # a writable copy for torch
+        values_i = np.array(values[offsets[i] : offsets[i + 1]])  # a writable copy for torch
         row = torch.from_numpy(values_i[-width:] if left else values_i[:width])
         if left:
-            out[i, width - len(row):] = row.to(dtype)
+            out[i, width - len(row) :] = row.to(dtype)
         else:
-            out[i, :len(row)] = row.to(dtype)
+            out[i, : len(row)] = row.to(dtype)
     return out
 
 
-def to_padded(batch: pa.RecordBatch, *, prompt_length: int, response_length: int,
-              pad_token_id: int) -> dict[str, torch.Tensor]:
+def to_padded(
+    batch: pa.RecordBatch, *, prompt_length: int, response_length: int, pad_token_id: int
+) -> dict[str, torch.Tensor]:
     """verl V0 layout: prompt left-padded, response right-padded, masks to match.
 
     ``attention_mask`` is 1 on every real token (observations included: the model must
@@ -50,9 +54,13 @@ def to_padded(batch: pa.RecordBatch, *, prompt_length: int, response_length: int
     the response attention mask; ``position_ids`` count real tokens, as verl computes them.
     """
     prompts = _pad_rows(batch.column("prompts"), prompt_length, pad_token_id, True, torch.long)
-    responses = _pad_rows(batch.column("responses"), response_length, pad_token_id, False, torch.long)
+    responses = _pad_rows(
+        batch.column("responses"), response_length, pad_token_id, False, torch.long
+    )
     prompt_attn = _pad_rows(_ones_like(batch.column("prompts")), prompt_length, 0, True, torch.long)
-    response_attn = _pad_rows(_ones_like(batch.column("responses")), response_length, 0, False, torch.long)
+    response_attn = _pad_rows(
+        _ones_like(batch.column("responses")), response_length, 0, False, torch.long
+    )
     response_mask = _pad_rows(batch.column("response_mask"), response_length, 0, False, torch.long)
     attention_mask = torch.cat([prompt_attn, response_attn], dim=1)
     # verl's compute_position_id_with_mask: left padding gets 0, right padding repeats the
@@ -67,11 +75,17 @@ def to_padded(batch: pa.RecordBatch, *, prompt_length: int, response_length: int
         "response_mask": response_mask * response_attn,
     }
     if batch.column("rollout_log_probs").null_count < batch.num_rows:
-        out["rollout_log_probs"] = _pad_rows(_fill_nulls(batch.column("rollout_log_probs")),
-                                             response_length, 0.0, False, torch.float32)
+        out["rollout_log_probs"] = _pad_rows(
+            _fill_nulls(batch.column("rollout_log_probs")),
+            response_length,
+            0.0,
+            False,
+            torch.float32,
+        )
     if batch.column("rm_scores").null_count == 0 and batch.num_rows:
-        out["rm_scores"] = _pad_rows(batch.column("rm_scores"), response_length, 0.0, False,
-                                     torch.float32)
+        out["rm_scores"] = _pad_rows(
+            batch.column("rm_scores"), response_length, 0.0, False, torch.float32
+        )
     return out
 
 

@@ -92,8 +92,11 @@ class PartitionPosition(BaseModel):
             yielded = json.loads(metadata)["yielded"] if metadata else {}
             return cls(offset=offset, yielded=yielded)
         except (ValueError, TypeError, KeyError, ValidationError):
-            log.warning("commit metadata %r is not a trainer position; resuming at offset %d without it",
-                        metadata, offset)
+            log.warning(
+                "commit metadata %r is not a trainer position; resuming at offset %d without it",
+                metadata,
+                offset,
+            )
             return cls(offset=offset)
 
 
@@ -200,13 +203,22 @@ class PartitionProgress:
         self.yielded = {uid: last for uid, last in self.yielded.items() if last >= resume}
 
     def _stay_bounded(self) -> None:
-        while self.pending and (len(self.yielded) > self.max_interleaved
-                                or len(self.snapshot().commit_metadata()) > COMMIT_METADATA_MAX_BYTES):
+        while self.pending and (
+            len(self.yielded) > self.max_interleaved
+            or len(self.snapshot().commit_metadata()) > COMMIT_METADATA_MAX_BYTES
+        ):
             uid, oldest = min(self.pending.items(), key=lambda item: item[1].first_offset)
             del self.pending[uid]
-            log.error("group %s at %s@%d is still incomplete (%d of %d trajectories) after %d later "
-                      "groups completed: given up (rebuild it with `rolloutbus replay`)", uid, self.where,
-                      oldest.first_offset, len(oldest.rows), oldest.group_size, len(self.yielded))
+            log.error(
+                "group %s at %s@%d is still incomplete (%d of %d trajectories) after %d later "
+                "groups completed: given up (rebuild it with `rolloutbus replay`)",
+                uid,
+                self.where,
+                oldest.first_offset,
+                len(oldest.rows),
+                oldest.group_size,
+                len(self.yielded),
+            )
             self._forget_passed()
 
 
@@ -222,32 +234,52 @@ class TrainerClient:
     ``consumer_overrides``: extra librdkafka settings.
     """
 
-    def __init__(self, kafka: KafkaConfig, group_id: str, *, from_beginning: bool = True,
-                 resume_from: TrainerPosition | Mapping[str, Any] | None = None,
-                 config: TrainerConfig | None = None, consumer_overrides: Mapping[str, Any] | None = None):
+    def __init__(
+        self,
+        kafka: KafkaConfig,
+        group_id: str,
+        *,
+        from_beginning: bool = True,
+        resume_from: TrainerPosition | Mapping[str, Any] | None = None,
+        config: TrainerConfig | None = None,
+        consumer_overrides: Mapping[str, Any] | None = None,
+    ):
         self.topic = Topics.from_config(kafka).trajectories
         self.config = config or TrainerConfig()
         self._from_beginning = from_beginning
-        self._resume = dict(_checked_position(resume_from, self.topic).partitions) if resume_from else {}
+        self._resume = (
+            dict(_checked_position(resume_from, self.topic).partitions) if resume_from else {}
+        )
         self._progress: dict[int, PartitionProgress] = {}
         self._assignment: dict[int, int] = {}  # partition -> id of its current ownership
         self._assignments_made = 0
-        self._committed_sequence: dict[int, int] = {}  # partition -> sequence of the last group committed
-        self._left_behind: dict[int, PartitionPosition] = {}  # positions of partitions revoked or lost
+        self._committed_sequence: dict[
+            int, int
+        ] = {}  # partition -> sequence of the last group committed
+        self._left_behind: dict[
+            int, PartitionPosition
+        ] = {}  # positions of partitions revoked or lost
         self._seen: OrderedDict[str, None] = OrderedDict()
         self._yield_count = 0
         self._closing = self._closed = False
-        overrides = {"auto.offset.reset": "earliest" if from_beginning else "latest",
-                     "max.poll.interval.ms": int(self.config.max_poll_interval_s * 1000),
-                     **(consumer_overrides or {})}
+        overrides = {
+            "auto.offset.reset": "earliest" if from_beginning else "latest",
+            "max.poll.interval.ms": int(self.config.max_poll_interval_s * 1000),
+            **(consumer_overrides or {}),
+        }
         self._consumer = read_committed_consumer(kafka, group_id, overrides=overrides)
         with translate_kafka_errors(f"subscribing group {group_id!r}", topic=self.topic):
-            self._consumer.subscribe([self.topic], on_assign=self._on_assign, on_revoke=self._on_revoke,
-                                     on_lost=self._on_lost)
+            self._consumer.subscribe(
+                [self.topic],
+                on_assign=self._on_assign,
+                on_revoke=self._on_revoke,
+                on_lost=self._on_lost,
+            )
 
     # -- receiving ---------------------------------------------------------------
-    def groups(self, *, max_groups: int | None = None, timeout_s: float | None = None,
-               poll_s: float = 0.5) -> Iterator[TrajectoryGroup]:
+    def groups(
+        self, *, max_groups: int | None = None, timeout_s: float | None = None, poll_s: float = 0.5
+    ) -> Iterator[TrajectoryGroup]:
         """Yield complete groups as they arrive; stop after max_groups or timeout_s idle."""
         if max_groups is not None and max_groups <= 0:
             return
@@ -275,8 +307,10 @@ class TrainerClient:
     def position(self) -> TrainerPosition:
         """Where the groups yielded so far end, for every partition this client owns: store
         it in the checkpoint together with the model trained on those groups."""
-        return TrainerPosition(topic=self.topic,
-                               partitions={p: prog.snapshot() for p, prog in sorted(self._progress.items())})
+        return TrainerPosition(
+            topic=self.topic,
+            partitions={p: prog.snapshot() for p, prog in sorted(self._progress.items())},
+        )
 
     # -- committing --------------------------------------------------------------
     def commit(self, used: TrajectoryGroup | list[TrajectoryGroup]) -> None:
@@ -290,14 +324,22 @@ class TrainerClient:
         latest: dict[int, TrajectoryGroup] = {}
         for g in groups:
             if g.resume is None or self._assignment.get(g.partition) != g.assignment:
-                log.info("not committing group %s: %s[%d] was revoked since it was yielded",
-                         g.uid, self.topic, g.partition)
+                log.info(
+                    "not committing group %s: %s[%d] was revoked since it was yielded",
+                    g.uid,
+                    self.topic,
+                    g.partition,
+                )
                 continue
-            if g.sequence > max(self._committed_sequence.get(g.partition, 0),
-                                latest[g.partition].sequence if g.partition in latest else 0):
+            if g.sequence > max(
+                self._committed_sequence.get(g.partition, 0),
+                latest[g.partition].sequence if g.partition in latest else 0,
+            ):
                 latest[g.partition] = g
-        self._commit_positions({p: g.resume for p, g in latest.items() if g.resume is not None},
-                               f"{len(groups)} used groups")
+        self._commit_positions(
+            {p: g.resume for p, g in latest.items() if g.resume is not None},
+            f"{len(groups)} used groups",
+        )
         for p, g in latest.items():
             self._committed_sequence[p] = g.sequence
 
@@ -336,8 +378,11 @@ class TrainerClient:
         err = msg.error()
         if err is not None and err.code() == KafkaError._MAX_POLL_EXCEEDED:
             # librdkafka left the group and rejoins on this poll; the revoke already ran
-            log.warning("%s: this trainer rejoins its group (raise trainer.max_poll_interval_s "
-                        "if a train step takes this long)", err.str())
+            log.warning(
+                "%s: this trainer rejoins its group (raise trainer.max_poll_interval_s "
+                "if a train step takes this long)",
+                err.str(),
+            )
             return None
         item = record_or_partition_end(msg)
         return None if isinstance(item, PartitionEnd) else item
@@ -345,8 +390,9 @@ class TrainerClient:
     def _accept(self, msg: Message) -> TrajectoryGroup | None:
         raw_key, value = msg.key(), msg.value()
         if raw_key is None or value is None:  # the replay buffer writes neither
-            raise SchemaError(f"record at {message_location(msg)} has no key or no value: "
-                              "not a trajectory")
+            raise SchemaError(
+                f"record at {message_location(msg)} has no key or no value: not a trajectory"
+            )
         partition, offset = record_position(msg)
         progress = self._progress.get(partition)
         if progress is None:
@@ -361,8 +407,15 @@ class TrainerClient:
         for k in group.keys:
             self._remember(k)
         self._yield_count += 1
-        return TrajectoryGroup(uid_of_key(key), group.batch(), partition, offset, resume=progress.snapshot(),
-                               assignment=self._assignment[partition], sequence=self._yield_count)
+        return TrajectoryGroup(
+            uid_of_key(key),
+            group.batch(),
+            partition,
+            offset,
+            resume=progress.snapshot(),
+            assignment=self._assignment[partition],
+            sequence=self._yield_count,
+        )
 
     def _remember(self, key: str) -> None:
         self._seen[key] = None
@@ -376,14 +429,24 @@ class TrainerClient:
             self._assignments_made += 1
             self._assignment[partition] = self._assignments_made
             self._progress[partition] = PartitionProgress(
-                start, max_interleaved=self.config.max_interleaved_groups,
-                where=record_location(self.topic, partition))
-            log.info("assigned %s from offset %d (%d yielded groups past it)",
-                     record_location(self.topic, partition), start.offset, len(start.yielded))
+                start,
+                max_interleaved=self.config.max_interleaved_groups,
+                where=record_location(self.topic, partition),
+            )
+            log.info(
+                "assigned %s from offset %d (%d yielded groups past it)",
+                record_location(self.topic, partition),
+                start.offset,
+                len(start.yielded),
+            )
         with translate_kafka_errors("assigning partitions", topic=self.topic):
-            consumer.assign([TopicPartition(self.topic, p, start.offset) for p, start in starts.items()])
+            consumer.assign(
+                [TopicPartition(self.topic, p, start.offset) for p, start in starts.items()]
+            )
 
-    def _start_positions(self, consumer: Consumer, partitions: list[TopicPartition]) -> dict[int, PartitionPosition]:
+    def _start_positions(
+        self, consumer: Consumer, partitions: list[TopicPartition]
+    ) -> dict[int, PartitionPosition]:
         with translate_kafka_errors("reading committed offsets", topic=self.topic):
             committed = consumer.committed(partitions, timeout=ASSIGN_TIMEOUT_S)
         starts: dict[int, PartitionPosition] = {}
@@ -392,10 +455,15 @@ class TrainerClient:
             if checkpoint is not None:
                 starts[tp.partition] = checkpoint
                 continue
-            group = PartitionPosition.from_commit(tp.offset, tp.metadata) if tp.offset >= 0 else None
+            group = (
+                PartitionPosition.from_commit(tp.offset, tp.metadata) if tp.offset >= 0 else None
+            )
             own = self._left_behind.pop(tp.partition, None)
-            starts[tp.partition] = (_later(group, own) if group or own
-                                    else PartitionPosition(offset=self._reset_offset(consumer, tp.partition)))
+            starts[tp.partition] = (
+                _later(group, own)
+                if group or own
+                else PartitionPosition(offset=self._reset_offset(consumer, tp.partition))
+            )
         self._forget_checkpoint_of_others()
         return starts
 
@@ -403,9 +471,11 @@ class TrainerClient:
         """The checkpoint holds for the first assignment only: a partition that went to another
         member meanwhile moved on, and going back to the checkpoint would deliver again."""
         if self._resume:
-            log.warning("resume_from names %s, not assigned to this client: they start at the group's "
-                        "committed offsets (a checkpointing trainer should be its group's only member)",
-                        ", ".join(record_location(self.topic, p) for p in sorted(self._resume)))
+            log.warning(
+                "resume_from names %s, not assigned to this client: they start at the group's "
+                "committed offsets (a checkpointing trainer should be its group's only member)",
+                ", ".join(record_location(self.topic, p) for p in sorted(self._resume)),
+            )
             self._resume.clear()
 
     def _reset_offset(self, consumer: Consumer, partition: int) -> int:
@@ -440,8 +510,10 @@ class TrainerClient:
         return positions
 
     def _commit_positions(self, positions: dict[int, PartitionPosition], what: str) -> None:
-        offsets = [TopicPartition(self.topic, p, pos.offset, metadata=pos.commit_metadata())
-                   for p, pos in sorted(positions.items())]
+        offsets = [
+            TopicPartition(self.topic, p, pos.offset, metadata=pos.commit_metadata())
+            for p, pos in sorted(positions.items())
+        ]
         if not offsets:
             return
         where = ", ".join(record_location(self.topic, tp.partition, tp.offset) for tp in offsets)
@@ -451,8 +523,13 @@ class TrainerClient:
             raise broker_error(exc, f"committing {what} at {where}") from exc
         for tp in results or []:
             if tp.error is not None:
-                raise broker_error(tp.error, f"committing {what}", topic=self.topic,
-                                   partition=tp.partition, offset=tp.offset)
+                raise broker_error(
+                    tp.error,
+                    f"committing {what}",
+                    topic=self.topic,
+                    partition=tp.partition,
+                    offset=tp.offset,
+                )
 
 
 def _later(a: PartitionPosition | None, b: PartitionPosition | None) -> PartitionPosition:
@@ -468,9 +545,15 @@ def _later(a: PartitionPosition | None, b: PartitionPosition | None) -> Partitio
 
 def _checked_position(position: TrainerPosition | Mapping[str, Any], topic: str) -> TrainerPosition:
     try:
-        checked = position if isinstance(position, TrainerPosition) else TrainerPosition.model_validate(position)
+        checked = (
+            position
+            if isinstance(position, TrainerPosition)
+            else TrainerPosition.model_validate(position)
+        )
     except ValidationError as exc:
         raise SchemaError(f"resume_from is not a trainer position: {exc}") from exc
     if checked.topic != topic:
-        raise SchemaError(f"resume_from is a position in {checked.topic!r}, this client reads {topic!r}")
+        raise SchemaError(
+            f"resume_from is a position in {checked.topic!r}, this client reads {topic!r}"
+        )
     return checked

@@ -35,7 +35,9 @@ def check_dataset(path: str | Path) -> Path:
     if not path.is_file():
         raise ConfigError(f"dataset not found: {path}")
     if path.suffix not in (".parquet", ".jsonl", ".json"):
-        raise ConfigError(f"dataset {path}: unsupported format {path.suffix!r} (use .parquet or .jsonl)")
+        raise ConfigError(
+            f"dataset {path}: unsupported format {path.suffix!r} (use .parquet or .jsonl)"
+        )
     return path
 
 
@@ -69,8 +71,11 @@ def _read_jsonl(path: Path) -> Iterator[RawRow | BadRow]:
                 yield BadRow(source, line.rstrip(b"\n"), f"line {number} is not valid JSON: {exc}")
                 continue
             if not isinstance(data, dict):
-                yield BadRow(source, line.rstrip(b"\n"),
-                             f"line {number} is a JSON {type(data).__name__}, not an object")
+                yield BadRow(
+                    source,
+                    line.rstrip(b"\n"),
+                    f"line {number} is a JSON {type(data).__name__}, not an object",
+                )
                 continue
             yield RawRow(source, data)
 
@@ -98,12 +103,19 @@ def _numpy_free(value: Any) -> Any:
 
 # -- the bundled arithmetic dataset ---------------------------------------------------
 _OPS = [("+", lambda a, b: a + b), ("-", lambda a, b: a - b), ("*", lambda a, b: a * b)]
-SYSTEM_TOOL_PROMPT = ("You are a careful assistant. Use the calculator tool for arithmetic, "
-                      "then give the final answer as a number.")
+SYSTEM_TOOL_PROMPT = (
+    "You are a careful assistant. Use the calculator tool for arithmetic, "
+    "then give the final answer as a number."
+)
 
 
-def make_arithmetic_rows(count: int, *, seed: int = 0, tool_fraction: float = 0.5,
-                         data_source: str = "rolloutbus/arithmetic") -> list[dict[str, Any]]:
+def make_arithmetic_rows(
+    count: int,
+    *,
+    seed: int = 0,
+    tool_fraction: float = 0.5,
+    data_source: str = "rolloutbus/arithmetic",
+) -> list[dict[str, Any]]:
     """verl-format rows: "计算 18 * 7"-style questions with rule-based ground truth.
 
     A ``tool_fraction`` of the rows name ``agent_name: tool_agent`` and offer the

@@ -74,12 +74,24 @@ def dataset_identity(path: str | Path) -> str:
     return digest.hexdigest()
 
 
-def derive_uid(dataset_id: str, row_index: int, *, epoch: int = 0, global_steps: int = 0,
-               validate: bool = False) -> str:
+def derive_uid(
+    dataset_id: str,
+    row_index: int,
+    *,
+    epoch: int = 0,
+    global_steps: int = 0,
+    validate: bool = False,
+) -> str:
     """The uid of row ``row_index`` of a dataset in one epoch: the same inputs, the same uid
     (hex, so it never holds the key separator ``_``)."""
-    parts = [UID_SCHEME, dataset_id, str(row_index), str(epoch), str(global_steps),
-             "validate" if validate else "train"]
+    parts = [
+        UID_SCHEME,
+        dataset_id,
+        str(row_index),
+        str(epoch),
+        str(global_steps),
+        "validate" if validate else "train",
+    ]
     return hashlib.blake2b("\x1f".join(parts).encode(), digest_size=UID_BYTES).hexdigest()
 
 
@@ -88,16 +100,31 @@ def sampling_params(cfg: Config, validate: bool) -> GroupSamplingParams:
     if validate:
         v = r.val_kwargs
         greedy = not v.do_sample
-        return GroupSamplingParams(temperature=0.0 if greedy else v.temperature, top_p=v.top_p,
-                                   top_k=v.top_k, repetition_penalty=r.repetition_penalty,
-                                   logprobs=r.calculate_log_probs)
-    return GroupSamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                               repetition_penalty=r.repetition_penalty,
-                               logprobs=r.calculate_log_probs)
+        return GroupSamplingParams(
+            temperature=0.0 if greedy else v.temperature,
+            top_p=v.top_p,
+            top_k=v.top_k,
+            repetition_penalty=r.repetition_penalty,
+            logprobs=r.calculate_log_probs,
+        )
+    return GroupSamplingParams(
+        temperature=r.temperature,
+        top_p=r.top_p,
+        top_k=r.top_k,
+        repetition_penalty=r.repetition_penalty,
+        logprobs=r.calculate_log_probs,
+    )
 
 
-def build_group(cfg: Config, row: dict[str, Any], *, validate: bool = False, global_steps: int = 0,
-                policy_version: int = 0, uid: str | None = None) -> PromptGroup:
+def build_group(
+    cfg: Config,
+    row: dict[str, Any],
+    *,
+    validate: bool = False,
+    global_steps: int = 0,
+    policy_version: int = 0,
+    uid: str | None = None,
+) -> PromptGroup:
     """Validate a row and wrap it; raises ValueError (with the reason) for a bad row.
 
     The uid is the row's ``uid`` column if it has one, else ``uid``, else a random one.
@@ -110,17 +137,25 @@ def build_group(cfg: Config, row: dict[str, Any], *, validate: bool = False, glo
     params = sampling_params(cfg, validate)
     if do_sample is False:
         params = params.model_copy(update={"temperature": 0.0})
-    return PromptGroup(uid=checked.uid or uid or new_uid(), row=row, n=n, validate=validate,
-                       sampling_params=params, global_steps=global_steps,
-                       policy_version=policy_version)
+    return PromptGroup(
+        uid=checked.uid or uid or new_uid(),
+        row=row,
+        n=n,
+        validate=validate,
+        sampling_params=params,
+        global_steps=global_steps,
+        policy_version=policy_version,
+    )
 
 
 def encode_group(cfg: Config, group: PromptGroup) -> bytes:
     """The record value; ValueError if it is over ``kafka.max_message_bytes``."""
     value = group.model_dump_json(by_alias=True).encode()
     if len(value) > cfg.kafka.max_message_bytes:
-        raise ValueError(f"the prompt group is {len(value)} bytes, over kafka.max_message_bytes "
-                         f"({cfg.kafka.max_message_bytes})")
+        raise ValueError(
+            f"the prompt group is {len(value)} bytes, over kafka.max_message_bytes "
+            f"({cfg.kafka.max_message_bytes})"
+        )
     return value
 
 
@@ -143,8 +178,9 @@ def _prompt_from_column(row: dict[str, Any], prompt_key: str) -> dict[str, Any]:
     if prompt_key == "prompt":
         return row
     if prompt_key not in row:
-        raise ValueError(f"the row has no {prompt_key!r} column (data.prompt_key); "
-                         f"columns: {sorted(row)}")
+        raise ValueError(
+            f"the row has no {prompt_key!r} column (data.prompt_key); columns: {sorted(row)}"
+        )
     if "prompt" in row:  # two candidate prompts: refuse rather than drop one silently
         raise ValueError(f"the row has both {prompt_key!r} (data.prompt_key) and 'prompt' columns")
     row = dict(row)
@@ -167,23 +203,41 @@ class PromptPublisher:
         partition = partition_for(uid, self.cfg.kafka.partitions)
         while True:
             try:
-                self._producer.produce(self.topics.prompts, key=uid, value=value,
-                                       partition=partition, on_delivery=_raise_on_error)
+                self._producer.produce(
+                    self.topics.prompts,
+                    key=uid,
+                    value=value,
+                    partition=partition,
+                    on_delivery=_raise_on_error,
+                )
                 break
             except BufferError:
                 self._producer.poll(0.1)
             except KafkaException as exc:
-                raise broker_error(exc, f"publishing prompt group {uid}", topic=self.topics.prompts,
-                                   partition=partition) from exc
+                raise broker_error(
+                    exc,
+                    f"publishing prompt group {uid}",
+                    topic=self.topics.prompts,
+                    partition=partition,
+                ) from exc
         self._producer.poll(0)
 
     def flush(self) -> None:
         if self._producer.flush(FLUSH_TIMEOUT_S):
-            raise BrokerError(f"prompt groups not delivered to {self.topics.prompts} "
-                              f"within {FLUSH_TIMEOUT_S} s")
+            raise BrokerError(
+                f"prompt groups not delivered to {self.topics.prompts} within {FLUSH_TIMEOUT_S} s"
+            )
 
-    def publish_file(self, path: str | Path, *, validate: bool = False, global_steps: int = 0,
-                     epoch: int = 0, dataset_id: str | None = None, progress: bool = True) -> PublishReport:
+    def publish_file(
+        self,
+        path: str | Path,
+        *,
+        validate: bool = False,
+        global_steps: int = 0,
+        epoch: int = 0,
+        dataset_id: str | None = None,
+        progress: bool = True,
+    ) -> PublishReport:
         """Publish every row; the same file, epoch, global_steps and validate flag give the
         same uids (``dataset_id`` replaces the file's content hash as its identity)."""
         report = PublishReport(uids=[])
@@ -191,16 +245,20 @@ class PromptPublisher:
         identity = dataset_id or dataset_identity(path)
         rows_by_uid: dict[str, str] = {}  # a row's own uid -> that row, within this file
         for index, item in enumerate(read_rows(path)):
-            uid = derive_uid(identity, index, epoch=epoch, global_steps=global_steps, validate=validate)
-            self._publish_item(item, report, rows_by_uid, uid=uid, validate=validate,
-                               global_steps=global_steps)
+            uid = derive_uid(
+                identity, index, epoch=epoch, global_steps=global_steps, validate=validate
+            )
+            self._publish_item(
+                item, report, rows_by_uid, uid=uid, validate=validate, global_steps=global_steps
+            )
             bar.update(1)
         bar.close()
         self.flush()
         return report
 
-    def _publish_item(self, item: RawRow | BadRow, report: PublishReport, rows_by_uid: dict[str, str],
-                      **kw: Any) -> None:
+    def _publish_item(
+        self, item: RawRow | BadRow, report: PublishReport, rows_by_uid: dict[str, str], **kw: Any
+    ) -> None:
         if isinstance(item, BadRow):
             self._dead_letter(item.original, item.reason, item.source, report)
             return
@@ -210,7 +268,9 @@ class PromptPublisher:
             if "uid" in item.data:  # derived uids are distinct by construction
                 _check_unused(group.uid, item.source, rows_by_uid)
         except (ValidationError, ValueError) as exc:
-            original, note = _letter_original(_json_bytes(item.data), self.cfg.kafka.max_message_bytes)
+            original, note = _letter_original(
+                _json_bytes(item.data), self.cfg.kafka.max_message_bytes
+            )
             self._dead_letter(original, _row_reason(exc, item.source) + note, item.source, report)
             return
         self._produce(group.uid, value)
@@ -218,7 +278,9 @@ class PromptPublisher:
         assert report.uids is not None
         report.uids.append(group.uid)
 
-    def _dead_letter(self, original: bytes, reason: str, source: str, report: PublishReport) -> None:
+    def _dead_letter(
+        self, original: bytes, reason: str, source: str, report: PublishReport
+    ) -> None:
         self.dlq.write(original, reason, source=source)
         report.dead_lettered += 1
 

@@ -20,8 +20,13 @@ Handler = Callable[[argparse.Namespace, Config], int]
 
 
 def _add_config(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-c", "--config", type=Path, default=None,
-                   help="YAML config file (ROLLOUTBUS__SECTION__KEY env vars override it)")
+    p.add_argument(
+        "-c",
+        "--config",
+        type=Path,
+        default=None,
+        help="YAML config file (ROLLOUTBUS__SECTION__KEY env vars override it)",
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging on stderr")
 
 
@@ -41,8 +46,10 @@ def cmd_broker(args: argparse.Namespace, cfg: Config) -> int:
         print("broker stopped" if stopped else "broker was not running")
     else:
         status = broker.broker_status(cfg)
-        print(f"broker {'running' if status.running else 'stopped'}: pid {status.pid}, "
-              f"bootstrap {status.bootstrap}, data {status.data_dir}")
+        print(
+            f"broker {'running' if status.running else 'stopped'}: pid {status.pid}, "
+            f"bootstrap {status.bootstrap}, data {status.data_dir}"
+        )
         return 0 if status.running else 3
     return 0
 
@@ -91,8 +98,11 @@ def cmd_publish(args: argparse.Namespace, cfg: Config) -> int:
     from rolloutbus.producers.datasets import check_dataset
     from rolloutbus.producers.publish import PromptPublisher
 
-    datasets = ([args.dataset] if args.dataset is not None
-                else [Path(p).expanduser() for p in cfg.data.train_files])
+    datasets = (
+        [args.dataset]
+        if args.dataset is not None
+        else [Path(p).expanduser() for p in cfg.data.train_files]
+    )
     if not datasets:
         raise ConfigError("nothing to publish: give a DATASET or set data.train_files")
     for dataset in datasets:  # every file checked before anything is published
@@ -100,13 +110,20 @@ def cmd_publish(args: argparse.Namespace, cfg: Config) -> int:
     check_reachable(cfg.kafka)
     publisher = PromptPublisher(cfg)
     for dataset in datasets:
-        report = publisher.publish_file(dataset, validate=args.validate,
-                                        global_steps=args.global_steps, epoch=args.epoch,
-                                        progress=not args.quiet)
+        report = publisher.publish_file(
+            dataset,
+            validate=args.validate,
+            global_steps=args.global_steps,
+            epoch=args.epoch,
+            progress=not args.quiet,
+        )
         for uid in report.uids or []:
             print(uid)
-        print(f"{dataset}: read {report.read} rows: {report.published} published, "
-              f"{report.dead_lettered} to the dead-letter topic", file=sys.stderr)
+        print(
+            f"{dataset}: read {report.read} rows: {report.published} published, "
+            f"{report.dead_lettered} to the dead-letter topic",
+            file=sys.stderr,
+        )
     return 0
 
 
@@ -116,9 +133,14 @@ def cmd_consume(args: argparse.Namespace, cfg: Config) -> int:
     from rolloutbus.replica.models import load_tokenizer
 
     check_reachable(cfg.kafka)
-    consume_and_report(cfg, max_groups=args.max_groups, timeout_s=args.timeout,
-                       out=args.out, group_id=args.group_id or cfg.trainer.group_id,
-                       tokenizer=load_tokenizer(cfg.model))
+    consume_and_report(
+        cfg,
+        max_groups=args.max_groups,
+        timeout_s=args.timeout,
+        out=args.out,
+        group_id=args.group_id or cfg.trainer.group_id,
+        tokenizer=load_tokenizer(cfg.model),
+    )
     return 0
 
 
@@ -128,15 +150,18 @@ def cmd_replay(args: argparse.Namespace, cfg: Config) -> int:
     from rolloutbus.kafka.admin import check_reachable
 
     check_reachable(cfg.kafka)
-    result = replay_turns(cfg, partitions=args.partition, start_offset=args.start_offset,
-                          end_offset=args.end_offset)
+    result = replay_turns(
+        cfg, partitions=args.partition, start_offset=args.start_offset, end_offset=args.end_offset
+    )
     if args.out is not None:
         write_trajectories(result.trajectories, args.out)
     else:
         print_table([], None, sys.stdout, trajectories=result.trajectories)
-    print(f"replayed {result.events} turn events: {len(result.trajectories)} trajectories, "
-          f"{len(result.open_groups)} groups not settled in range, {result.undecodable} undecodable",
-          file=sys.stderr)
+    print(
+        f"replayed {result.events} turn events: {len(result.trajectories)} trajectories, "
+        f"{len(result.open_groups)} groups not settled in range, {result.undecodable} undecodable",
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -159,10 +184,14 @@ def cmd_demo(args: argparse.Namespace, cfg: Config) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="rolloutbus", description="verl's Agent Loop as an event-sourced streaming system on Kafka")
+        prog="rolloutbus",
+        description="verl's Agent Loop as an event-sourced streaming system on Kafka",
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("broker", help="start, stop or inspect the embedded single-node Kafka broker")
+    p = sub.add_parser(
+        "broker", help="start, stop or inspect the embedded single-node Kafka broker"
+    )
     p.add_argument("action", choices=["start", "stop", "status"])
     _add_config(p)
     p.set_defaults(handler=cmd_broker)
@@ -174,7 +203,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("replica", help="serve the embedded torch model over vLLM's HTTP subset")
     p.add_argument("action", choices=["serve"])
     p.add_argument("--port", type=int, default=None, help="override replica_server.port")
-    p.add_argument("--model", default=None, help="override model.name (smollm2-135m, tiny-qwen3, or a folder)")
+    p.add_argument(
+        "--model", default=None, help="override model.name (smollm2-135m, tiny-qwen3, or a folder)"
+    )
     _add_config(p)
     p.set_defaults(handler=cmd_replica)
 
@@ -183,36 +214,64 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config(p)
     p.set_defaults(handler=cmd_sessions)
 
-    p = sub.add_parser("replay-buffer", help="run a replay-buffer worker: turns -> trajectories, exactly once")
+    p = sub.add_parser(
+        "replay-buffer", help="run a replay-buffer worker: turns -> trajectories, exactly once"
+    )
     p.add_argument("action", choices=["run"])
     _add_config(p)
     p.set_defaults(handler=cmd_replay_buffer)
 
-    p = sub.add_parser("publish", help="publish a parquet/jsonl dataset (verl row format) as prompt groups")
-    p.add_argument("dataset", type=Path, nargs="?", default=None,
-                   help="a .parquet or .jsonl file (default: every file in data.train_files)")
+    p = sub.add_parser(
+        "publish", help="publish a parquet/jsonl dataset (verl row format) as prompt groups"
+    )
+    p.add_argument(
+        "dataset",
+        type=Path,
+        nargs="?",
+        default=None,
+        help="a .parquet or .jsonl file (default: every file in data.train_files)",
+    )
     p.add_argument("--validate", action="store_true", help="validation rows: val_kwargs apply")
     p.add_argument("--global-steps", type=int, default=0, help="trainer step at dispatch")
-    p.add_argument("--epoch", type=int, default=0,
-                   help="pass over the dataset: the same file, epoch and --global-steps publish the "
-                        "same uids, so a re-run adds nothing twice; a new epoch publishes new groups")
+    p.add_argument(
+        "--epoch",
+        type=int,
+        default=0,
+        help="pass over the dataset: the same file, epoch and --global-steps publish the "
+        "same uids, so a re-run adds nothing twice; a new epoch publishes new groups",
+    )
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     _add_config(p)
     p.set_defaults(handler=cmd_publish)
 
-    p = sub.add_parser("consume", help="receive complete groups as the trainer would; print a table")
+    p = sub.add_parser(
+        "consume", help="receive complete groups as the trainer would; print a table"
+    )
     p.add_argument("--max-groups", type=int, default=None)
-    p.add_argument("--timeout", type=float, default=30.0, help="seconds without a new group before stopping")
-    p.add_argument("--out", type=Path, default=None, help="write the trajectories to this Arrow file")
+    p.add_argument(
+        "--timeout", type=float, default=30.0, help="seconds without a new group before stopping"
+    )
+    p.add_argument(
+        "--out", type=Path, default=None, help="write the trajectories to this Arrow file"
+    )
     p.add_argument("--group-id", default=None, help="consumer group (default trainer.group_id)")
     _add_config(p)
     p.set_defaults(handler=cmd_consume)
 
-    p = sub.add_parser("replay", help="rebuild trajectories from a range of the turn log (read-only)")
-    p.add_argument("--partition", type=int, action="append", default=None,
-                   help="partition to replay (repeatable; default all)")
+    p = sub.add_parser(
+        "replay", help="rebuild trajectories from a range of the turn log (read-only)"
+    )
+    p.add_argument(
+        "--partition",
+        type=int,
+        action="append",
+        default=None,
+        help="partition to replay (repeatable; default all)",
+    )
     p.add_argument("--start-offset", type=int, default=0)
-    p.add_argument("--end-offset", type=int, default=None, help="exclusive; default the current end")
+    p.add_argument(
+        "--end-offset", type=int, default=None, help="exclusive; default the current end"
+    )
     p.add_argument("--out", type=Path, default=None, help="write an Arrow file instead of a table")
     _add_config(p)
     p.set_defaults(handler=cmd_replay)
@@ -225,9 +284,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config(p)
     p.set_defaults(handler=cmd_dataset)
 
-    p = sub.add_parser("demo", help="the main job: broker, replica, workers, publish, consume, stop")
+    p = sub.add_parser(
+        "demo", help="the main job: broker, replica, workers, publish, consume, stop"
+    )
     p.add_argument("--rows", type=int, default=6, help="prompt rows to publish")
-    p.add_argument("--n", type=int, default=2, help="sessions per prompt group (overrides rollout.n)")
+    p.add_argument(
+        "--n", type=int, default=2, help="sessions per prompt group (overrides rollout.n)"
+    )
     p.add_argument("--out", type=Path, default=Path("out/trajectories.arrow"))
     p.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for all groups")
     _add_config(p)
@@ -237,8 +300,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     try:
         cfg = load_config(args.config)
     except ConfigError as exc:

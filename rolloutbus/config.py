@@ -40,7 +40,7 @@ logger = logging.getLogger(__name__)
 # JAAS line in server.properties holds without escaping. Password: printable ASCII less
 # space, double quote and backslash.
 _JAAS_NAME = re.compile(r"[A-Za-z0-9._-]+")
-_JAAS_PASSWORD = re.compile(r'[!#-\[\]-~]+')
+_JAAS_PASSWORD = re.compile(r"[!#-\[\]-~]+")
 
 
 class _Section(BaseModel):
@@ -114,8 +114,10 @@ class BrokerConfig(_Section):
             if not _JAAS_NAME.fullmatch(name):
                 raise ValueError(f"SASL user name {name!r} must match {_JAAS_NAME.pattern}")
             if not _JAAS_PASSWORD.fullmatch(password.get_secret_value()):
-                raise ValueError(f"the password of SASL user {name!r} must be 1+ printable ASCII "
-                                 'characters other than space, " and \\')
+                raise ValueError(
+                    f"the password of SASL user {name!r} must be 1+ printable ASCII "
+                    'characters other than space, " and \\'
+                )
         return users
 
 
@@ -318,13 +320,12 @@ class Config(_Section):
 # meaning here. They are validated and kept on the config (a ported loop may read them),
 # never acted on; load_config logs a warning when one is set to a non-default value.
 VERL_KEYS_ACCEPTED_NOT_USED: dict[str, str] = {
-    "rollout.agent.num_workers":
-        "verl's number of AgentLoopWorker actors; here each `rolloutbus sessions run` process "
-        "is one worker (start more to scale out) and sessions.concurrency sets the prompt "
-        "groups in flight per worker",
-    "rollout.multi_turn.enable":
-        "routing is by the row's agent_name (tool_agent for tool calls, "
-        "rollout.agent.default_agent_loop when the field is absent), not by this switch",
+    "rollout.agent.num_workers": "verl's number of AgentLoopWorker actors; here each "
+    "`rolloutbus sessions run` process "
+    "is one worker (start more to scale out) and sessions.concurrency sets the prompt "
+    "groups in flight per worker",
+    "rollout.multi_turn.enable": "routing is by the row's agent_name (tool_agent for tool calls, "
+    "rollout.agent.default_agent_loop when the field is absent), not by this switch",
 }
 
 
@@ -367,8 +368,12 @@ def _warn_about_unused_verl_keys(cfg: Config) -> None:
             section = getattr(section, part)
         value = getattr(section, leaf)
         if value != type(section).model_fields[leaf].default:
-            logger.warning("config key %r = %r is accepted for verl compatibility but not used: %s",
-                           dotted, value, reason)
+            logger.warning(
+                "config key %r = %r is accepted for verl compatibility but not used: %s",
+                dotted,
+                value,
+                reason,
+            )
 
 
 def _accept_verl_layout(raw: dict[str, Any], path: str | Path | None) -> dict[str, Any]:
@@ -379,10 +384,14 @@ def _accept_verl_layout(raw: dict[str, Any], path: str | Path | None) -> dict[st
     where = f" in {path}" if path else ""
     if not isinstance(verl, dict) or set(verl) - {"rollout"}:
         extra = sorted(set(verl) - {"rollout"}) if isinstance(verl, dict) else verl
-        raise ConfigError(f"config key 'actor_rollout_ref'{where}: only its 'rollout' section is "
-                          f"read here, got {extra}")
+        raise ConfigError(
+            f"config key 'actor_rollout_ref'{where}: only its 'rollout' section is "
+            f"read here, got {extra}"
+        )
     if "rollout" in raw:
-        raise ConfigError(f"config{where} has both 'rollout' and 'actor_rollout_ref.rollout': keep one")
+        raise ConfigError(
+            f"config{where} has both 'rollout' and 'actor_rollout_ref.rollout': keep one"
+        )
     out = {k: v for k, v in raw.items() if k != "actor_rollout_ref"}
     out["rollout"] = verl.get("rollout") or {}
     return out
@@ -404,7 +413,7 @@ def _env_overrides(env: dict[str, str] | os._Environ[str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, text in env.items():
         if key.startswith(ENV_PREFIX):
-            dotted = key[len(ENV_PREFIX):].lower().replace("__", ".")
+            dotted = key[len(ENV_PREFIX) :].lower().replace("__", ".")
             out[dotted] = yaml.safe_load(text) if text != "" else None
     return out
 

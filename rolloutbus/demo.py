@@ -81,15 +81,21 @@ def _write_config(cfg: Config, path: Path) -> Path:
 def _spawn(name: str, argv: list[str], config_path: Path) -> subprocess.Popen:
     _say(f"starting {name}")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen([sys.executable, "-m", "rolloutbus.cli", *argv, "--config", str(config_path)],
-                            env=env, stdout=subprocess.DEVNULL, stderr=sys.stderr)
+    return subprocess.Popen(
+        [sys.executable, "-m", "rolloutbus.cli", *argv, "--config", str(config_path)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=sys.stderr,
+    )
 
 
 def _wait_for_replica(url: str, proc: subprocess.Popen) -> None:
     deadline = time.monotonic() + REPLICA_READY_TIMEOUT_S
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise ReplicaError(f"the replica exited with code {proc.returncode} before it was ready")
+            raise ReplicaError(
+                f"the replica exited with code {proc.returncode} before it was ready"
+            )
         try:
             if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
                 _say(f"replica ready at {url}")
@@ -107,9 +113,13 @@ def _publish_demo_rows(cfg: Config, rows: int, path: Path) -> list[str]:
     write_jsonl(make_arithmetic_rows(rows, seed=7), path)
     # the bundled rows are the same every run: a dataset id of its own per run keeps a rerun
     # on a persistent broker from being taken for a re-publish of the last run's groups
-    report = PromptPublisher(cfg).publish_file(path, progress=False, dataset_id=f"demo-{time.time_ns()}")
-    _say(f"published {report.published} prompt groups (n={cfg.rollout.n}); "
-         f"{report.dead_lettered} rows to the dead-letter topic")
+    report = PromptPublisher(cfg).publish_file(
+        path, progress=False, dataset_id=f"demo-{time.time_ns()}"
+    )
+    _say(
+        f"published {report.published} prompt groups (n={cfg.rollout.n}); "
+        f"{report.dead_lettered} rows to the dead-letter topic"
+    )
     return list(report.uids or [])
 
 
@@ -128,7 +138,9 @@ def _receive(cfg: Config, uids: set[str], out: Path, timeout_s: float, tokenizer
                     received.append(group)
                     _say(f"trainer received group {group.uid} ({len(received)}/{len(uids)})")
     if len(received) < len(uids):
-        raise RolloutBusError(f"only {len(received)} of {len(uids)} groups arrived within {timeout_s:.0f} s")
+        raise RolloutBusError(
+            f"only {len(received)} of {len(uids)} groups arrived within {timeout_s:.0f} s"
+        )
     print_table(received, tokenizer, sys.stdout)
     write_arrow(received, out)
     _say(f"wrote {sum(len(g) for g in received)} trajectories to {out}")
@@ -140,7 +152,9 @@ def _check_invariants(groups, expected: int) -> int:
     for g in groups:
         for row in g.batch.to_pylist():
             lp = row["rollout_log_probs"]
-            lengths = {len(row["responses"]), len(row["response_mask"])} | ({len(lp)} if lp is not None else set())
+            lengths = {len(row["responses"]), len(row["response_mask"])} | (
+                {len(lp)} if lp is not None else set()
+            )
             if row["status"] != "failed" and len(lengths) != 1:
                 bad.append(row["key"])
     if bad:

@@ -46,25 +46,40 @@ class PerRegistry:
 
 class SessionMetrics(PerRegistry):
     def _init(self, registry: CollectorRegistry) -> None:
-        self.groups_in_flight = Gauge("rolloutbus_sessions_groups_in_flight",
-                                      "Prompt groups being rolled out by this worker",
-                                      registry=registry)
-        self.group_seconds = Histogram("rolloutbus_sessions_group_duration_seconds",
-                                       "Wall time from taking a prompt group to delivering its turns",
-                                       buckets=GROUP_SECONDS_BUCKETS, registry=registry)
-        self.sessions = Counter("rolloutbus_sessions_total", "Sessions run, by outcome",
-                                ["outcome"], registry=registry)
-        self.turn_events = Counter("rolloutbus_sessions_turn_events_total",
-                                   "Events written to the turn log, by type", ["type"],
-                                   registry=registry)
-        self.recovery = Counter("rolloutbus_sessions_recovery_total",
-                                "Resuming from the turn log: resumed_sessions, "
-                                "replayed_generations (turns not sampled again), "
-                                "diverged_sessions (re-run as a new attempt)", ["kind"],
-                                registry=registry)
-        self.tokens = Counter("rolloutbus_sessions_tokens_total",
-                              "Tokens logged, by kind: sampled (mask 1) or observed (mask 0)",
-                              ["kind"], registry=registry)
+        self.groups_in_flight = Gauge(
+            "rolloutbus_sessions_groups_in_flight",
+            "Prompt groups being rolled out by this worker",
+            registry=registry,
+        )
+        self.group_seconds = Histogram(
+            "rolloutbus_sessions_group_duration_seconds",
+            "Wall time from taking a prompt group to delivering its turns",
+            buckets=GROUP_SECONDS_BUCKETS,
+            registry=registry,
+        )
+        self.sessions = Counter(
+            "rolloutbus_sessions_total", "Sessions run, by outcome", ["outcome"], registry=registry
+        )
+        self.turn_events = Counter(
+            "rolloutbus_sessions_turn_events_total",
+            "Events written to the turn log, by type",
+            ["type"],
+            registry=registry,
+        )
+        self.recovery = Counter(
+            "rolloutbus_sessions_recovery_total",
+            "Resuming from the turn log: resumed_sessions, "
+            "replayed_generations (turns not sampled again), "
+            "diverged_sessions (re-run as a new attempt)",
+            ["kind"],
+            registry=registry,
+        )
+        self.tokens = Counter(
+            "rolloutbus_sessions_tokens_total",
+            "Tokens logged, by kind: sampled (mask 1) or observed (mask 0)",
+            ["kind"],
+            registry=registry,
+        )
 
     def count_event(self, event: object) -> None:
         kind = getattr(event, "type", "unknown")
@@ -96,40 +111,68 @@ class SessionMetrics(PerRegistry):
 
 class ReplayBufferMetrics(PerRegistry):
     def _init(self, registry: CollectorRegistry) -> None:
-        self.events = Counter("rolloutbus_replay_buffer_events_total",
-                              "Turn events consumed, by type", ["type"], registry=registry)
-        self.trajectories = Counter("rolloutbus_replay_buffer_trajectories_total",
-                                    "Trajectories released, by status", ["status"], registry=registry)
-        self.groups = Counter("rolloutbus_replay_buffer_groups_released_total",
-                              "Prompt groups released", registry=registry)
-        self.open_groups = Gauge("rolloutbus_replay_buffer_open_groups",
-                                 "Groups with sessions still running", registry=registry)
-        self.duplicates = Counter("rolloutbus_replay_buffer_ignored_events_total",
-                                  "Events ignored: superseded attempts or already released groups",
-                                  registry=registry)
-        self.dead_letters = Counter("rolloutbus_replay_buffer_dead_letters_total",
-                                    "Turn events sent to the dead-letter topic", registry=registry)
+        self.events = Counter(
+            "rolloutbus_replay_buffer_events_total",
+            "Turn events consumed, by type",
+            ["type"],
+            registry=registry,
+        )
+        self.trajectories = Counter(
+            "rolloutbus_replay_buffer_trajectories_total",
+            "Trajectories released, by status",
+            ["status"],
+            registry=registry,
+        )
+        self.groups = Counter(
+            "rolloutbus_replay_buffer_groups_released_total",
+            "Prompt groups released",
+            registry=registry,
+        )
+        self.open_groups = Gauge(
+            "rolloutbus_replay_buffer_open_groups",
+            "Groups with sessions still running",
+            registry=registry,
+        )
+        self.duplicates = Counter(
+            "rolloutbus_replay_buffer_ignored_events_total",
+            "Events ignored: superseded attempts or already released groups",
+            registry=registry,
+        )
+        self.dead_letters = Counter(
+            "rolloutbus_replay_buffer_dead_letters_total",
+            "Turn events sent to the dead-letter topic",
+            registry=registry,
+        )
         self.groups_released_early = Counter(
             "rolloutbus_replay_buffer_groups_released_early_total",
             "Groups released before all their sessions settled (unsettled ones as failed "
             "records) or rejected, by kind: deadline, too_many_open_groups, head_missing, rejected",
-            ["kind"], registry=registry)
-        self.released_uids = Gauge("rolloutbus_replay_buffer_released_uids",
-                                   "Released uids remembered (read back from the released topic "
-                                   "on assignment)", registry=registry)
+            ["kind"],
+            registry=registry,
+        )
+        self.released_uids = Gauge(
+            "rolloutbus_replay_buffer_released_uids",
+            "Released uids remembered (read back from the released topic on assignment)",
+            registry=registry,
+        )
         self.released_uids_forgotten = Counter(
             "rolloutbus_replay_buffer_released_uids_forgotten_total",
             "Released uids dropped from memory past replay_buffer.max_released_uids",
-            registry=registry)
-        self.recoveries = Counter("rolloutbus_replay_buffer_partition_recoveries_total",
-                                  "Partitions (re)loaded from committed offsets and the released "
-                                  "topic: on assignment and after an aborted transaction",
-                                  registry=registry)
+            registry=registry,
+        )
+        self.recoveries = Counter(
+            "rolloutbus_replay_buffer_partition_recoveries_total",
+            "Partitions (re)loaded from committed offsets and the released "
+            "topic: on assignment and after an aborted transaction",
+            registry=registry,
+        )
         self.transaction_aborts = Counter(
             "rolloutbus_replay_buffer_transaction_aborts_total",
             "Transactions aborted and retried from the committed offsets, by cause: abortable "
             "(a broker error), retries_exhausted, wedged (a client call that never returned)",
-            ["cause"], registry=registry)
+            ["cause"],
+            registry=registry,
+        )
 
 
 def start_metrics_server(port: int, addr: str = LOOPBACK) -> None:

@@ -91,5 +91,7 @@ def parse_trajectory_key(key: str) -> tuple[str, int, int]:
     """``(uid, session_id, output_index)`` of a trajectory key; SchemaError if it is none."""
     parts = key.rsplit(KEY_SEPARATOR, 2)
     if len(parts) != 3 or not parts[0] or not all(map(_DIGITS.fullmatch, parts[1:])):
-        raise SchemaError(f"{key!r} is not a trajectory key {{uid}}_{{session_id}}_{{output_index}}")
+        raise SchemaError(
+            f"{key!r} is not a trajectory key {{uid}}_{{session_id}}_{{output_index}}"
+        )
     return parts[0], int(parts[1]), int(parts[2])

@@ -22,8 +22,12 @@ class DeadLetter(BaseModel):
 
     @classmethod
     def of(cls, original: bytes, *, stage: str, reason: str, source: str = "") -> DeadLetter:
-        return cls(stage=stage, reason=reason, source=source,
-                   original_b64=base64.b64encode(original).decode("ascii"))
+        return cls(
+            stage=stage,
+            reason=reason,
+            source=source,
+            original_b64=base64.b64encode(original).decode("ascii"),
+        )
 
     @property
     def original(self) -> bytes:

@@ -51,8 +51,10 @@ class DatasetRow(BaseModel):
     def _chat_messages(cls, prompt: Any) -> Any:
         # pydantic's own message ("Input should be a valid list") does not say what was meant
         if isinstance(prompt, str | bytes):
-            raise ValueError("must be a list of chat messages [{'role': ..., 'content': ...}], "
-                             "got a string (is data.prompt_key the messages column?)")
+            raise ValueError(
+                "must be a list of chat messages [{'role': ..., 'content': ...}], "
+                "got a string (is data.prompt_key the messages column?)"
+            )
         return prompt
 
     @field_validator("uid")

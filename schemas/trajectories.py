@@ -189,10 +189,14 @@ def decode_trajectory_batch(data: bytes) -> pa.RecordBatch:
     except (pa.ArrowException, OSError, ValueError) as exc:  # ArrowInvalid is all three
         raise SchemaError(f"a trajectory record is not an Arrow IPC stream: {exc}") from exc
     if reader.schema.metadata is None or not reader.schema.equals(TRAJECTORY_SCHEMA):
-        raise SchemaError("a trajectory record's Arrow schema is not TRAJECTORY_SCHEMA "
-                          f"(schema version {SCHEMA_VERSION})")
+        raise SchemaError(
+            "a trajectory record's Arrow schema is not TRAJECTORY_SCHEMA "
+            f"(schema version {SCHEMA_VERSION})"
+        )
     rows = sum(batch.num_rows for batch in batches)
     if len(batches) != 1 or rows != 1:
-        raise SchemaError(f"a trajectory record must be one Arrow record batch of one row, "
-                          f"got {len(batches)} batches of {rows} rows")
+        raise SchemaError(
+            f"a trajectory record must be one Arrow record batch of one row, "
+            f"got {len(batches)} batches of {rows} rows"
+        )
     return batches[0]

@@ -47,12 +47,16 @@ def import_object(
     module_part, sep, attr_part = path.rpartition(":")
     if sep:
         if not module_part or not attr_part:
-            raise error(f"cannot load {what} from {path!r}: expected 'module:Name' or 'file.py:Name'")
+            raise error(
+                f"cannot load {what} from {path!r}: expected 'module:Name' or 'file.py:Name'"
+            )
         module = _load_module(module_part, path, what, error)
         obj = _get_attributes(module, attr_part.split("."), path, what, error)
     elif path.endswith(".py"):
-        raise error(f"cannot load {what} from {path!r}: a file path needs the object's name, "
-                    f"as in '{path}:Name'")
+        raise error(
+            f"cannot load {what} from {path!r}: a file path needs the object's name, "
+            f"as in '{path}:Name'"
+        )
     else:
         obj = _import_dotted(path, what, error)
     _check_kind(obj, kind, path, what, error)
@@ -66,7 +70,9 @@ def import_module(
     return _load_module(path, path, what, error)
 
 
-def _load_module(module_path: str, path: str, what: str, error: type[RolloutBusError]) -> ModuleType:
+def _load_module(
+    module_path: str, path: str, what: str, error: type[RolloutBusError]
+) -> ModuleType:
     """``module_path`` is the module part of ``path``, which the error message quotes whole."""
     if module_path.endswith(".py"):
         return _import_file(Path(module_path), path, what, error)
@@ -84,7 +90,9 @@ def _import_dotted(path: str, what: str, error: type[RolloutBusError]) -> Any:
     """``a.b.C.D``: try ``a.b.C``, then ``a.b``, then ``a`` as the module."""
     parts = path.split(".")
     if len(parts) < 2 or not all(parts):
-        raise error(f"cannot load {what} from {path!r}: expected 'package.module.Name' or 'module:Name'")
+        raise error(
+            f"cannot load {what} from {path!r}: expected 'package.module.Name' or 'module:Name'"
+        )
     missing: ModuleNotFoundError | None = None
     for cut in range(len(parts) - 1, 0, -1):
         module_name = ".".join(parts[:cut])
@@ -99,16 +107,21 @@ def _import_dotted(path: str, what: str, error: type[RolloutBusError]) -> Any:
             raise _import_failed(module_name, path, what, error, exc) from exc
         if missing is not None and hasattr(module, "__path__") and not hasattr(module, parts[cut]):
             # 'pkg.typo.Cls' in a package: "no module pkg.typo" says more than "no attribute"
-            raise error(f"cannot load {what} from {path!r}: no module named {missing.name!r}") from missing
+            raise error(
+                f"cannot load {what} from {path!r}: no module named {missing.name!r}"
+            ) from missing
         return _get_attributes(module, parts[cut:], path, what, error)
     name = missing.name if missing is not None else parts[0]
     raise error(f"cannot load {what} from {path!r}: no module named {name!r}") from missing
 
 
-def _import_failed(module_name: str, path: str, what: str, error: type[RolloutBusError],
-                   exc: BaseException) -> RolloutBusError:
-    return error(f"cannot load {what} from {path!r}: importing module {module_name!r} failed: "
-                 f"{type(exc).__name__}: {exc}")
+def _import_failed(
+    module_name: str, path: str, what: str, error: type[RolloutBusError], exc: BaseException
+) -> RolloutBusError:
+    return error(
+        f"cannot load {what} from {path!r}: importing module {module_name!r} failed: "
+        f"{type(exc).__name__}: {exc}"
+    )
 
 
 def _is_missing(module_name: str, exc: ModuleNotFoundError) -> bool:
@@ -129,27 +142,34 @@ def _import_file(file: Path, path: str, what: str, error: type[RolloutBusError])
         return sys.modules[name]
     spec = importlib.util.spec_from_file_location(name, resolved)
     if spec is None or spec.loader is None:
-        raise error(f"cannot load {what} from {path!r}: {str(file)!r} is not a loadable Python file")
+        raise error(
+            f"cannot load {what} from {path!r}: {str(file)!r} is not a loadable Python file"
+        )
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # before exec, so dataclasses and pickling can find it
     try:
         spec.loader.exec_module(module)
     except Exception as exc:  # the plug-in file failed to run; re-raised with context
         del sys.modules[name]
-        raise error(f"cannot load {what} from {path!r}: executing {str(file)!r} failed: "
-                    f"{type(exc).__name__}: {exc}") from exc
+        raise error(
+            f"cannot load {what} from {path!r}: executing {str(file)!r} failed: "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
     return module
 
 
-def _get_attributes(module: ModuleType, names: list[str], path: str, what: str,
-                    error: type[RolloutBusError]) -> Any:
+def _get_attributes(
+    module: ModuleType, names: list[str], path: str, what: str, error: type[RolloutBusError]
+) -> Any:
     obj: Any = module
     owner = module.__name__
     for name in names:
         try:
             obj = getattr(obj, name)
         except AttributeError as exc:
-            raise error(f"cannot load {what} from {path!r}: {owner!r} has no attribute {name!r}") from exc
+            raise error(
+                f"cannot load {what} from {path!r}: {owner!r} has no attribute {name!r}"
+            ) from exc
         owner = f"{owner}.{name}"
     return obj
 

@@ -25,8 +25,9 @@ class SegmentStream:
         n = len(prompt_ids)
         return cls(prompt_len=n, tokens=list(prompt_ids), mask=[0] * n, logprobs=[0.0] * n)
 
-    def add_generation(self, token_ids: list[int], logprobs: list[float] | None,
-                       version: int | None) -> None:
+    def add_generation(
+        self, token_ids: list[int], logprobs: list[float] | None, version: int | None
+    ) -> None:
         self.tokens.extend(token_ids)
         self.mask.extend([1] * len(token_ids))
         self.logprobs.extend(logprobs if logprobs is not None else [0.0] * len(token_ids))

@@ -29,14 +29,16 @@ def write_config(cfg: Config, path: Path) -> Path:
     if cfg.kafka.sasl_password is not None:
         data["kafka"]["sasl_password"] = cfg.kafka.sasl_password.get_secret_value()
     if cfg.broker.sasl_users:
-        data["broker"]["sasl_users"] = {user: secret.get_secret_value()
-                                        for user, secret in cfg.broker.sasl_users.items()}
+        data["broker"]["sasl_users"] = {
+            user: secret.get_secret_value() for user, secret in cfg.broker.sasl_users.items()
+        }
     path.write_text(yaml.safe_dump(data))
     return path
 
 
-def spawn(argv: list[str], config_path: Path, log_path: Path,
-          python_path: list[Path] = ()) -> subprocess.Popen:
+def spawn(
+    argv: list[str], config_path: Path, log_path: Path, python_path: list[Path] = ()
+) -> subprocess.Popen:
     """``rolloutbus ARGV --config CONFIG`` with its output in ``log_path``; ``python_path``
     makes extra modules (custom agent loops) importable in the worker."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -45,7 +47,10 @@ def spawn(argv: list[str], config_path: Path, log_path: Path,
     log = log_path.open("wb")
     return subprocess.Popen(
         [sys.executable, "-m", "rolloutbus.cli", *argv, "--config", str(config_path)],
-        stdout=log, stderr=subprocess.STDOUT, env=env)
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
 
 
 def wait_http_ok(url: str, proc: subprocess.Popen, log_path: Path) -> None:
@@ -81,7 +86,9 @@ def running(procs: list[subprocess.Popen]):
             stop(p)
 
 
-def receive_groups(cfg: Config, uids: set[str], timeout_s: float = 240.0) -> dict[str, TrajectoryGroup]:
+def receive_groups(
+    cfg: Config, uids: set[str], timeout_s: float = 240.0
+) -> dict[str, TrajectoryGroup]:
     got: dict[str, TrajectoryGroup] = {}
     deadline = time.monotonic() + timeout_s
     with TrainerClient(cfg.kafka, f"test-trainer-{time.monotonic_ns()}") as client:
@@ -97,9 +104,15 @@ def receive_groups(cfg: Config, uids: set[str], timeout_s: float = 240.0) -> dic
 
 def read_topic(cfg: Config, topic: str, *, committed_only: bool = True) -> list[Any]:
     """Every record currently in ``topic`` (all partitions), in partition order."""
-    consumer = Consumer({**cfg.kafka.client_settings(), "group.id": f"reader-{time.monotonic_ns()}",
-                         "enable.auto.commit": False, "enable.partition.eof": True,
-                         "isolation.level": "read_committed" if committed_only else "read_uncommitted"})
+    consumer = Consumer(
+        {
+            **cfg.kafka.client_settings(),
+            "group.id": f"reader-{time.monotonic_ns()}",
+            "enable.auto.commit": False,
+            "enable.partition.eof": True,
+            "isolation.level": "read_committed" if committed_only else "read_uncommitted",
+        }
+    )
     parts = [TopicPartition(topic, p, 0) for p in range(cfg.kafka.partitions)]
     consumer.assign(parts)
     out, eof = [], set()

@@ -23,8 +23,11 @@ class InstantReplica:
     """Test double for a replica: answers at once with fixed tokens and logprobs."""
 
     async def generate(self, request_id, *, prompt_ids, sampling_params, **kw):
-        return TokenOutput(token_ids=list(range(1000, 1000 + GEN_TOKENS)),
-                           log_probs=[-0.5] * GEN_TOKENS, stop_reason="completed")
+        return TokenOutput(
+            token_ids=list(range(1000, 1000 + GEN_TOKENS)),
+            log_probs=[-0.5] * GEN_TOKENS,
+            stop_reason="completed",
+        )
 
 
 async def _session_events(uid: str, session_id: int, attempt: str) -> list[tuple[str, bytes]]:
@@ -45,18 +48,27 @@ async def _session_events(uid: str, session_id: int, attempt: str) -> list[tuple
         if turn < TURNS - 1:
             stream += [7] * OBS_TOKENS
             mask += [0] * OBS_TOKENS
-    output = AgentLoopOutput(prompt_ids=stream[:PROMPT_TOKENS], response_ids=stream[PROMPT_TOKENS:],
-                             response_mask=mask, response_logprobs=None, num_turns=2 * TURNS,
-                             metrics=AgentLoopMetrics())
+    output = AgentLoopOutput(
+        prompt_ids=stream[:PROMPT_TOKENS],
+        response_ids=stream[PROMPT_TOKENS:],
+        response_mask=mask,
+        response_logprobs=None,
+        num_turns=2 * TURNS,
+        metrics=AgentLoopMetrics(),
+    )
     events.append(SessionFinished(**ids, outputs=rec.summarize([output], 10_000)))
     # numbered within the attempt, as the session runner numbers what it logs
-    return [(session_key(uid, session_id), encode_turn_event(e.model_copy(update={"seq": seq})))
-            for seq, e in enumerate(events)]
+    return [
+        (session_key(uid, session_id), encode_turn_event(e.model_copy(update={"seq": seq})))
+        for seq, e in enumerate(events)
+    ]
 
 
 def group_events(uid: str, attempt: str = "a") -> list[tuple[str, str, bytes]]:
     """(uid, key, value) for every event of one group of N sessions, in log order."""
-    started = GroupStarted(uid=uid, attempt=attempt, n=N, row={"prompt": [{"role": "user", "content": "q"}]})
+    started = GroupStarted(
+        uid=uid, attempt=attempt, n=N, row={"prompt": [{"role": "user", "content": "q"}]}
+    )
     out = [(uid, uid, encode_turn_event(started))]
     for s in range(N):
         out.extend((uid, k, v) for k, v in asyncio.run(_session_events(uid, s, attempt)))

@@ -38,8 +38,12 @@ def tok():
 
 
 def loop_kwargs(tok, server, **rollout):
-    return dict(trainer_config=DictConfigWrap(make_config(**rollout)), server_manager=server, tokenizer=tok,
-                processor=None)
+    return dict(
+        trainer_config=DictConfigWrap(make_config(**rollout)),
+        server_manager=server,
+        tokenizer=tok,
+        processor=None,
+    )
 
 
 class EchoLoop(AgentLoopBase):
@@ -51,8 +55,16 @@ class EchoLoop(AgentLoopBase):
 
 
 def test_public_api_is_complete():
-    for name in ["AgentLoopBase", "register", "SingleTurnAgentLoop", "ToolAgentLoop", "AgentLoopOutput",
-                 "AgentLoopMetrics", "simple_timer", "DictConfigWrap"]:
+    for name in [
+        "AgentLoopBase",
+        "register",
+        "SingleTurnAgentLoop",
+        "ToolAgentLoop",
+        "AgentLoopOutput",
+        "AgentLoopMetrics",
+        "simple_timer",
+        "DictConfigWrap",
+    ]:
         assert name in agent_loop.__all__
     for name in agent_loop.__all__:
         assert hasattr(agent_loop, name), name
@@ -63,15 +75,32 @@ def test_public_api_is_complete():
 
 
 def test_schema_fields_and_defaults():
-    assert list(AgentLoopMetrics.model_fields) == ["generate_sequences", "tool_calls", "compute_score", "num_preempted"]
+    assert list(AgentLoopMetrics.model_fields) == [
+        "generate_sequences",
+        "tool_calls",
+        "compute_score",
+        "num_preempted",
+    ]
     assert AgentLoopMetrics().num_preempted == -1
     assert list(AgentLoopOutput.model_fields) == [
-        "prompt_ids", "response_ids", "response_mask", "response_logprobs", "routed_experts", "multi_modal_data",
-        "reward_score", "num_turns", "metrics", "extra_fields", "mm_processor_kwargs"]
+        "prompt_ids",
+        "response_ids",
+        "response_mask",
+        "response_logprobs",
+        "routed_experts",
+        "multi_modal_data",
+        "reward_score",
+        "num_turns",
+        "metrics",
+        "extra_fields",
+        "mm_processor_kwargs",
+    ]
 
 
 def test_base_constructor_shape(tok):
-    loop = EchoLoop(**loop_kwargs(tok, "client"), dataset_cls=dict, data_config={"x": 1}, hf_model_type="qwen3")
+    loop = EchoLoop(
+        **loop_kwargs(tok, "client"), dataset_cls=dict, data_config={"x": 1}, hf_model_type="qwen3"
+    )
     assert loop.config.rollout is loop.rollout_config
     assert (loop.server_manager, loop.tokenizer, loop.processor) == ("client", tok, None)
     assert (loop.dataset_cls, loop.data_config, loop.hf_model_type) == (dict, {"x": 1}, "qwen3")
@@ -109,7 +138,9 @@ async def test_text_prompt_is_left_truncated(tok, caplog):
 class FakeProcessor:
     """Test double for a VL processor: 100 tokens per image."""
 
-    def apply_chat_template(self, messages, tools=None, add_generation_prompt=True, tokenize=False, **kw):
+    def apply_chat_template(
+        self, messages, tools=None, add_generation_prompt=True, tokenize=False, **kw
+    ):
         return "text"
 
     def __call__(self, text, images=None, videos=None, return_tensors=None):
@@ -132,7 +163,9 @@ async def test_multimodal_without_processor_raises(tok):
 
 async def test_remove_system_prompt(tok):
     loop = EchoLoop(**loop_kwargs(tok, None))
-    ids = await loop.apply_chat_template([{"role": "tool", "content": "126"}], remove_system_prompt=True)
+    ids = await loop.apply_chat_template(
+        [{"role": "tool", "content": "126"}], remove_system_prompt=True
+    )
     assert tok.decode(ids).startswith("<|im_start|>user\n<tool_response>")
 
 
@@ -140,7 +173,9 @@ async def test_remove_system_prompt(tok):
 
 
 def test_builtins_registered():
-    assert _agent_loop_registry["single_turn_agent"]["_target_"].endswith("single_turn.SingleTurnAgentLoop")
+    assert _agent_loop_registry["single_turn_agent"]["_target_"].endswith(
+        "single_turn.SingleTurnAgentLoop"
+    )
     assert _agent_loop_registry["tool_agent"]["_target_"].endswith("tool_agent.ToolAgentLoop")
 
 
@@ -149,7 +184,9 @@ def test_register_decorator_stores_target():
     class Local(EchoLoop):
         pass
 
-    assert _agent_loop_registry["echo_test_loop"] == {"_target_": f"{__name__}.{Local.__qualname__}"}
+    assert _agent_loop_registry["echo_test_loop"] == {
+        "_target_": f"{__name__}.{Local.__qualname__}"
+    }
 
 
 def test_resolve_agent_name_default_only_when_absent():
@@ -161,7 +198,9 @@ def test_resolve_agent_name_default_only_when_absent():
 @pytest.mark.parametrize("name", [None, "no_such_agent"])
 def test_null_or_unknown_agent_name_fails_naming_it(tok, name):
     with pytest.raises(UnknownAgentLoopError) as err:
-        create_agent_loop(resolve_agent_name({"agent_name": name}, "single_turn_agent"), **loop_kwargs(tok, None))
+        create_agent_loop(
+            resolve_agent_name({"agent_name": name}, "single_turn_agent"), **loop_kwargs(tok, None)
+        )
     named = "agent_name is null" if name is None else repr(name)
     assert named in str(err.value) and "single_turn_agent" in str(err.value)
 
@@ -177,7 +216,8 @@ def test_yaml_registration_of_the_seed_loop(tok, tmp_path, monkeypatch):
     by a relative path."""
     monkeypatch.syspath_prepend(str(TESTS / "fixtures"))
     (tmp_path / "my_agent_loops.yaml").write_text(
-        "- name: my_single_turn\n  _target_: my_agent_loop.MySingleTurnLoop\n")
+        "- name: my_single_turn\n  _target_: my_agent_loop.MySingleTurnLoop\n"
+    )
     monkeypatch.chdir(tmp_path)
     assert load_agent_loop_config("my_agent_loops.yaml") == ["my_single_turn"]
     loop = create_agent_loop("my_single_turn", **loop_kwargs(tok, ScriptedServerManager([])))
@@ -197,8 +237,11 @@ async def test_seed_loop_runs_and_meets_the_output_contract(tok, monkeypatch):
 
 def test_yaml_extra_keys_become_constructor_kwargs(tok, tmp_path):
     path = tmp_path / "loops.yaml"
-    path.write_text(f"- name: echo_with_kwargs\n  _target_: {__name__}.EchoLoop\n  apply_chat_template_kwargs:\n"
-                    "    enable_thinking: false\n")
+    path.write_text(
+        f"- name: echo_with_kwargs\n  _target_: {__name__}.EchoLoop\n  "
+        "apply_chat_template_kwargs:\n"
+        "    enable_thinking: false\n"
+    )
     load_agent_loop_config(path)
     loop = create_agent_loop("echo_with_kwargs", **loop_kwargs(tok, None))
     assert loop.apply_chat_template_kwargs == {"enable_thinking": False}
@@ -224,15 +267,27 @@ def test_unimportable_target_is_an_error(tok, tmp_path):
 
 
 async def test_single_turn_output(tok):
-    server = ScriptedServerManager([scripted_turn([11, 12, 13, 14, 15], num_preempted=2,
-                                                  extra_fields={"global_steps": 3}, routed_experts=list(range(100)))])
+    server = ScriptedServerManager(
+        [
+            scripted_turn(
+                [11, 12, 13, 14, 15],
+                num_preempted=2,
+                extra_fields={"global_steps": 3},
+                routed_experts=list(range(100)),
+            )
+        ]
+    )
     loop = create_agent_loop("single_turn_agent", **loop_kwargs(tok, server, response_length=4))
-    out = await loop.run({"temperature": 1.0, "logprobs": True}, raw_prompt=ROW["prompt"], uid="u", session_id=0)
+    out = await loop.run(
+        {"temperature": 1.0, "logprobs": True}, raw_prompt=ROW["prompt"], uid="u", session_id=0
+    )
     call = server.calls[0]
     assert out.prompt_ids == call.prompt_ids
     assert out.response_ids == [11, 12, 13, 14] and out.response_mask == [1] * 4
     assert out.response_logprobs == [-0.5] * 4
-    assert out.num_turns == 2 and out.metrics.num_preempted == 2 and out.metrics.generate_sequences > 0
+    assert (
+        out.num_turns == 2 and out.metrics.num_preempted == 2 and out.metrics.generate_sequences > 0
+    )
     assert out.extra_fields == {"global_steps": 3, "turn_scores": [], "tool_rewards": []}
     assert out.routed_experts == list(range(len(out.prompt_ids) + 4))
     assert len(call.request_id) == 32  # a uuid hex

@@ -41,15 +41,22 @@ def call_text(name="calculator", arguments=None):
 
 def turn(tok, text, **fields):
     """Scripted assistant turn: the text's tokens + <|im_end|>, each with logprob -0.5."""
-    return scripted_turn(tok.encode(text, add_special_tokens=False) + [tok.convert_tokens_to_ids("<|im_end|>")],
-                         **fields)
+    return scripted_turn(
+        tok.encode(text, add_special_tokens=False) + [tok.convert_tokens_to_ids("<|im_end|>")],
+        **fields,
+    )
 
 
 def make_loop(tok, outputs, tools=None, multi_turn=None, **rollout):
     server = ScriptedServerManager(outputs)
     config = make_config(multi_turn=multi_turn or {}, **rollout)
-    loop = ToolAgentLoop(DictConfigWrap(config), server, tok, None,
-                         tools=[CalculatorTool()] if tools is None else tools)
+    loop = ToolAgentLoop(
+        DictConfigWrap(config),
+        server,
+        tok,
+        None,
+        tools=[CalculatorTool()] if tools is None else tools,
+    )
     return loop, server
 
 
@@ -58,17 +65,27 @@ async def run(loop, **row):
 
 
 def observation_text(tok, out):
-    return tok.decode([t for t, m in zip(out.response_ids, out.response_mask, strict=True) if m == 0])
+    return tok.decode(
+        [t for t, m in zip(out.response_ids, out.response_mask, strict=True) if m == 0]
+    )
 
 
 async def test_seed_section_11_layout(tok, tmp_path):
     """P; A1 ‖ O ‖ A2 with masks 1…0…1 and logprob 0.0 on O — tools from verl's YAML format."""
     config_path = tmp_path / "tools.yaml"
-    config_path.write_text("tools:\n  - class_name: rolloutbus.streams.agent_loop.tools.CalculatorTool\n    config: {}\n")
+    config_path.write_text(
+        "tools:\n  - class_name: rolloutbus.streams.agent_loop.tools.CalculatorTool\n    "
+        "config: {}\n"
+    )
     server = ScriptedServerManager([turn(tok, call_text()), turn(tok, "The answer is 126.")])
     config = make_config(multi_turn={"tool_config_path": str(config_path)})
-    loop = create_agent_loop("tool_agent", trainer_config=DictConfigWrap(config), server_manager=server,
-                             tokenizer=tok, processor=None)
+    loop = create_agent_loop(
+        "tool_agent",
+        trainer_config=DictConfigWrap(config),
+        server_manager=server,
+        tokenizer=tok,
+        processor=None,
+    )
     out = await run(loop, uid="u", session_id=0, extra_info={"index": 42})
 
     first, second = server.calls
@@ -76,13 +93,19 @@ async def test_seed_section_11_layout(tok, tmp_path):
     a2 = len(tok.encode("The answer is 126.", add_special_tokens=False)) + 1
     assert out.prompt_ids == first.prompt_ids
     assert '"name": "calculator"' in tok.decode(out.prompt_ids)  # the tool schema is in the prompt
-    assert second.prompt_ids == out.prompt_ids + out.response_ids[: len(second.prompt_ids) - len(out.prompt_ids)]
-    assert second.prompt_ids + out.response_ids[-a2:] == out.prompt_ids + out.response_ids  # append-only
+    assert (
+        second.prompt_ids
+        == out.prompt_ids + out.response_ids[: len(second.prompt_ids) - len(out.prompt_ids)]
+    )
+    assert (
+        second.prompt_ids + out.response_ids[-a2:] == out.prompt_ids + out.response_ids
+    )  # append-only
     n_obs = len(out.response_ids) - a1 - a2
     assert out.response_mask == [1] * a1 + [0] * n_obs + [1] * a2
     assert out.response_logprobs == [-0.5] * a1 + [0.0] * n_obs + [-0.5] * a2
     assert observation_text(tok, out) == (
-        "\n<|im_start|>user\n<tool_response>\n126\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+        "\n<|im_start|>user\n<tool_response>\n126\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
     assert first_turn_len == a1
     assert out.num_turns == 4  # user 1 + assistant 2 + 1
     assert first.request_id == second.request_id  # one id per trajectory: sticky
@@ -94,12 +117,18 @@ async def test_terminates_when_the_mask_reaches_response_length(tok):
     loop, server = make_loop(tok, [turn(tok, call_text()), turn(tok, "x")], response_length=10)
     out = await run(loop)
     assert len(server.calls) == 1  # the tool call is never run
-    assert len(out.response_ids) == 10 and out.response_mask == [1] * 10 and len(out.response_logprobs) == 10
+    assert (
+        len(out.response_ids) == 10
+        and out.response_mask == [1] * 10
+        and len(out.response_logprobs) == 10
+    )
     assert out.num_turns == 2
 
 
 async def test_max_assistant_turns(tok):
-    loop, server = make_loop(tok, [turn(tok, call_text())] * 3, multi_turn={"max_assistant_turns": 1})
+    loop, server = make_loop(
+        tok, [turn(tok, call_text())] * 3, multi_turn={"max_assistant_turns": 1}
+    )
     out = await run(loop)
     assert len(server.calls) == 1 and out.num_turns == 2 and 0 not in out.response_mask
 
@@ -118,7 +147,9 @@ async def test_no_tool_call_terminates(tok):
 
 async def test_observation_that_would_reach_the_budget_is_dropped(tok):
     a1 = len(tok.encode(call_text(), add_special_tokens=False)) + 1
-    loop, server = make_loop(tok, [turn(tok, call_text()), turn(tok, "126")], response_length=a1 + 5)
+    loop, server = make_loop(
+        tok, [turn(tok, call_text()), turn(tok, "126")], response_length=a1 + 5
+    )
     out = await run(loop)
     assert len(server.calls) == 1
     assert len(out.response_ids) == a1 and out.response_mask == [1] * a1
@@ -127,29 +158,46 @@ async def test_observation_that_would_reach_the_budget_is_dropped(tok):
 
 async def test_parallel_calls_are_capped(tok):
     three = "\n".join([call_text(arguments={"expression": e}) for e in ["1+1", "2+2", "3+3"]])
-    loop, server = make_loop(tok, [turn(tok, three), turn(tok, "done")], multi_turn={"max_parallel_calls": 2})
+    loop, server = make_loop(
+        tok, [turn(tok, three), turn(tok, "done")], multi_turn={"max_parallel_calls": 2}
+    )
     out = await run(loop)
     obs = observation_text(tok, out)
-    assert obs.count("<tool_response>") == 2 and "\n2\n" in obs and "\n4\n" in obs and "\n6\n" not in obs
+    assert (
+        obs.count("<tool_response>") == 2
+        and "\n2\n" in obs
+        and "\n4\n" in obs
+        and "\n6\n" not in obs
+    )
     assert obs.count("<|im_start|>user") == 1
 
 
-@pytest.mark.parametrize("side, expected", [
-    ("left", "abcde" + TRUNCATED_TAIL),
-    ("right", TRUNCATED_HEAD + "vwxyz"),
-    ("middle", "ab" + TRUNCATED_MIDDLE + "yz"),
-])
+@pytest.mark.parametrize(
+    "side, expected",
+    [
+        ("left", "abcde" + TRUNCATED_TAIL),
+        ("right", TRUNCATED_HEAD + "vwxyz"),
+        ("middle", "ab" + TRUNCATED_MIDDLE + "yz"),
+    ],
+)
 async def test_tool_text_truncation_by_characters(tok, side, expected):
-    assert (TRUNCATED_TAIL, TRUNCATED_HEAD, TRUNCATED_MIDDLE) == ("...(truncated)", "(truncated)...",
-                                                                 "...(truncated)...")
+    assert (TRUNCATED_TAIL, TRUNCATED_HEAD, TRUNCATED_MIDDLE) == (
+        "...(truncated)",
+        "(truncated)...",
+        "...(truncated)...",
+    )
 
     def alphabet() -> str:
         """All the letters."""
         return "abcdefghijklmnopqrstuvwxyz"
 
     multi_turn = {"max_tool_response_length": 5, "tool_response_truncate_side": side}
-    loop, _ = make_loop(tok, [turn(tok, call_text("alphabet", {})), turn(tok, "ok")],
-                        tools=[FunctionTool(alphabet)], multi_turn=multi_turn)
+    loop, _ = make_loop(
+        tok,
+        [turn(tok, call_text("alphabet", {})), turn(tok, "ok")],
+        tools=[FunctionTool(alphabet)],
+        multi_turn=multi_turn,
+    )
     assert loop.truncate_tool_text("abcdefghijklmnopqrstuvwxyz") == expected
     assert loop.truncate_tool_text("abcde") == "abcde"
     out = await run(loop)
@@ -162,19 +210,26 @@ async def test_tool_timeout_becomes_error_text(tok):
         await asyncio.sleep(seconds)
         return "late"
 
-    loop, _ = make_loop(tok, [turn(tok, call_text("slow", {"seconds": 5})), turn(tok, "ok")],
-                        tools=[FunctionTool(slow)], multi_turn={"tool_timeout_s": 0.05})
+    loop, _ = make_loop(
+        tok,
+        [turn(tok, call_text("slow", {"seconds": 5})), turn(tok, "ok")],
+        tools=[FunctionTool(slow)],
+        multi_turn={"tool_timeout_s": 0.05},
+    )
     out = await run(loop)
     assert "Error when executing tool slow: timed out after 0.05 s" in observation_text(tok, out)
     assert out.extra_fields["tool_rewards"] == [0.0]
 
 
-@pytest.mark.parametrize("text, message", [
-    (call_text("nope"), "unknown tool 'nope'"),
-    (call_text(arguments='{"expression": "1+"'), "not valid JSON"),
-    (call_text(arguments={"expression": "1/0"}), "division by zero"),
-    (call_text(arguments={"expression": "__import__('os')"}), "unsupported element"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        (call_text("nope"), "unknown tool 'nope'"),
+        (call_text(arguments='{"expression": "1+"'), "not valid JSON"),
+        (call_text(arguments={"expression": "1/0"}), "division by zero"),
+        (call_text(arguments={"expression": "__import__('os')"}), "unsupported element"),
+    ],
+)
 async def test_tool_failures_become_error_text_with_zero_reward(tok, text, message):
     loop, _ = make_loop(tok, [turn(tok, text), turn(tok, "ok")])
     out = await run(loop)
@@ -187,7 +242,9 @@ class CountingTool(BaseTool):
     """A stateful tool: records create/execute/release and returns a reward."""
 
     def __init__(self):
-        super().__init__(tool_schema={"type": "function", "function": {"name": "count", "parameters": {}}})
+        super().__init__(
+            tool_schema={"type": "function", "function": {"name": "count", "parameters": {}}}
+        )
         self.events = []
 
     async def create(self, instance_id=None, **kwargs):
@@ -206,8 +263,11 @@ async def test_base_tool_life_cycle_and_rewards(tok):
     tool = CountingTool()
     loop, _ = make_loop(tok, [turn(tok, call_text("count", {})), turn(tok, "ok")], tools=[tool])
     out = await run(loop, tools_kwargs={"count": {"create_kwargs": {"ground_truth": "126"}}})
-    assert tool.events == [("create", {"create_kwargs": {"ground_truth": "126"}}), ("execute", "inst-1", True),
-                           ("release", "inst-1")]
+    assert tool.events == [
+        ("create", {"create_kwargs": {"ground_truth": "126"}}),
+        ("execute", "inst-1", True),
+        ("release", "inst-1"),
+    ]
     assert out.extra_fields["tool_rewards"] == [0.5]
 
 
@@ -216,8 +276,11 @@ async def test_tool_selection_filters_tools(tok):
         """Another tool."""
         return "other"
 
-    loop, _ = make_loop(tok, [turn(tok, call_text("other", {})), turn(tok, "ok")],
-                        tools=[CalculatorTool(), FunctionTool(other)])
+    loop, _ = make_loop(
+        tok,
+        [turn(tok, call_text("other", {})), turn(tok, "ok")],
+        tools=[CalculatorTool(), FunctionTool(other)],
+    )
     out = await run(loop, extra_info={"tool_selection": ["calculator"]})
     prompt = tok.decode(out.prompt_ids)
     assert '"calculator"' in prompt and '"other"' not in prompt
@@ -225,9 +288,20 @@ async def test_tool_selection_filters_tools(tok):
 
 
 async def test_preemptions_summed_and_extra_fields_from_the_first_turn(tok):
-    outputs = [turn(tok, call_text(), num_preempted=1, extra_fields={"global_steps": 1, "max_global_steps": 1}),
-               turn(tok, call_text(), extra_fields={"global_steps": 9, "max_global_steps": 2, "spec_accepted": 4}),
-               turn(tok, "126", num_preempted=2, extra_fields={"global_steps": 9, "max_global_steps": 3})]
+    outputs = [
+        turn(
+            tok,
+            call_text(),
+            num_preempted=1,
+            extra_fields={"global_steps": 1, "max_global_steps": 1},
+        ),
+        turn(
+            tok,
+            call_text(),
+            extra_fields={"global_steps": 9, "max_global_steps": 2, "spec_accepted": 4},
+        ),
+        turn(tok, "126", num_preempted=2, extra_fields={"global_steps": 9, "max_global_steps": 3}),
+    ]
     loop, _ = make_loop(tok, outputs)
     out = await run(loop)
     assert out.metrics.num_preempted == 3
@@ -255,8 +329,11 @@ async def test_parser_stop_tokens_are_injected(tok):
 
 
 async def test_routed_experts_capped_at_prompt_plus_response(tok):
-    loop, _ = make_loop(tok, [TokenOutput(token_ids=list(range(20)), routed_experts=list(range(5000)))],
-                        response_length=8)
+    loop, _ = make_loop(
+        tok,
+        [TokenOutput(token_ids=list(range(20)), routed_experts=list(range(5000)))],
+        response_length=8,
+    )
     out = await run(loop)
     assert len(out.response_ids) == 8 and out.routed_experts == list(range(len(out.prompt_ids) + 8))
 
@@ -266,11 +343,15 @@ async def test_routed_experts_capped_at_prompt_plus_response(tok):
 
 async def test_hermes_parser(tok):
     parser = ToolParser.get_tool_parser("hermes", tok)
-    ids = tok.encode("Let me call " + call_text() + call_text("f", {"a": [1]}), add_special_tokens=False)
+    ids = tok.encode(
+        "Let me call " + call_text() + call_text("f", {"a": [1]}), add_special_tokens=False
+    )
     content, calls = await parser.extract_tool_calls(ids)
     assert content == "Let me call "
-    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("calculator", {"expression": "18 * 7"}),
-                                                                   ("f", {"a": [1]})]
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("calculator", {"expression": "18 * 7"}),
+        ("f", {"a": [1]}),
+    ]
     assert parser.stop_token_ids == []
 
 
@@ -283,8 +364,11 @@ async def test_hermes_keeps_raw_arguments_when_json_is_invalid(tok):
 
 async def test_qwen3_coder_parser(tok):
     parser = ToolParser.get_tool_parser("qwen3_coder", tok)
-    text = ("I will compute.<tool_call>\n<function=calculator>\n<parameter=expression>\n18 * 7\n</parameter>\n"
-            "<parameter=precision>\n2\n</parameter>\n</function>\n</tool_call>")
+    text = (
+        "I will compute.<tool_call>\n<function=calculator>\n<parameter=expression>\n18 * "
+        "7\n</parameter>\n"
+        "<parameter=precision>\n2\n</parameter>\n</function>\n</tool_call>"
+    )
     content, calls = await parser.extract_tool_calls(tok.encode(text, add_special_tokens=False))
     assert content == "I will compute."
     assert calls[0].name == "calculator"

@@ -42,7 +42,9 @@ async def _completions(cfg: Config, url: str):
 
 async def test_weight_version_is_stamped_on_each_turn(replica):
     cfg, handle = replica
-    cfg = with_overrides(cfg, {"replicas.urls": [handle.url], "replicas.backend": "vllm_completions"})
+    cfg = with_overrides(
+        cfg, {"replicas.urls": [handle.url], "replicas.backend": "vllm_completions"}
+    )
     events = []
 
     async def emit(event):
@@ -50,9 +52,13 @@ async def test_weight_version_is_stamped_on_each_turn(replica):
 
     async with LLMClient(cfg.replicas, cfg.rollout) as client:
         rec = RecordingLLMClient(client, emit, uid="u", session_id=0, attempt="a")
-        httpx.post(f"{handle.url}/update_weight_version", json={"new_version": 3}).raise_for_status()
+        httpx.post(
+            f"{handle.url}/update_weight_version", json={"new_version": 3}
+        ).raise_for_status()
         first = await rec.generate("t", prompt_ids=PROMPT, sampling_params=GREEDY)
-        httpx.post(f"{handle.url}/update_weight_version", json={"new_version": 4}).raise_for_status()
+        httpx.post(
+            f"{handle.url}/update_weight_version", json={"new_version": 4}
+        ).raise_for_status()
         await rec.generate("t", prompt_ids=PROMPT + first.token_ids + [198], sampling_params=GREEDY)
     versions = [e.policy_version for e in events if e.type == "generation"]
     assert versions == [3, 4]
@@ -64,14 +70,25 @@ async def test_aborted_turn_is_resumed_from_prompt_plus_tokens_so_far():
     aborts the first call, as an engine paused for a weight update does."""
     from rolloutbus.replica.scripted import ScriptedEngine, ScriptedTurn
 
-    engine = ScriptedEngine([ScriptedTurn([5, 6], [-0.1, -0.2], finish_reason="abort"),
-                             ScriptedTurn([7, 8, 9], [-0.3, -0.4, -0.5], finish_reason="stop")])
-    cfg = Config.model_validate({"replica_server": {"port": 0}, "rollout": {"response_length": 10},
-                                 "replicas": {"abort_retry_delay_s": 0.0}})
+    engine = ScriptedEngine(
+        [
+            ScriptedTurn([5, 6], [-0.1, -0.2], finish_reason="abort"),
+            ScriptedTurn([7, 8, 9], [-0.3, -0.4, -0.5], finish_reason="stop"),
+        ]
+    )
+    cfg = Config.model_validate(
+        {
+            "replica_server": {"port": 0},
+            "rollout": {"response_length": 10},
+            "replicas": {"abort_retry_delay_s": 0.0},
+        }
+    )
     with replica_in_thread(cfg, engine) as handle:
         cfg = with_overrides(cfg, {"replicas.urls": [handle.url]})
         async with LLMClient(cfg.replicas, cfg.rollout) as client:
-            out = await client.generate("t", prompt_ids=[1, 2, 3], sampling_params={"logprobs": True})
+            out = await client.generate(
+                "t", prompt_ids=[1, 2, 3], sampling_params={"logprobs": True}
+            )
     first, second = engine.calls
     assert second.prompt_ids == [1, 2, 3, 5, 6]  # prompt + the tokens sampled before the abort
     assert second.max_tokens == first.max_tokens - 2  # the remaining budget
@@ -84,8 +101,12 @@ async def test_an_engine_that_keeps_aborting_is_given_up_on():
     from rolloutbus.replica.scripted import ScriptedEngine, ScriptedTurn
 
     engine = ScriptedEngine(lambda prompt: ScriptedTurn([], [], finish_reason="abort"))
-    cfg = Config.model_validate({"replica_server": {"port": 0},
-                                 "replicas": {"abort_retry_delay_s": 0.0, "max_abort_resumes": 3}})
+    cfg = Config.model_validate(
+        {
+            "replica_server": {"port": 0},
+            "replicas": {"abort_retry_delay_s": 0.0, "max_abort_resumes": 3},
+        }
+    )
     with replica_in_thread(cfg, engine) as handle:
         cfg = with_overrides(cfg, {"replicas.urls": [handle.url]})
         async with LLMClient(cfg.replicas, cfg.rollout) as client:

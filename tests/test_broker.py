@@ -74,7 +74,9 @@ def test_start_when_running_returns_the_same_broker(embedded_broker: Config | No
 
 
 def test_ensure_topics_creates_all_five(kafka_bootstrap: str) -> None:
-    kafka = KafkaConfig(bootstrap_servers=kafka_bootstrap, topic_prefix=unique_name("t"), partitions=3)
+    kafka = KafkaConfig(
+        bootstrap_servers=kafka_bootstrap, topic_prefix=unique_name("t"), partitions=3
+    )
     topics = Topics.from_config(kafka)
     try:
         assert ensure_topics(kafka) == topics.all()
@@ -128,13 +130,20 @@ def test_unreachable_bootstrap_gives_broker_error() -> None:
 # --- records ------------------------------------------------------------------------------
 
 
-def test_two_megabyte_record_round_trip(kafka_config: KafkaConfig, make_producer, make_consumer) -> None:
+def test_two_megabyte_record_round_trip(
+    kafka_config: KafkaConfig, make_producer, make_consumer
+) -> None:
     topic = Topics.from_config(kafka_config).turns
     payload = bytes(range(256)) * (LARGE_RECORD_BYTES // 256)
     producer = make_producer(kafka=kafka_config)
     errors = []
-    producer.produce(topic, key=b"u1_0", value=payload, partition=1,
-                     on_delivery=lambda err, msg: errors.append(err))
+    producer.produce(
+        topic,
+        key=b"u1_0",
+        value=payload,
+        partition=1,
+        on_delivery=lambda err, msg: errors.append(err),
+    )
     assert producer.flush(POLL_TIMEOUT_S) == 0
     assert errors == [None]
     consumer = make_consumer(kafka=kafka_config)
@@ -165,10 +174,13 @@ def test_busy_port_is_named_before_any_jvm_starts(tmp_path: Path, busy: str) -> 
 
 
 def test_server_properties_allow_large_records(tmp_path: Path) -> None:
-    cfg = Config(kafka=KafkaConfig(max_message_bytes=32 * 1024 * 1024),
-                 broker=BrokerConfig(port=29092, controller_port=29093))
+    cfg = Config(
+        kafka=KafkaConfig(max_message_bytes=32 * 1024 * 1024),
+        broker=BrokerConfig(port=29092, controller_port=29093),
+    )
     props = dict(
-        line.split("=", 1) for line in server_properties(cfg, tmp_path).splitlines()
+        line.split("=", 1)
+        for line in server_properties(cfg, tmp_path).splitlines()
         if line and not line.startswith("#")
     )
     assert int(props["message.max.bytes"]) >= 32 * 1024 * 1024
@@ -201,8 +213,11 @@ def test_java_version_parsing() -> None:
 @pytest.mark.kafka  # launches a Kafka JVM of its own (it exits at start-up)
 def test_jvm_that_exits_is_reported_with_its_log(tmp_path: Path) -> None:
     # A heap too small for the JVM to initialise: it exits at once, after formatting.
-    cfg = Config(broker=BrokerConfig(data_dir=tmp_path, port=free_port(), controller_port=free_port(),
-                                     heap="1k"))
+    cfg = Config(
+        broker=BrokerConfig(
+            data_dir=tmp_path, port=free_port(), controller_port=free_port(), heap="1k"
+        )
+    )
     with pytest.raises(BrokerError, match="exited during start-up") as info:
         start_broker(cfg)
     assert "stdout.log" in str(info.value) and "heap" in str(info.value).lower()
@@ -217,8 +232,13 @@ def test_jvm_that_exits_is_reported_with_its_log(tmp_path: Path) -> None:
 def test_restart_keeps_topics_and_records(tmp_path: Path, make_producer) -> None:
     port = free_port()
     cfg = Config(
-        broker=BrokerConfig(data_dir=tmp_path / "kafka", port=port, controller_port=free_port(),
-                            heap="256m", start_timeout_s=120.0),
+        broker=BrokerConfig(
+            data_dir=tmp_path / "kafka",
+            port=port,
+            controller_port=free_port(),
+            heap="256m",
+            start_timeout_s=120.0,
+        ),
         kafka=KafkaConfig(bootstrap_servers=f"127.0.0.1:{port}", topic_prefix="r", partitions=1),
     )
     try:
@@ -229,8 +249,9 @@ def test_restart_keeps_topics_and_records(tmp_path: Path, make_producer) -> None
         assert producer.flush(POLL_TIMEOUT_S) == 0
 
         assert stop_broker(cfg) is True
-        assert broker_status(cfg) == broker.BrokerStatus(False, None, cfg.kafka.bootstrap_servers,
-                                                         cfg.broker.data_dir.resolve())
+        assert broker_status(cfg) == broker.BrokerStatus(
+            False, None, cfg.kafka.bootstrap_servers, cfg.broker.data_dir.resolve()
+        )
         assert stop_broker(cfg) is False
 
         assert start_broker(cfg).running

@@ -13,13 +13,27 @@ from pipeline import write_config
 from rolloutbus.cli import build_parser
 from rolloutbus.config import Config
 
-SUBCOMMANDS = ["broker", "topics", "replica", "sessions", "replay-buffer", "publish", "consume",
-               "replay", "dataset", "demo"]
+SUBCOMMANDS = [
+    "broker",
+    "topics",
+    "replica",
+    "sessions",
+    "replay-buffer",
+    "publish",
+    "consume",
+    "replay",
+    "dataset",
+    "demo",
+]
 
 
 def _cli(*argv: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "rolloutbus.cli", *argv], capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "rolloutbus.cli", *argv],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def test_every_subcommand_is_listed_and_has_help():
@@ -52,20 +66,38 @@ def test_dataset_command_writes_verl_rows(tmp_path):
 @pytest.mark.slow
 def test_demo_main_job_prints_trajectories_and_writes_arrow(kafka_bootstrap, tmp_path):
     port = free_port()
-    cfg = Config.model_validate({
-        "kafka": {"bootstrap_servers": kafka_bootstrap, "topic_prefix": unique_name("d"), "partitions": 2},
-        "model": {"name": "tiny-qwen3"},
-        "replica_server": {"port": port},
-        "replicas": {"urls": [f"http://127.0.0.1:{port}"]},
-        "rollout": {"n": 2, "response_length": 12},
-        "sessions": {"app_id": unique_name("demo")},
-        "replay_buffer": {"group_id": unique_name("rb"), "transactional_id": unique_name("tx")},
-    })
+    cfg = Config.model_validate(
+        {
+            "kafka": {
+                "bootstrap_servers": kafka_bootstrap,
+                "topic_prefix": unique_name("d"),
+                "partitions": 2,
+            },
+            "model": {"name": "tiny-qwen3"},
+            "replica_server": {"port": port},
+            "replicas": {"urls": [f"http://127.0.0.1:{port}"]},
+            "rollout": {"n": 2, "response_length": 12},
+            "sessions": {"app_id": unique_name("demo")},
+            "replay_buffer": {"group_id": unique_name("rb"), "transactional_id": unique_name("tx")},
+        }
+    )
     out = tmp_path / "traj.arrow"
-    result = _cli("demo", "--rows", "2", "--n", "2", "--out", str(out), "--config",
-                  str(write_config(cfg, tmp_path / "c.yaml")), timeout=400)
+    result = _cli(
+        "demo",
+        "--rows",
+        "2",
+        "--n",
+        "2",
+        "--out",
+        str(out),
+        "--config",
+        str(write_config(cfg, tmp_path / "c.yaml")),
+        timeout=400,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
-    table_rows = [line for line in result.stdout.splitlines() if line[:32].isalnum() and "_" in line[:40]]
+    table_rows = [
+        line for line in result.stdout.splitlines() if line[:32].isalnum() and "_" in line[:40]
+    ]
     assert len(table_rows) == 4  # 2 groups x n=2
     with pa.memory_map(str(out)) as source:
         table = pa.ipc.open_file(source).read_all()
@@ -88,19 +120,29 @@ def test_missing_dataset_and_unreachable_broker_are_clear_errors(tmp_path):
 
 def test_publish_without_a_dataset_reads_data_train_files(kafka_bootstrap, tmp_path):
     rows = tmp_path / "rows.jsonl"
-    rows.write_text('{"question": [{"role": "user", "content": "two"}]}\n'
-                    '{"question": [{"role": "user", "content": "three"}]}\n')
+    rows.write_text(
+        '{"question": [{"role": "user", "content": "two"}]}\n'
+        '{"question": [{"role": "user", "content": "three"}]}\n'
+    )
     cfg = tmp_path / "c.yaml"
     cfg.write_text("data: {train_files: []}\n")
     result = _cli("publish", "--config", str(cfg))
     assert result.returncode == 2 and "give a DATASET or set data.train_files" in result.stderr
     cfg.write_text(f"data: {{train_files: [{rows}, {tmp_path / 'missing.jsonl'}]}}\n")
     result = _cli("publish", "--config", str(cfg))
-    assert result.returncode == 2 and "dataset not found" in result.stderr  # checked before publishing
-    config = Config.model_validate({
-        "kafka": {"bootstrap_servers": kafka_bootstrap, "topic_prefix": unique_name("p"), "partitions": 1},
-        "data": {"train_files": [str(rows)], "prompt_key": "question"},
-    })
+    assert (
+        result.returncode == 2 and "dataset not found" in result.stderr
+    )  # checked before publishing
+    config = Config.model_validate(
+        {
+            "kafka": {
+                "bootstrap_servers": kafka_bootstrap,
+                "topic_prefix": unique_name("p"),
+                "partitions": 1,
+            },
+            "data": {"train_files": [str(rows)], "prompt_key": "question"},
+        }
+    )
     path = write_config(config, tmp_path / "real.yaml")
     assert _cli("topics", "--config", str(path)).returncode == 0
     result = _cli("publish", "-q", "--config", str(path))
@@ -111,14 +153,25 @@ def test_publish_without_a_dataset_reads_data_train_files(kafka_bootstrap, tmp_p
 
 def test_publish_again_prints_the_same_uids_and_a_new_epoch_new_ones(kafka_bootstrap, tmp_path):
     rows = tmp_path / "rows.jsonl"
-    rows.write_text('{"prompt": [{"role": "user", "content": "two"}]}\n'
-                    '{"prompt": [{"role": "user", "content": "three"}]}\n')
-    config = Config.model_validate({
-        "kafka": {"bootstrap_servers": kafka_bootstrap, "topic_prefix": unique_name("p"), "partitions": 1}})
+    rows.write_text(
+        '{"prompt": [{"role": "user", "content": "two"}]}\n'
+        '{"prompt": [{"role": "user", "content": "three"}]}\n'
+    )
+    config = Config.model_validate(
+        {
+            "kafka": {
+                "bootstrap_servers": kafka_bootstrap,
+                "topic_prefix": unique_name("p"),
+                "partitions": 1,
+            }
+        }
+    )
     path = write_config(config, tmp_path / "c.yaml")
     assert _cli("topics", "--config", str(path)).returncode == 0
-    runs = [_cli("publish", str(rows), "-q", *extra, "--config", str(path))
-            for extra in ([], [], ["--epoch", "1"])]
+    runs = [
+        _cli("publish", str(rows), "-q", *extra, "--config", str(path))
+        for extra in ([], [], ["--epoch", "1"])
+    ]
     assert all(run.returncode == 0 for run in runs), runs[-1].stderr[-2000:]
     first, again, next_epoch = (run.stdout.split() for run in runs)
     assert first == again and len(first) == 2 and not set(first) & set(next_epoch)

@@ -11,10 +11,22 @@ from fixtures.scripted_server import qwen3_tokenizer  # noqa: E402
 from rolloutbus.errors import AgentLoopError  # noqa: E402
 from rolloutbus.streams.agent_loop.continuous_token import ContinuousTokenBuilder, render_ids  # noqa: E402
 
-CALL_TEXT = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "18 * 7"}}\n</tool_call>'
-TOOL_CALLS = [{"type": "function", "function": {"name": "calculator", "arguments": {"expression": "18 * 7"}}}]
-TOOLS = [{"type": "function", "function": {"name": "calculator", "description": "arithmetic",
-          "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}}}}]
+CALL_TEXT = (
+    '<tool_call>\n{"name": "calculator", "arguments": {"expression": "18 * 7"}}\n</tool_call>'
+)
+TOOL_CALLS = [
+    {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "18 * 7"}}}
+]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "calculator",
+            "description": "arithmetic",
+            "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}},
+        },
+    }
+]
 
 
 @pytest.fixture(scope="module")
@@ -78,16 +90,24 @@ def test_tool_round_equals_full_render_except_trailing_separator(tok, ct):
     stopped (<|im_end|>). Every other token is equal — including the "\\n" after A1's
     <|im_end|>, which CT adds as a mask-0 boundary (verl #6501 dropped it).
     """
-    head = [{"role": "system", "content": "You can use tools."}, {"role": "user", "content": "计算 18 * 7"}]
+    head = [
+        {"role": "system", "content": "You can use tools."},
+        {"role": "user", "content": "计算 18 * 7"},
+    ]
     final = "<think>\n\n</think>\n\nThe answer is 126."
     tool_msg = [{"role": "tool", "content": "126"}]
     stream, mask, boundaries = incremental_stream(tok, ct, head, [CALL_TEXT, tool_msg, final])
 
-    full = render_ids(tok, head + [
-        {"role": "assistant", "content": "", "tool_calls": TOOL_CALLS},
-        *tool_msg,
-        {"role": "assistant", "content": final},
-    ], tools=TOOLS)
+    full = render_ids(
+        tok,
+        head
+        + [
+            {"role": "assistant", "content": "", "tool_calls": TOOL_CALLS},
+            *tool_msg,
+            {"role": "assistant", "content": final},
+        ],
+        tools=TOOLS,
+    )
     assert full == stream + newline(tok)
     # the only token CT adds that no message renders is the separator after A1's <|im_end|>
     a1_len = len(encode(tok, CALL_TEXT)) + 1
@@ -100,17 +120,25 @@ def test_naive_concatenation_drops_the_separator(tok, ct):
     obs = ct.observation([im_end(tok)], [{"role": "tool", "content": "126"}])
     assert obs.boundary_ids == newline(tok)
     text = tok.decode(obs.token_ids)
-    assert text == "\n<|im_start|>user\n<tool_response>\n126\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    assert (
+        text == "\n<|im_start|>user\n<tool_response>\n126\n</tool_response><|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
 
 
 def test_parallel_tool_messages_share_one_user_block(tok, ct):
-    obs = ct.observation([im_end(tok)], [{"role": "tool", "content": "1"}, {"role": "tool", "content": "2"}])
+    obs = ct.observation(
+        [im_end(tok)], [{"role": "tool", "content": "1"}, {"role": "tool", "content": "2"}]
+    )
     assert tok.decode(obs.message_ids).count("<|im_start|>user") == 1
 
 
 def test_user_and_system_observations(tok, ct):
     obs = ct.observation([im_end(tok)], [{"role": "user", "content": "and 3 * 4?"}])
-    assert tok.decode(obs.message_ids) == "<|im_start|>user\nand 3 * 4?<|im_end|>\n<|im_start|>assistant\n"
+    assert (
+        tok.decode(obs.message_ids)
+        == "<|im_start|>user\nand 3 * 4?<|im_end|>\n<|im_start|>assistant\n"
+    )
     obs = ct.observation([im_end(tok)], [{"role": "system", "content": "be brief"}])
     assert tok.decode(obs.message_ids).startswith("<|im_start|>system\nbe brief<|im_end|>")
 
@@ -129,14 +157,24 @@ def test_multi_round_with_reasoning_equals_full_render(tok, ct):
     a3 = "<think>\nDone.\n</think>\n\n127"
     turns = [a1, [{"role": "tool", "content": "126"}], a2, [{"role": "tool", "content": "127"}], a3]
     stream, mask, boundaries = incremental_stream(tok, ct, head, turns)
-    calls2 = [{"type": "function", "function": {"name": "calculator", "arguments": {"expression": "126 + 1"}}}]
-    full = render_ids(tok, head + [
-        {"role": "assistant", "content": a1.replace(CALL_TEXT, ""), "tool_calls": TOOL_CALLS},
-        {"role": "tool", "content": "126"},
-        {"role": "assistant", "content": a2.split("<tool_call>")[0], "tool_calls": calls2},
-        {"role": "tool", "content": "127"},
-        {"role": "assistant", "content": a3},
-    ], tools=TOOLS)
+    calls2 = [
+        {
+            "type": "function",
+            "function": {"name": "calculator", "arguments": {"expression": "126 + 1"}},
+        }
+    ]
+    full = render_ids(
+        tok,
+        head
+        + [
+            {"role": "assistant", "content": a1.replace(CALL_TEXT, ""), "tool_calls": TOOL_CALLS},
+            {"role": "tool", "content": "126"},
+            {"role": "assistant", "content": a2.split("<tool_call>")[0], "tool_calls": calls2},
+            {"role": "tool", "content": "127"},
+            {"role": "assistant", "content": a3},
+        ],
+        tools=TOOLS,
+    )
     assert full == stream + newline(tok)
     assert len(boundaries) == 2
 
@@ -147,15 +185,20 @@ def test_multi_round_with_reasoning_equals_full_render(tok, ct):
 def test_qwen3_full_render_strips_think_of_turns_before_the_last_user_query(tok, ct):
     head = [{"role": "user", "content": "2 + 2?"}]
     a1 = "<think>\nsimple\n</think>\n\n4"
-    stream, _, _ = incremental_stream(tok, ct, head, [a1, [{"role": "user", "content": "3 + 3?"}]], tools=None)
-    full = render_ids(tok, head + [{"role": "assistant", "content": a1}, {"role": "user", "content": "3 + 3?"}],
-                      add_generation_prompt=True)
+    stream, _, _ = incremental_stream(
+        tok, ct, head, [a1, [{"role": "user", "content": "3 + 3?"}]], tools=None
+    )
+    full = render_ids(
+        tok,
+        head + [{"role": "assistant", "content": a1}, {"role": "user", "content": "3 + 3?"}],
+        add_generation_prompt=True,
+    )
     assert full != stream
     # the difference is exactly A1's think block, which the full render leaves out
     removed = encode(tok, "<think>\nsimple\n</think>\n\n")
     start = len(render_ids(tok, head, add_generation_prompt=True))
-    assert stream[start:start + len(removed)] == removed
-    assert stream[:start] + stream[start + len(removed):] == full
+    assert stream[start : start + len(removed)] == removed
+    assert stream[:start] + stream[start + len(removed) :] == full
 
 
 def test_qwen3_full_render_inserts_empty_think_into_the_last_turn(tok, ct):
@@ -164,4 +207,4 @@ def test_qwen3_full_render_inserts_empty_think_into_the_last_turn(tok, ct):
     full = render_ids(tok, head + [{"role": "assistant", "content": "4"}])
     inserted = encode(tok, "<think>\n\n</think>\n\n")
     start = len(render_ids(tok, head, add_generation_prompt=True))
-    assert full[:start] + full[start + len(inserted):] == stream + newline(tok)
+    assert full[:start] + full[start + len(inserted) :] == stream + newline(tok)

@@ -35,8 +35,12 @@ class ScriptedClient:
     async def generate(self, request_id, *, prompt_ids, sampling_params, **kwargs):
         self.prompts.append(list(prompt_ids))
         tokens, logprobs = self.replies.pop(0)
-        return TokenOutput(token_ids=tokens, log_probs=logprobs, stop_reason="completed",
-                           extra_fields={"global_steps": 3})
+        return TokenOutput(
+            token_ids=tokens,
+            log_probs=logprobs,
+            stop_reason="completed",
+            extra_fields={"global_steps": 3},
+        )
 
 
 async def _record_two_turns():
@@ -50,16 +54,26 @@ async def _record_two_turns():
     P, A1, O = [1, 2, 3], [10, 11], [7, 8]  # noqa: E741 (prompt, first answer, observation)
     await rec.generate("r", prompt_ids=P, sampling_params={})
     await rec.generate("r", prompt_ids=P + A1 + O, sampling_params={})
-    out = AgentLoopOutput(prompt_ids=P, response_ids=A1 + O + [20, 21, 22],
-                          response_mask=[1, 1, 0, 0, 1, 1, 1],
-                          response_logprobs=[-0.5, -0.25, 0.0, 0.0, -1.0, -0.5, -0.125],
-                          reward_score=1.0, num_turns=3, metrics=AgentLoopMetrics())
+    out = AgentLoopOutput(
+        prompt_ids=P,
+        response_ids=A1 + O + [20, 21, 22],
+        response_mask=[1, 1, 0, 0, 1, 1, 1],
+        response_logprobs=[-0.5, -0.25, 0.0, 0.0, -1.0, -0.5, -0.125],
+        reward_score=1.0,
+        num_turns=3,
+        metrics=AgentLoopMetrics(),
+    )
     return rec, events, out
 
 
 async def test_recorder_logs_segment_generations_and_observation_suffix():
     rec, events, _ = await _record_two_turns()
-    assert [e.type for e in events] == ["segment_started", "generation", "observation", "generation"]
+    assert [e.type for e in events] == [
+        "segment_started",
+        "generation",
+        "observation",
+        "generation",
+    ]
     assert events[0].prompt_ids == [1, 2, 3]
     assert events[2].token_ids == [7, 8]  # the suffix after the logged stream
     assert events[3].policy_version == 3
@@ -72,8 +86,12 @@ async def test_fold_equals_run_output_with_section_11_layout():
     for e in events:
         fold.apply(e)
     fold.apply(SessionFinished(uid="u1", session_id=0, attempt="a", outputs=[summary]))
-    group = GroupStarted(uid="u1", attempt="a", n=1, row={"prompt": [{"role": "user", "content": "x"}],
-                                                        "data_source": "d"})
+    group = GroupStarted(
+        uid="u1",
+        attempt="a",
+        n=1,
+        row={"prompt": [{"role": "user", "content": "x"}], "data_source": "d"},
+    )
     [t] = build_group_trajectories(group, [fold], response_length=100)
     assert t.prompts == out.prompt_ids
     assert t.responses == out.response_ids
@@ -107,7 +125,11 @@ async def test_mask_one_on_observation_is_rejected():
 
 
 def _group_events(uid: str, n: int, attempt: str = "a"):
-    events = [GroupStarted(uid=uid, attempt=attempt, n=n, row={"prompt": [{"role": "user", "content": "q"}]})]
+    events = [
+        GroupStarted(
+            uid=uid, attempt=attempt, n=n, row={"prompt": [{"role": "user", "content": "q"}]}
+        )
+    ]
     for s in range(n):
         events.append(SessionFailed(uid=uid, session_id=s, attempt=attempt, error="boom"))
     return events
@@ -137,7 +159,9 @@ def test_first_terminal_attempt_wins():
     fold = PartitionFold(0, 0)
     started = GroupStarted(uid="g", attempt="a", n=1, row={"prompt": []})
     fold.apply(0, started)
-    fold.apply(1, SessionFailed(uid="g", session_id=0, attempt="b", error="second attempt finished first"))
+    fold.apply(
+        1, SessionFailed(uid="g", session_id=0, attempt="b", error="second attempt finished first")
+    )
     # released on the first terminal; the older attempt's late events are ignored
     assert fold.open == {}
     assert fold.apply(2, SessionFailed(uid="g", session_id=0, attempt="a", error="late")) is None
@@ -161,12 +185,28 @@ def test_invariant_violations_are_named():
     from rolloutbus.streams.assembly.trajectories import as_failed, violations
 
     rollout = RolloutConfig(prompt_length=4, response_length=3)
-    good = Trajectory(key="u_0_0", uid="u", session_id=0, output_index=0, num_outputs=1, group_size=1,
-                      status="completed", prompts=[1, 2], responses=[3, 4, 5], response_mask=[1, 0, 1],
-                      rollout_log_probs=[-0.5, 0.0, -0.1])
+    good = Trajectory(
+        key="u_0_0",
+        uid="u",
+        session_id=0,
+        output_index=0,
+        num_outputs=1,
+        group_size=1,
+        status="completed",
+        prompts=[1, 2],
+        responses=[3, 4, 5],
+        response_mask=[1, 0, 1],
+        rollout_log_probs=[-0.5, 0.0, -0.1],
+    )
     assert violations(good, rollout) == []
-    bad = good.model_copy(update={"prompts": [1] * 5, "responses": [3, 4, 5, 6],
-                                  "response_mask": [1, 0, 1, 1], "rollout_log_probs": [-0.5, -0.3, -0.1]})
+    bad = good.model_copy(
+        update={
+            "prompts": [1] * 5,
+            "responses": [3, 4, 5, 6],
+            "response_mask": [1, 0, 1, 1],
+            "rollout_log_probs": [-0.5, -0.3, -0.1],
+        }
+    )
     problems = violations(bad, rollout)
     assert any("rollout_log_probs has 3 entries for 4" in p for p in problems)
     assert any("over prompt_length 4" in p for p in problems)

@@ -27,9 +27,15 @@ from rolloutbus.kafka.clients import (
 from rolloutbus.kafka.dead_letters import dead_letter_record
 from rolloutbus.schemas.dlq import DeadLetter
 
-SECURED = KafkaConfig(bootstrap_servers="kafka-1:9093,kafka-2:9093", security_protocol="SASL_SSL",
-                      sasl_mechanism="SCRAM-SHA-512", sasl_username="rollout", sasl_password="s3cret",
-                      ssl_ca_location="/etc/ssl/ca.pem", max_message_bytes=8 * 1024 * 1024)
+SECURED = KafkaConfig(
+    bootstrap_servers="kafka-1:9093,kafka-2:9093",
+    security_protocol="SASL_SSL",
+    sasl_mechanism="SCRAM-SHA-512",
+    sasl_username="rollout",
+    sasl_password="s3cret",
+    ssl_ca_location="/etc/ssl/ca.pem",
+    max_message_bytes=8 * 1024 * 1024,
+)
 SECURITY_SETTINGS = {
     "bootstrap.servers": "kafka-1:9093,kafka-2:9093",
     "security.protocol": "SASL_SSL",
@@ -43,12 +49,16 @@ SECURITY_SETTINGS = {
 # --- factory settings -----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("settings", [
-    idempotent_producer_settings(SECURED),
-    transactional_producer_settings(SECURED, "tx-0"),
-    read_committed_consumer_settings(SECURED, "g"),
-    admin_settings(SECURED),
-], ids=["idempotent", "transactional", "consumer", "admin"])
+@pytest.mark.parametrize(
+    "settings",
+    [
+        idempotent_producer_settings(SECURED),
+        transactional_producer_settings(SECURED, "tx-0"),
+        read_committed_consumer_settings(SECURED, "g"),
+        admin_settings(SECURED),
+    ],
+    ids=["idempotent", "transactional", "consumer", "admin"],
+)
 def test_every_factory_carries_the_security_settings(settings):
     assert SECURITY_SETTINGS.items() <= settings.items()
 
@@ -73,12 +83,16 @@ def test_read_committed_consumer_commits_only_when_told():
     assert settings["enable.auto.commit"] is False
     assert settings["enable.partition.eof"] is False
     assert settings["max.partition.fetch.bytes"] == 8 * 1024 * 1024
-    assert read_committed_consumer_settings(SECURED, "r", partition_eof=True)["enable.partition.eof"] is True
+    assert (
+        read_committed_consumer_settings(SECURED, "r", partition_eof=True)["enable.partition.eof"]
+        is True
+    )
 
 
 def test_overrides_win_over_defaults():
-    settings = read_committed_consumer_settings(SECURED, "g", overrides={"auto.offset.reset": "latest",
-                                                                         "fetch.max.bytes": 1})
+    settings = read_committed_consumer_settings(
+        SECURED, "g", overrides={"auto.offset.reset": "latest", "fetch.max.bytes": 1}
+    )
     assert settings["auto.offset.reset"] == "latest" and settings["fetch.max.bytes"] == 1
     assert admin_settings(SECURED, {"log_level": 2})["log_level"] == 2
 
@@ -97,14 +111,17 @@ def test_a_bad_setting_is_a_broker_error_naming_the_client():
 # --- error translation ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("args", "where"), [
-    (("rollout.turns", 2, 15), "rollout.turns[2]@15"),
-    (("rollout.turns", 2, None), "rollout.turns[2]"),
-    (("rollout.turns", 2, -1001), "rollout.turns[2]"),  # librdkafka's "no offset"
-    (("rollout.dlq", -1, None), "rollout.dlq"),  # "any partition"
-    (("rollout.dlq", None, 7), "rollout.dlq"),
-    ((None, 0, 0), ""),
-])
+@pytest.mark.parametrize(
+    ("args", "where"),
+    [
+        (("rollout.turns", 2, 15), "rollout.turns[2]@15"),
+        (("rollout.turns", 2, None), "rollout.turns[2]"),
+        (("rollout.turns", 2, -1001), "rollout.turns[2]"),  # librdkafka's "no offset"
+        (("rollout.dlq", -1, None), "rollout.dlq"),  # "any partition"
+        (("rollout.dlq", None, 7), "rollout.dlq"),
+        ((None, 0, 0), ""),
+    ],
+)
 def test_record_location(args, where):
     assert record_location(*args) == where
 
@@ -113,26 +130,41 @@ def test_broker_error_names_topic_partition_offset_and_the_kafka_error():
     exc = KafkaException(KafkaError(KafkaError._TRANSPORT, "Broker transport failure"))
     error = broker_error(exc, "consuming", topic="rollout.turns", partition=3, offset=42)
     assert isinstance(error, BrokerError)
-    assert str(error) == "consuming failed at rollout.turns[3]@42: Broker transport failure (_TRANSPORT)"
+    assert (
+        str(error)
+        == "consuming failed at rollout.turns[3]@42: Broker transport failure (_TRANSPORT)"
+    )
 
 
 def test_broker_error_without_location_and_with_a_hint():
-    error = broker_error(KafkaError(KafkaError._FENCED, "fenced"), "replay buffer transaction",
-                         hint="is another worker using the id?")
-    assert str(error) == "replay buffer transaction failed: fenced (_FENCED); is another worker using the id?"
+    error = broker_error(
+        KafkaError(KafkaError._FENCED, "fenced"),
+        "replay buffer transaction",
+        hint="is another worker using the id?",
+    )
+    assert (
+        str(error)
+        == "replay buffer transaction failed: fenced (_FENCED); is another worker using the id?"
+    )
 
 
 def test_translate_kafka_errors_chains_the_original():
     original = KafkaException(KafkaError(KafkaError.UNKNOWN_TOPIC_OR_PART))
-    with pytest.raises(BrokerError, match=r"committing offsets failed at rollout.trajectories\[1\]") as info:
-        with translate_kafka_errors("committing offsets", topic="rollout.trajectories", partition=1):
+    with pytest.raises(
+        BrokerError, match=r"committing offsets failed at rollout.trajectories\[1\]"
+    ) as info:
+        with translate_kafka_errors(
+            "committing offsets", topic="rollout.trajectories", partition=1
+        ):
             raise original
     assert info.value.__cause__ is original
     assert kafka_error_code(original) == KafkaError.UNKNOWN_TOPIC_OR_PART
 
 
 def test_kafka_exception_without_a_kafka_error_is_still_described():
-    assert str(broker_error(KafkaException("odd"), "listing topics")) == "listing topics failed: odd"
+    assert (
+        str(broker_error(KafkaException("odd"), "listing topics")) == "listing topics failed: odd"
+    )
     assert kafka_error_code(KafkaException("odd")) is None
 
 
@@ -150,8 +182,12 @@ def test_partition_eof_becomes_a_partition_end():
 
 
 def test_any_other_consume_error_is_a_broker_error_with_its_location():
-    msg = Message(topic="t", partition=1, offset=9,
-                  error=KafkaError(KafkaError.TOPIC_AUTHORIZATION_FAILED, "not allowed"))
+    msg = Message(
+        topic="t",
+        partition=1,
+        offset=9,
+        error=KafkaError(KafkaError.TOPIC_AUTHORIZATION_FAILED, "not allowed"),
+    )
     with pytest.raises(BrokerError, match=r"consuming failed at t\[1\]@9: not allowed"):
         record_or_partition_end(msg)
 
@@ -166,9 +202,19 @@ def test_record_position_of_a_record_and_of_a_message_without_one():
 
 
 def test_dead_letter_record_wraps_the_original_bytes_in_the_schema():
-    record = dead_letter_record("rollout.dlq", b"\x00raw", stage="replay_buffer", reason="bad event",
-                                source=record_location("rollout.turns", 0, 3), key="u1_0")
+    record = dead_letter_record(
+        "rollout.dlq",
+        b"\x00raw",
+        stage="replay_buffer",
+        reason="bad event",
+        source=record_location("rollout.turns", 0, 3),
+        key="u1_0",
+    )
     assert (record.topic, record.key) == ("rollout.dlq", "u1_0")
     letter = DeadLetter.model_validate(json.loads(record.value))
     assert letter.original == b"\x00raw"
-    assert (letter.stage, letter.reason, letter.source) == ("replay_buffer", "bad event", "rollout.turns[0]@3")
+    assert (letter.stage, letter.reason, letter.source) == (
+        "replay_buffer",
+        "bad event",
+        "rollout.turns[0]@3",
+    )

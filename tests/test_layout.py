@@ -51,8 +51,10 @@ def _imports(path: Path, name: str, is_package: bool, known: set[str]) -> set[st
 def _graph() -> dict[str, set[str]]:
     modules = _modules()
     known = set(modules)
-    return {name: _imports(path, name, path.name == "__init__.py", known)
-            for name, path in modules.items()}
+    return {
+        name: _imports(path, name, path.name == "__init__.py", known)
+        for name, path in modules.items()
+    }
 
 
 def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -64,7 +66,7 @@ def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         stack.append(node)
         for nxt in sorted(graph[node]):
             if state.get(nxt) == 1:
-                return stack[stack.index(nxt):] + [nxt]
+                return stack[stack.index(nxt) :] + [nxt]
             if nxt not in state and (cycle := visit(nxt)):
                 return cycle
         stack.pop()
@@ -79,8 +81,9 @@ def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def _package_edges(graph: dict[str, set[str]]) -> dict[str, set[str]]:
     """Imports between modules, ignoring a package ``__init__`` re-exporting its own members."""
-    return {src: {dst for dst in dsts if not dst.startswith(src + ".")}
-            for src, dsts in graph.items()}
+    return {
+        src: {dst for dst in dsts if not dst.startswith(src + ".")} for src, dsts in graph.items()
+    }
 
 
 def test_package_root_holds_only_the_foundation_and_entry_points():
@@ -102,15 +105,30 @@ def test_cycle_finder_finds_a_planted_cycle():
 def test_foundation_does_not_import_upward():
     graph = _graph()
     for name in ("rolloutbus.errors", "rolloutbus.config", "rolloutbus.topics"):
-        upward = {t for t in graph[name] if t.startswith(("rolloutbus.streams",
-                  "rolloutbus.producers", "rolloutbus.consumers", "rolloutbus.kafka",
-                  "rolloutbus.replica", "rolloutbus.cli", "rolloutbus.demo"))}
+        upward = {
+            t
+            for t in graph[name]
+            if t.startswith(
+                (
+                    "rolloutbus.streams",
+                    "rolloutbus.producers",
+                    "rolloutbus.consumers",
+                    "rolloutbus.kafka",
+                    "rolloutbus.replica",
+                    "rolloutbus.cli",
+                    "rolloutbus.demo",
+                )
+            )
+        }
         assert not upward, f"{name} imports {upward}"
 
 
 def test_nothing_imports_the_entry_points():
     graph = _graph()
-    importers = {src for src, dsts in graph.items()
-                 if dsts & {"rolloutbus.cli", "rolloutbus.demo"}
-                 and src not in {"rolloutbus.__main__", "rolloutbus.cli"}}
+    importers = {
+        src
+        for src, dsts in graph.items()
+        if dsts & {"rolloutbus.cli", "rolloutbus.demo"}
+        and src not in {"rolloutbus.__main__", "rolloutbus.cli"}
+    }
     assert not importers, f"modules importing the CLI or demo: {importers}"

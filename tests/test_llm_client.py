@@ -88,39 +88,73 @@ class ScriptedReplica:
         if self.backend == "vllm_completions":
             wants = body.get("logprobs") is not None
             return {
-                "id": "cmpl-1", "object": "text_completion", "created": 1, "model": "m",
-                "choices": [{
-                    "index": 0, "text": "scripted", "token_ids": toks,
-                    "logprobs": {
-                        "text_offset": list(range(len(toks))), "token_logprobs": lps,
-                        "tokens": [f"token_id:{t}" for t in toks],
-                        "top_logprobs": [{f"token_id:{t}": lp} for t, lp in zip(toks, lps, strict=True)],
-                    } if wants else None,
-                    "finish_reason": fin, "stop_reason": None,
-                }],
-                "usage": {"prompt_tokens": len(body["prompt"]), "completion_tokens": len(toks),
-                          "total_tokens": len(body["prompt"]) + len(toks)},
+                "id": "cmpl-1",
+                "object": "text_completion",
+                "created": 1,
+                "model": "m",
+                "choices": [
+                    {
+                        "index": 0,
+                        "text": "scripted",
+                        "token_ids": toks,
+                        "logprobs": {
+                            "text_offset": list(range(len(toks))),
+                            "token_logprobs": lps,
+                            "tokens": [f"token_id:{t}" for t in toks],
+                            "top_logprobs": [
+                                {f"token_id:{t}": lp} for t, lp in zip(toks, lps, strict=True)
+                            ],
+                        }
+                        if wants
+                        else None,
+                        "finish_reason": fin,
+                        "stop_reason": None,
+                    }
+                ],
+                "usage": {
+                    "prompt_tokens": len(body["prompt"]),
+                    "completion_tokens": len(toks),
+                    "total_tokens": len(body["prompt"]) + len(toks),
+                },
             }
         if self.backend == "vllm_generate":
             wants = body["sampling_params"].get("logprobs") is not None
-            content = [{"token_id": t, "logprob": lp, "rank": 1, "top_logprobs": []}
-                       for t, lp in zip(toks, lps, strict=True)]
+            content = [
+                {"token_id": t, "logprob": lp, "rank": 1, "top_logprobs": []}
+                for t, lp in zip(toks, lps, strict=True)
+            ]
             return {
-                "request_id": body["request_id"], "output_mode": "tokens",
-                "choices": [{"index": 0, "finish_reason": fin, "stop_reason": None,
-                             "token_ids": toks,
-                             "logprobs": {"content": content} if wants else None}],
+                "request_id": body["request_id"],
+                "output_mode": "tokens",
+                "choices": [
+                    {
+                        "index": 0,
+                        "finish_reason": fin,
+                        "stop_reason": None,
+                        "token_ids": toks,
+                        "logprobs": {"content": content} if wants else None,
+                    }
+                ],
             }
-        meta: dict[str, Any] = {"id": body["rid"], "finish_reason": {"type": fin},
-                                "prompt_tokens": len(body["input_ids"]),
-                                "completion_tokens": len(toks), "weight_version": "7"}
+        meta: dict[str, Any] = {
+            "id": body["rid"],
+            "finish_reason": {"type": fin},
+            "prompt_tokens": len(body["input_ids"]),
+            "completion_tokens": len(toks),
+            "weight_version": "7",
+        }
         if body.get("return_logprob"):
             meta["output_token_logprobs"] = [[lp, t, None] for t, lp in zip(toks, lps, strict=True)]
         return {"text": "scripted", "output_ids": toks, "meta_info": meta}
 
 
-SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0,
-            "logprobs": True}
+SAMPLING = {
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": -1,
+    "repetition_penalty": 1.0,
+    "logprobs": True,
+}
 
 
 @pytest.fixture
@@ -144,8 +178,9 @@ async def make_client():
     def make(replicas, *, rollout: RolloutConfig | None = None, **cfg) -> LLMClient:
         urls = [r.url for r in replicas]
         config = ReplicasConfig(urls=urls, **{"health_interval_s": 60.0, **cfg})
-        client = LLMClient(config, rollout or RolloutConfig(), registry=CollectorRegistry(),
-                           rng=random.Random(0))
+        client = LLMClient(
+            config, rollout or RolloutConfig(), registry=CollectorRegistry(), rng=random.Random(0)
+        )
         clients.append(client)
         return client
 
@@ -162,37 +197,69 @@ async def make_client():
 async def test_vllm_completions_request_and_response(make_replicas, make_client):
     (rep,) = await make_replicas(1, "vllm_completions")
     client = make_client([rep], backend="vllm_completions", model="policy")
-    out = await client.generate("traj", prompt_ids=[1, 2, 3, 4],
-                                sampling_params={**SAMPLING, "seed": 7, "stop_token_ids": [2]})
+    out = await client.generate(
+        "traj",
+        prompt_ids=[1, 2, 3, 4],
+        sampling_params={**SAMPLING, "seed": 7, "stop_token_ids": [2]},
+    )
     (req,) = rep.requests
     assert req == {
-        "path": "/v1/completions", "model": "policy", "prompt": [1, 2, 3, 4],
-        "max_tokens": 512, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0,
-        "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
-        "seed": 7, "stop_token_ids": [2], "ignore_eos": False, "logprobs": 0,
-        "return_token_ids": True, "return_tokens_as_token_ids": True, "return_weight_versions": True,
-        "request_id": req["request_id"], "stream": False,
+        "path": "/v1/completions",
+        "model": "policy",
+        "prompt": [1, 2, 3, 4],
+        "max_tokens": 512,
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "top_k": -1,
+        "min_p": 0.0,
+        "repetition_penalty": 1.0,
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
+        "seed": 7,
+        "stop_token_ids": [2],
+        "ignore_eos": False,
+        "logprobs": 0,
+        "return_token_ids": True,
+        "return_tokens_as_token_ids": True,
+        "return_weight_versions": True,
+        "request_id": req["request_id"],
+        "stream": False,
     }
     assert out.token_ids == TOKENS and out.log_probs == LOGPROBS
     assert out.stop_reason == "completed" and out.num_preempted is None
-    assert out.extra_fields == {"finish_reason": "stop", "replica_id": rep.url,
-                                "engine_request_id": req["request_id"]}
+    assert out.extra_fields == {
+        "finish_reason": "stop",
+        "replica_id": rep.url,
+        "engine_request_id": req["request_id"],
+    }
 
 
 async def test_vllm_generate_request_and_response(make_replicas, make_client):
     (rep,) = await make_replicas(1, "vllm_generate", finish="length")
     client = make_client([rep], backend="vllm_generate")
-    out = await client.generate("traj", prompt_ids=[5, 6],
-                                sampling_params={**SAMPLING, "max_tokens": 3})
+    out = await client.generate(
+        "traj", prompt_ids=[5, 6], sampling_params={**SAMPLING, "max_tokens": 3}
+    )
     (req,) = rep.requests
     assert req == {
-        "path": "/inference/v1/generate", "request_id": req["request_id"], "token_ids": [5, 6],
+        "path": "/inference/v1/generate",
+        "request_id": req["request_id"],
+        "token_ids": [5, 6],
         "sampling_params": {
-            "max_tokens": 3, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0,
-            "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
-            "ignore_eos": False, "logprobs": 0, "detokenize": False,
+            "max_tokens": 3,
+            "temperature": 1.0,
+            "top_p": 1.0,
+            "top_k": -1,
+            "min_p": 0.0,
+            "repetition_penalty": 1.0,
+            "presence_penalty": 0.0,
+            "frequency_penalty": 0.0,
+            "ignore_eos": False,
+            "logprobs": 0,
+            "detokenize": False,
         },
-        "output_mode": "tokens", "stream": False,
+        "output_mode": "tokens",
+        "stream": False,
     }
     assert out.token_ids == TOKENS and out.log_probs == LOGPROBS
     assert out.stop_reason == "completed"
@@ -202,18 +269,31 @@ async def test_vllm_generate_request_and_response(make_replicas, make_client):
 async def test_sglang_request_and_response(make_replicas, make_client):
     (rep,) = await make_replicas(1, "sglang", finish="abort")
     client = make_client([rep], backend="sglang", resume_aborted=False)  # see the mapping raw
-    out = await client.generate("traj", prompt_ids=[9], sampling_params={**SAMPLING, "seed": 3},
-                                priority=5)
+    out = await client.generate(
+        "traj", prompt_ids=[9], sampling_params={**SAMPLING, "seed": 3}, priority=5
+    )
     (req,) = rep.requests
     assert req == {
-        "path": "/generate", "rid": req["rid"], "input_ids": [9],
+        "path": "/generate",
+        "rid": req["rid"],
+        "input_ids": [9],
         "sampling_params": {
-            "max_new_tokens": 512, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0,
-            "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
-            "sampling_seed": 3, "ignore_eos": False,
+            "max_new_tokens": 512,
+            "temperature": 1.0,
+            "top_p": 1.0,
+            "top_k": -1,
+            "min_p": 0.0,
+            "repetition_penalty": 1.0,
+            "presence_penalty": 0.0,
+            "frequency_penalty": 0.0,
+            "sampling_seed": 3,
+            "ignore_eos": False,
         },
-        "return_logprob": True, "logprob_start_len": -1, "top_logprobs_num": 0,
-        "return_text_in_logprobs": False, "stream": False,
+        "return_logprob": True,
+        "logprob_start_len": -1,
+        "top_logprobs_num": 0,
+        "return_text_in_logprobs": False,
+        "stream": False,
     }
     assert out.token_ids == TOKENS and out.log_probs == LOGPROBS
     assert out.stop_reason == "aborted"
@@ -232,8 +312,9 @@ async def test_priority_is_forwarded_to_vllm_only_when_non_zero(make_replicas, m
     (rep,) = await make_replicas(1, "vllm_completions")
     client = make_client([rep])
     await client.generate("t1", prompt_ids=[1], sampling_params=SAMPLING, priority=0)
-    await client.generate("t2", prompt_ids=[1], sampling_params=SAMPLING, priority=-3,
-                          global_steps=12)
+    await client.generate(
+        "t2", prompt_ids=[1], sampling_params=SAMPLING, priority=-3, global_steps=12
+    )
     assert "priority" not in rep.requests[0]
     assert rep.requests[1]["priority"] == -3
 
@@ -292,10 +373,12 @@ async def test_concurrent_first_turns_spread_by_least_in_flight(make_replicas, m
     for rep in reps:
         rep.delay_s = 0.3  # keep all four in flight together
     client = make_client(reps)
-    await asyncio.gather(*(
-        client.generate(f"traj-{i}", prompt_ids=[i + 1], sampling_params=SAMPLING)
-        for i in range(4)
-    ))
+    await asyncio.gather(
+        *(
+            client.generate(f"traj-{i}", prompt_ids=[i + 1], sampling_params=SAMPLING)
+            for i in range(4)
+        )
+    )
     assert sorted(len(r.requests) for r in reps) == [2, 2]
     assert dict(client.balancer.in_flight) == {reps[0].url: 0, reps[1].url: 0}
 
@@ -328,18 +411,23 @@ async def test_stopped_replica_mid_run_retries_on_another_and_health_brings_it_b
     assert not client.balancer.is_healthy(dead.url)
     assert client.balancer.sticky_replica_of("traj") == other.url
     assert registry.get_sample_value("rolloutbus_client_retries_total") == 1
-    assert registry.get_sample_value(
-        "rolloutbus_client_requests_total", {"replica": dead.url, "outcome": "connection_error"}
-    ) == 1
-    assert registry.get_sample_value(
-        "rolloutbus_client_replica_healthy", {"replica": dead.url}) == 0
+    assert (
+        registry.get_sample_value(
+            "rolloutbus_client_requests_total", {"replica": dead.url, "outcome": "connection_error"}
+        )
+        == 1
+    )
+    assert (
+        registry.get_sample_value("rolloutbus_client_replica_healthy", {"replica": dead.url}) == 0
+    )
 
     assert (await client.check_health())[dead.url] is False
     await dead.start()  # back on the same port
     assert (await client.check_health())[dead.url] is True
     assert client.balancer.is_healthy(dead.url)
-    assert registry.get_sample_value(
-        "rolloutbus_client_replica_healthy", {"replica": dead.url}) == 1
+    assert (
+        registry.get_sample_value("rolloutbus_client_replica_healthy", {"replica": dead.url}) == 1
+    )
 
 
 async def test_hanging_replica_times_out_and_the_turn_moves(make_replicas, make_client):
@@ -354,8 +442,12 @@ async def test_hanging_replica_times_out_and_the_turn_moves(make_replicas, make_
     assert out.extra_fields["replica_id"] == other.url
     assert stuck.requests[-1]["prompt"] == other.requests[0]["prompt"] == [1, 5]
     assert not client.balancer.is_healthy(stuck.url)
-    assert client.metrics.registry.get_sample_value(
-        "rolloutbus_client_requests_total", {"replica": stuck.url, "outcome": "timeout"}) == 1
+    assert (
+        client.metrics.registry.get_sample_value(
+            "rolloutbus_client_requests_total", {"replica": stuck.url, "outcome": "timeout"}
+        )
+        == 1
+    )
     assert client.balancer.in_flight[stuck.url] == 0  # released in finally
 
 
@@ -372,8 +464,9 @@ async def test_server_error_is_retried_but_bad_request_is_not(make_replicas, mak
 
     reps[0].mode, reps[1].mode = "error500", "ok"
     client.balancer.clear_sticky_cache()
-    outs = [await client.generate(f"u{i}", prompt_ids=[1], sampling_params=SAMPLING)
-            for i in range(3)]
+    outs = [
+        await client.generate(f"u{i}", prompt_ids=[1], sampling_params=SAMPLING) for i in range(3)
+    ]
     assert all(o.extra_fields["replica_id"] == reps[1].url for o in outs)
 
 
@@ -426,8 +519,12 @@ async def test_replicas_added_and_removed_at_run_time(make_replicas, make_client
     client.remove_replica(reps[0].url)
     out = await client.generate("traj", prompt_ids=[1, 2], sampling_params=SAMPLING)
     assert out.extra_fields["replica_id"] == reps[1].url
-    assert client.metrics.registry.get_sample_value(
-        "rolloutbus_client_in_flight", {"replica": reps[0].url}) is None
+    assert (
+        client.metrics.registry.get_sample_value(
+            "rolloutbus_client_in_flight", {"replica": reps[0].url}
+        )
+        is None
+    )
 
 
 async def test_latency_and_outcome_metrics(make_replicas, make_client):
@@ -436,10 +533,13 @@ async def test_latency_and_outcome_metrics(make_replicas, make_client):
     await client.generate("t", prompt_ids=[1], sampling_params=SAMPLING)
     registry = client.metrics.registry
     labels = {"replica": rep.url}
-    assert registry.get_sample_value(
-        "rolloutbus_client_requests_total", {**labels, "outcome": "completed"}) == 1
-    assert registry.get_sample_value(
-        "rolloutbus_client_request_latency_seconds_count", labels) == 1
+    assert (
+        registry.get_sample_value(
+            "rolloutbus_client_requests_total", {**labels, "outcome": "completed"}
+        )
+        == 1
+    )
+    assert registry.get_sample_value("rolloutbus_client_request_latency_seconds_count", labels) == 1
     assert registry.get_sample_value("rolloutbus_client_in_flight", labels) == 0
 
 

@@ -54,8 +54,12 @@ def test_sampling_params_validation():
 
 
 def call(**sampling) -> EngineCall:
-    return EngineCall(engine_request_id="e1", prompt_ids=[1, 2], max_tokens=4,
-                      sampling=TurnSamplingParams.model_validate(sampling))
+    return EngineCall(
+        engine_request_id="e1",
+        prompt_ids=[1, 2],
+        max_tokens=4,
+        sampling=TurnSamplingParams.model_validate(sampling),
+    )
 
 
 def test_map_finish_reason_follows_verl():
@@ -83,10 +87,12 @@ def completion(**choice):
 
 
 def test_completions_token_ids_from_logprob_tokens_when_vllm_is_old():
-    out = VllmCompletionsBackend().parse_response(completion(
-        finish_reason="length",
-        logprobs={"token_logprobs": [-1.0, -2.0], "tokens": ["token_id:5", "token_id:6"]},
-    ))
+    out = VllmCompletionsBackend().parse_response(
+        completion(
+            finish_reason="length",
+            logprobs={"token_logprobs": [-1.0, -2.0], "tokens": ["token_id:5", "token_id:6"]},
+        )
+    )
     assert out.token_ids == [5, 6] and out.log_probs == [-1.0, -2.0]
 
 
@@ -109,19 +115,25 @@ def test_completions_routed_experts_and_weight_version():
     experts = np.arange(12, dtype=np.uint8).reshape(2, 3, 2)
     buf = io.BytesIO()
     np.save(buf, experts)
-    out = VllmCompletionsBackend().parse_response(completion(
-        token_ids=[1, 2, 3], finish_reason="stop",
-        routed_experts=base64.b64encode(buf.getvalue()).decode(),
-        weight_versions=[{"version": "3", "start": 0, "end": 1},
-                         {"version": "4", "start": 1, "end": 3}],
-    ))
+    out = VllmCompletionsBackend().parse_response(
+        completion(
+            token_ids=[1, 2, 3],
+            finish_reason="stop",
+            routed_experts=base64.b64encode(buf.getvalue()).decode(),
+            weight_versions=[
+                {"version": "3", "start": 0, "end": 1},
+                {"version": "4", "start": 1, "end": 3},
+            ],
+        )
+    )
     np.testing.assert_array_equal(out.routed_experts, experts)
     assert out.extra_fields == {"finish_reason": "stop", "weight_version": "4"}
 
 
 def test_completions_reported_preemptions_pass_through():
     out = VllmCompletionsBackend().parse_response(
-        completion(token_ids=[1], finish_reason="stop", num_preempted=2))
+        completion(token_ids=[1], finish_reason="stop", num_preempted=2)
+    )
     assert out.num_preempted == 2
 
 
@@ -130,11 +142,22 @@ def test_completions_reported_preemptions_pass_through():
 
 def test_generate_logprob_ids_must_match_the_tokens():
     with pytest.raises(ValueError, match="differ"):
-        VllmGenerateBackend().parse_response({"choices": [{
-            "index": 0, "token_ids": [1, 2],
-            "logprobs": {"content": [{"token_id": 1, "logprob": -1.0},
-                                     {"token_id": 9, "logprob": -1.0}]},
-        }]})
+        VllmGenerateBackend().parse_response(
+            {
+                "choices": [
+                    {
+                        "index": 0,
+                        "token_ids": [1, 2],
+                        "logprobs": {
+                            "content": [
+                                {"token_id": 1, "logprob": -1.0},
+                                {"token_id": 9, "logprob": -1.0},
+                            ]
+                        },
+                    }
+                ]
+            }
+        )
 
 
 def test_generate_request_sends_seed_and_stops_inside_sampling_params():
@@ -150,7 +173,8 @@ def test_generate_request_sends_seed_and_stops_inside_sampling_params():
 def test_sglang_finish_reason_dict_or_string_and_no_logprobs():
     backend = SglangGenerateBackend()
     out = backend.parse_response(
-        {"output_ids": [4], "meta_info": {"finish_reason": {"type": "length", "length": 1}}})
+        {"output_ids": [4], "meta_info": {"finish_reason": {"type": "length", "length": 1}}}
+    )
     assert out.stop_reason == "completed" and out.log_probs is None
     out = backend.parse_response({"output_ids": [4], "meta_info": {"finish_reason": "abort"}})
     assert out.stop_reason == "aborted"

@@ -14,14 +14,19 @@ COLLECT_TIMEOUT_S = 120.0  # seconds; collection imports torch-free modules only
 def _collected(*args: str) -> set[str]:
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *args],
-        cwd=TESTS.parent, capture_output=True, text=True, timeout=COLLECT_TIMEOUT_S,
+        cwd=TESTS.parent,
+        capture_output=True,
+        text=True,
+        timeout=COLLECT_TIMEOUT_S,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return {line for line in result.stdout.splitlines() if "::" in line}
 
 
 def test_kafka_marker_follows_broker_fixtures_and_explicit_marks() -> None:
-    kafka = _collected("-m", "kafka", "tests/test_broker.py", "tests/test_replay_buffer_recovery.py")
+    kafka = _collected(
+        "-m", "kafka", "tests/test_broker.py", "tests/test_replay_buffer_recovery.py"
+    )
     assert "tests/test_broker.py::test_ensure_topics_is_idempotent" in kafka  # kafka_config
     assert "tests/test_broker.py::test_status_reports_running" in kafka  # embedded_broker
     assert "tests/test_broker.py::test_jvm_that_exits_is_reported_with_its_log" in kafka  # explicit

@@ -16,8 +16,12 @@ from rolloutbus.replica.server import REGISTRY_KEY, build_app
 from rolloutbus.streams.inference.llm_client import ClientMetrics
 
 OPS = Path(__file__).resolve().parents[1] / "ops"
-_SUFFIXES = {"counter": ["_total"], "histogram": ["_bucket", "_sum", "_count"], "gauge": [""],
-             "summary": ["_sum", "_count"]}
+_SUFFIXES = {
+    "counter": ["_total"],
+    "histogram": ["_bucket", "_sum", "_count"],
+    "gauge": [""],
+    "summary": ["_sum", "_count"],
+}
 
 
 def _exposed_names() -> set[str]:

@@ -25,19 +25,33 @@ class TwoDraftsLoop(AgentLoopBase):
 
     async def run(self, sampling_params, **kwargs):
         prompt = await self.apply_chat_template(kwargs["raw_prompt"])
-        draft = await self.server_manager.generate("req", prompt_ids=prompt, sampling_params=sampling_params)
+        draft = await self.server_manager.generate(
+            "req", prompt_ids=prompt, sampling_params=sampling_params
+        )
         hint = self.tokenizer.encode("\nRevise:", add_special_tokens=False)
         final = await self.server_manager.generate(
-            "req", prompt_ids=prompt + draft.token_ids + hint, sampling_params=sampling_params)
+            "req", prompt_ids=prompt + draft.token_ids + hint, sampling_params=sampling_params
+        )
         metrics = AgentLoopMetrics()
         return [
-            AgentLoopOutput(prompt_ids=prompt, response_ids=draft.token_ids,
-                            response_mask=[1] * len(draft.token_ids), response_logprobs=draft.log_probs,
-                            num_turns=2, metrics=metrics),
-            AgentLoopOutput(prompt_ids=prompt, response_ids=draft.token_ids + hint + final.token_ids,
-                            response_mask=[1] * len(draft.token_ids) + [0] * len(hint) + [1] * len(final.token_ids),
-                            response_logprobs=draft.log_probs + [0.0] * len(hint) + final.log_probs,
-                            num_turns=3, metrics=metrics),
+            AgentLoopOutput(
+                prompt_ids=prompt,
+                response_ids=draft.token_ids,
+                response_mask=[1] * len(draft.token_ids),
+                response_logprobs=draft.log_probs,
+                num_turns=2,
+                metrics=metrics,
+            ),
+            AgentLoopOutput(
+                prompt_ids=prompt,
+                response_ids=draft.token_ids + hint + final.token_ids,
+                response_mask=[1] * len(draft.token_ids)
+                + [0] * len(hint)
+                + [1] * len(final.token_ids),
+                response_logprobs=draft.log_probs + [0.0] * len(hint) + final.log_probs,
+                num_turns=3,
+                metrics=metrics,
+            ),
         ]
 
 
@@ -46,9 +60,12 @@ async def test_multi_output_keys_and_copied_reward():
     wrong = tok.encode("It is 120.", add_special_tokens=False)
     right = tok.encode("It is 126.", add_special_tokens=False)
     client = ScriptedServerManager([scripted_turn(wrong), scripted_turn(right)])
-    row = {"agent_name": "two_drafts_test", "data_source": "my/math",
-           "prompt": [{"role": "user", "content": "计算 18 * 7"}],
-           "reward_model": {"style": "rule", "ground_truth": "126"}}
+    row = {
+        "agent_name": "two_drafts_test",
+        "data_source": "my/math",
+        "prompt": [{"role": "user", "content": "计算 18 * 7"}],
+        "reward_model": {"style": "rule", "ground_truth": "126"},
+    }
     group = PromptGroup(uid="m1", row=row, n=1, sampling_params=GroupSamplingParams())
     events = []
 
@@ -61,7 +78,9 @@ async def test_multi_output_keys_and_copied_reward():
     fold = SessionFold(0, "a1")
     for e in events:
         fold.apply(e)
-    draft, final = build_group_trajectories(GroupStarted(uid="m1", attempt="a1", n=1, row=row), [fold])
+    draft, final = build_group_trajectories(
+        GroupStarted(uid="m1", attempt="a1", n=1, row=row), [fold]
+    )
     assert (draft.key, final.key) == ("m1_0_0", "m1_0_1")
     assert draft.group_size == final.group_size == 2 and draft.num_outputs == 2
     assert draft.responses == wrong and final.responses[: len(wrong)] == wrong

@@ -46,27 +46,46 @@ def pipeline(kafka_bootstrap: str, tmp_path_factory: pytest.TempPathFactory):
     registry_yaml = tmp / "agent_loops.yaml"
     registry_yaml.write_text(
         "- name: my_single_turn\n  _target_: my_agent_loop.MySingleTurnLoop\n"
-        "- name: over_budget\n  _target_: bad_loops.OverBudgetLoop\n")
-    cfg = Config.model_validate({
-        "kafka": {"bootstrap_servers": kafka_bootstrap, "topic_prefix": unique_name("p"),
-                  "partitions": 2},
-        "model": {"name": "tiny-qwen3"},
-        "replica_server": {"port": replica_port, "max_batch_size": 16},
-        "replicas": {"urls": [f"http://127.0.0.1:{replica_port}"], "request_timeout_s": 120},
-        "rollout": {"n": N, "prompt_length": 64, "response_length": 16,
-                    "agent": {"agent_loop_config_path": str(registry_yaml)}},
-        "sessions": {"app_id": unique_name("sessions"), "concurrency": 4, "metrics_port": free_port()},
-        "replay_buffer": {"group_id": unique_name("rb"), "transactional_id": unique_name("rbtx"),
-                          "metrics_port": free_port()},
-    })
+        "- name: over_budget\n  _target_: bad_loops.OverBudgetLoop\n"
+    )
+    cfg = Config.model_validate(
+        {
+            "kafka": {
+                "bootstrap_servers": kafka_bootstrap,
+                "topic_prefix": unique_name("p"),
+                "partitions": 2,
+            },
+            "model": {"name": "tiny-qwen3"},
+            "replica_server": {"port": replica_port, "max_batch_size": 16},
+            "replicas": {"urls": [f"http://127.0.0.1:{replica_port}"], "request_timeout_s": 120},
+            "rollout": {
+                "n": N,
+                "prompt_length": 64,
+                "response_length": 16,
+                "agent": {"agent_loop_config_path": str(registry_yaml)},
+            },
+            "sessions": {
+                "app_id": unique_name("sessions"),
+                "concurrency": 4,
+                "metrics_port": free_port(),
+            },
+            "replay_buffer": {
+                "group_id": unique_name("rb"),
+                "transactional_id": unique_name("rbtx"),
+                "metrics_port": free_port(),
+            },
+        }
+    )
     ensure_topics(cfg.kafka)
     config_path = write_config(cfg, tmp / "config.yaml")
     logs = {name: tmp / f"{name}.log" for name in ("replica", "sessions", "replay")}
     replica = spawn(["replica", "serve"], config_path, logs["replica"])
     with running([replica]):
         wait_http_ok(f"http://127.0.0.1:{replica_port}/health", replica, logs["replica"])
-        workers = [spawn(["sessions", "run"], config_path, logs["sessions"], python_path=[FIXTURES]),
-                   spawn(["replay-buffer", "run"], config_path, logs["replay"])]
+        workers = [
+            spawn(["sessions", "run"], config_path, logs["sessions"], python_path=[FIXTURES]),
+            spawn(["replay-buffer", "run"], config_path, logs["replay"]),
+        ]
         with running(workers):
             yield cfg, tmp, logs
 
@@ -92,7 +111,10 @@ def test_prompt_groups_become_complete_trajectory_groups(pipeline):
             assert len(r["responses"]) == len(r["response_mask"]) == len(r["rollout_log_probs"])
             assert set(r["response_mask"]) == {1}
             assert all(lp <= 0.0 for lp in r["rollout_log_probs"])
-            assert r["prompt_len"] <= 64 and r["prompts"][-3:] == tok.encode("<|im_start|>assistant\n")[-3:]
+            assert (
+                r["prompt_len"] <= 64
+                and r["prompts"][-3:] == tok.encode("<|im_start|>assistant\n")[-3:]
+            )
             assert r["num_preempted"] == -1  # the embedded replica does not report preemptions
             assert r["reward_score"] in (0.0, 1.0)  # scored by the arithmetic rule
     # each key exactly once on the topic
@@ -103,7 +125,10 @@ def test_prompt_groups_become_complete_trajectory_groups(pipeline):
 
 def test_seed_custom_loop_registered_through_yaml_runs_end_to_end(pipeline):
     cfg, tmp, _ = pipeline
-    rows = [dict(r, agent_name="my_single_turn") for r in make_arithmetic_rows(2, seed=2, tool_fraction=0)]
+    rows = [
+        dict(r, agent_name="my_single_turn")
+        for r in make_arithmetic_rows(2, seed=2, tool_fraction=0)
+    ]
     report = _publish(cfg, rows, tmp / "custom.jsonl")
     groups = receive_groups(cfg, set(report.uids))
     for group in groups.values():
@@ -136,11 +161,15 @@ def test_bad_input_goes_to_dead_letters_and_counts_add_up(pipeline):
         assert len(rows_out) == N  # failed sessions are explicit records, never a short group
         by_agent.setdefault(rows_out[0]["agent_name"], []).append(rows_out)
     by_agent = {name: [r for rows in groups_ for r in rows] for name, groups_ in by_agent.items()}
-    assert all(r["status"] == "failed" and "no_such_loop" in r["error"] for r in by_agent["no_such_loop"])
+    assert all(
+        r["status"] == "failed" and "no_such_loop" in r["error"] for r in by_agent["no_such_loop"]
+    )
     null_rows = by_agent[None]
     assert all(r["status"] == "failed" and "agent_name" in r["error"] for r in null_rows)
     plain = by_agent["single_turn_agent"]
-    assert sorted(r["prompt_len"] for r in plain)[-N:] == [64] * N  # the long prompt, left-truncated
+    assert (
+        sorted(r["prompt_len"] for r in plain)[-N:] == [64] * N
+    )  # the long prompt, left-truncated
     assert all(r["status"] != "failed" for r in plain)
     letters = dead_letters(cfg)[before:]
     reasons = " | ".join(d["reason"] for d in letters)
@@ -152,7 +181,9 @@ def test_bad_input_goes_to_dead_letters_and_counts_add_up(pipeline):
 
 def test_invariant_breaking_loop_yields_failed_records_and_dead_letters(pipeline):
     cfg, tmp, _ = pipeline
-    rows = [dict(r, agent_name="over_budget") for r in make_arithmetic_rows(1, seed=4, tool_fraction=0)]
+    rows = [
+        dict(r, agent_name="over_budget") for r in make_arithmetic_rows(1, seed=4, tool_fraction=0)
+    ]
     report = _publish(cfg, rows, tmp / "over.jsonl")
     [group] = receive_groups(cfg, set(report.uids)).values()
     for r in group.batch.to_pylist():
@@ -167,7 +198,10 @@ def test_replaying_the_turn_log_yields_byte_identical_trajectories(pipeline):
     """Replaying the turn log yields byte-identical trajectories, on everything the earlier
     tests of this module logged."""
     cfg, tmp, _ = pipeline
-    live = {m.key().decode(): m.value() for m in read_topic(cfg, Topics.from_config(cfg.kafka).trajectories)}
+    live = {
+        m.key().decode(): m.value()
+        for m in read_topic(cfg, Topics.from_config(cfg.kafka).trajectories)
+    }
     replayed = replay_turns(cfg)
     assert live, "nothing to replay: the earlier tests released no trajectory"
     assert set(replayed.records) == set(live)
@@ -175,8 +209,21 @@ def test_replaying_the_turn_log_yields_byte_identical_trajectories(pipeline):
     assert replayed.open_groups == []
     # the same through the command line, into an Arrow file
     out = tmp / "replay.arrow"
-    done = subprocess.run([sys.executable, "-m", "rolloutbus.cli", "replay", "--out", str(out),
-                           "--config", str(tmp / "config.yaml")], capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rolloutbus.cli",
+            "replay",
+            "--out",
+            str(out),
+            "--config",
+            str(tmp / "config.yaml"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     with pa.memory_map(str(out)) as source:
         assert pa.ipc.open_file(source).read_all().num_rows == len(live)
@@ -188,7 +235,9 @@ def test_workers_serve_prometheus_metrics_of_the_work_done(pipeline):
     buffer = httpx.get(f"http://127.0.0.1:{cfg.replay_buffer.metrics_port}/metrics", timeout=5).text
 
     def value(text: str, series: str) -> float:
-        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(series))
+        return sum(
+            float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(series)
+        )
 
     assert value(sessions, 'rolloutbus_sessions_tokens_total{kind="sampled"}') > 0
     assert value(sessions, 'rolloutbus_sessions_total{outcome="finished"}') > 0
@@ -200,12 +249,16 @@ def test_workers_serve_prometheus_metrics_of_the_work_done(pipeline):
 def test_malformed_prompt_group_on_the_topic_is_dead_lettered_and_the_worker_goes_on(pipeline):
     cfg, tmp, _ = pipeline
     producer = Producer(cfg.kafka.client_settings())
-    producer.produce(Topics.from_config(cfg.kafka).prompts, key=b"junk", value=b'{"uid": 5}', partition=0)
+    producer.produce(
+        Topics.from_config(cfg.kafka).prompts, key=b"junk", value=b'{"uid": 5}', partition=0
+    )
     assert producer.flush(10) == 0
     deadline = time.monotonic() + 60
     letters = []
     while time.monotonic() < deadline and not letters:
-        letters = [d for d in dead_letters(cfg) if d["stage"] == "sessions" and "schema" in d["reason"]]
+        letters = [
+            d for d in dead_letters(cfg) if d["stage"] == "sessions" and "schema" in d["reason"]
+        ]
         time.sleep(0.5)
     assert letters and base64.b64decode(letters[0]["original_b64"]) == b'{"uid": 5}'
     # the worker is still alive and serving

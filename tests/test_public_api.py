@@ -7,9 +7,16 @@ import inspect
 
 import pytest
 
-PACKAGES = ["rolloutbus.schemas", "rolloutbus.producers", "rolloutbus.consumers",
-            "rolloutbus.streams", "rolloutbus.streams.agent_loop", "rolloutbus.streams.inference",
-            "rolloutbus.streams.sessions", "rolloutbus.streams.assembly"]
+PACKAGES = [
+    "rolloutbus.schemas",
+    "rolloutbus.producers",
+    "rolloutbus.consumers",
+    "rolloutbus.streams",
+    "rolloutbus.streams.agent_loop",
+    "rolloutbus.streams.inference",
+    "rolloutbus.streams.sessions",
+    "rolloutbus.streams.assembly",
+]
 
 
 @pytest.mark.parametrize("name", PACKAGES)
@@ -17,8 +24,11 @@ def test_all_names_resolve_and_every_public_import_is_exported(name):
     module = importlib.import_module(name)
     exported = set(module.__all__)
     assert all(hasattr(module, n) for n in exported)
-    public = {n for n, v in vars(module).items()
-              if not n.startswith("_") and not inspect.ismodule(v) and n != "annotations"}
+    public = {
+        n
+        for n, v in vars(module).items()
+        if not n.startswith("_") and not inspect.ismodule(v) and n != "annotations"
+    }
     assert public <= exported, f"{name} imports names it does not export: {public - exported}"
 
 

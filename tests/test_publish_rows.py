@@ -32,11 +32,14 @@ def test_uid_has_no_key_separator_and_agent_name_presence_is_kept():
     assert build_group(cfg, _row(agent_name=None)).row["agent_name"] is None  # null stays null
 
 
-@pytest.mark.parametrize("row, message", [
-    ({"data_source": "d"}, "prompt"),
-    (_row(prompt=[]), "prompt"),
-    (_row(prompt=[{"role": "robot", "content": "x"}]), "robot"),
-])
+@pytest.mark.parametrize(
+    "row, message",
+    [
+        ({"data_source": "d"}, "prompt"),
+        (_row(prompt=[]), "prompt"),
+        (_row(prompt=[{"role": "robot", "content": "x"}]), "robot"),
+    ],
+)
 def test_invalid_rows_name_the_field(row, message):
     with pytest.raises(ValueError, match=message):
         build_group(Config(), row)
@@ -48,15 +51,24 @@ def test_jsonl_reader_reports_bad_lines_with_their_bytes(tmp_path):
     items = list(read_rows(path))
     assert isinstance(items[0], RawRow) and items[0].source == "rows.jsonl:1"
     assert isinstance(items[1], BadRow) and "not an object" in items[1].reason
-    assert isinstance(items[2], BadRow) and items[2].original == b"{oops" and "line 4" in items[2].reason
+    assert (
+        isinstance(items[2], BadRow)
+        and items[2].original == b"{oops"
+        and "line 4" in items[2].reason
+    )
 
 
 def test_parquet_rows_with_numpy_arrays_become_plain_values(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    table = pa.table({"data_source": ["d"], "prompt": [[{"role": "user", "content": "hi"}]],
-                      "reward_model": [{"ground_truth": "1", "style": "rule"}]})
+    table = pa.table(
+        {
+            "data_source": ["d"],
+            "prompt": [[{"role": "user", "content": "hi"}]],
+            "reward_model": [{"ground_truth": "1", "style": "rule"}],
+        }
+    )
     pq.write_table(table, tmp_path / "rows.parquet")
     [item] = list(read_rows(tmp_path / "rows.parquet"))
     group = build_group(Config(), item.data)
@@ -82,8 +94,13 @@ def test_derived_uids_are_stable_and_change_with_epoch_steps_validate_and_row():
 
     uid = derive_uid("d" * 64, 3)
     assert uid == derive_uid("d" * 64, 3) and len(uid) == 32 and "_" not in uid
-    others = {derive_uid("d" * 64, 3, epoch=1), derive_uid("d" * 64, 3, global_steps=7),
-              derive_uid("d" * 64, 3, validate=True), derive_uid("d" * 64, 4), derive_uid("e" * 64, 3)}
+    others = {
+        derive_uid("d" * 64, 3, epoch=1),
+        derive_uid("d" * 64, 3, global_steps=7),
+        derive_uid("d" * 64, 3, validate=True),
+        derive_uid("d" * 64, 4),
+        derive_uid("e" * 64, 3),
+    }
     assert uid not in others and len(others) == 5
 
 
@@ -95,7 +112,9 @@ def test_dataset_identity_is_the_content_not_the_path(tmp_path):
     (tmp_path / "a" / "rows.jsonl").write_text('{"prompt": []}\n')
     (tmp_path / "b" / "copy.jsonl").write_text('{"prompt": []}\n')
     (tmp_path / "b" / "edited.jsonl").write_text('{"prompt": [] }\n')
-    ids = [dataset_identity(tmp_path / p) for p in ("a/rows.jsonl", "b/copy.jsonl", "b/edited.jsonl")]
+    ids = [
+        dataset_identity(tmp_path / p) for p in ("a/rows.jsonl", "b/copy.jsonl", "b/edited.jsonl")
+    ]
     assert ids[0] == ids[1] != ids[2]
 
 
@@ -114,7 +133,9 @@ def test_a_string_prompt_is_refused_with_a_clear_reason_by_the_row_and_the_group
         build_group(Config(), _row(prompt="What is 2 + 2?"))
     # a group written by another producer is refused where it is read (the session worker)
     with pytest.raises(ValueError, match="row.prompt"):
-        PromptGroup(uid="u1", row=_row(prompt="What is 2 + 2?"), n=1, sampling_params=GroupSamplingParams())
+        PromptGroup(
+            uid="u1", row=_row(prompt="What is 2 + 2?"), n=1, sampling_params=GroupSamplingParams()
+        )
     with pytest.raises(ValueError, match="uid"):
         PromptGroup(uid="u_1", row=_row(), n=1, sampling_params=GroupSamplingParams())
 

@@ -29,16 +29,25 @@ ROW = {"prompt": [{"role": "user", "content": "q"}]}
 ROLLOUT = RolloutConfig(prompt_length=64, response_length=64)
 
 
-def _session(uid: str, sid: int, tokens: list[list[int]], *, attempt: str = "a",
-             ts: float = 0.0) -> list:
+def _session(
+    uid: str, sid: int, tokens: list[list[int]], *, attempt: str = "a", ts: float = 0.0
+) -> list:
     """A finished session: started, one segment (prompt [9]), one generation per entry."""
     ids = {"uid": uid, "session_id": sid, "attempt": attempt, "ts": ts}
-    events: list = [SessionStarted(**ids, agent_name="x"), SegmentStarted(**ids, segment=0, prompt_ids=[9])]
+    events: list = [
+        SessionStarted(**ids, agent_name="x"),
+        SegmentStarted(**ids, segment=0, prompt_ids=[9]),
+    ]
     for turn, toks in enumerate(tokens):
-        events.append(Generation(**ids, segment=0, turn=turn, token_ids=toks, logprobs=[-0.5] * len(toks)))
+        events.append(
+            Generation(**ids, segment=0, turn=turn, token_ids=toks, logprobs=[-0.5] * len(toks))
+        )
     response_len = sum(len(t) for t in tokens)
-    events.append(SessionFinished(**ids, outputs=[OutputSummary(segment=0, prompt_len=1,
-                                                                response_len=response_len)]))
+    events.append(
+        SessionFinished(
+            **ids, outputs=[OutputSummary(segment=0, prompt_len=1, response_len=response_len)]
+        )
+    )
     return [e.model_copy(update={"seq": i}) for i, e in enumerate(events)]
 
 
@@ -70,8 +79,10 @@ def test_duplicated_generation_is_folded_once():
     for event in [started, segment, first, first, second, second, finished]:
         fold.apply(event)
     assert fold.segments[0].tokens == [9, 1, 2, 3, 4] and fold.ignored == 2
-    [t] = finalize_group(_released_one([_group("g", 1), started, started, segment, first, first,
-                                        second, finished]), ROLLOUT).trajectories
+    [t] = finalize_group(
+        _released_one([_group("g", 1), started, started, segment, first, first, second, finished]),
+        ROLLOUT,
+    ).trajectories
     assert t.responses == [1, 2, 3, 4]  # not [1, 2, 1, 2] released as completed
     assert t.status == TrajectoryStatus.COMPLETED
 
@@ -84,9 +95,15 @@ def _released_one(events: list):
 def test_duplicate_group_started_and_terminal_events_do_not_confuse_the_partition_fold():
     fold = PartitionFold(0)
     s0, s1 = _session("g", 0, [[1]]), _session("g", 1, [[2]])
-    events = [_group("g", 2), _group("g", 2), *s0, s0[-1], *s1[:-1],
-              # a session id outside 0..n-1 settling must not complete the group
-              *_session("g", 5, [[7]])]
+    events = [
+        _group("g", 2),
+        _group("g", 2),
+        *s0,
+        s0[-1],
+        *s1[:-1],
+        # a session id outside 0..n-1 settling must not complete the group
+        *_session("g", 5, [[7]]),
+    ]
     assert _fold_all(fold, events) == []
     assert "g" in fold.open
     [released] = fold.fold(len(events), s1[-1])
@@ -130,8 +147,9 @@ def test_a_log_without_seq_numbers_still_folds():
 def test_generation_before_its_segment_is_a_failed_record_not_an_exception():
     ids = {"uid": "g", "session_id": 0, "attempt": "a"}
     orphan = Generation(**ids, segment=0, turn=0, token_ids=[1], seq=0)  # head not in the log
-    finished = SessionFinished(**ids, outputs=[OutputSummary(segment=0, prompt_len=0, response_len=1)],
-                               seq=1)
+    finished = SessionFinished(
+        **ids, outputs=[OutputSummary(segment=0, prompt_len=0, response_len=1)], seq=1
+    )
     done = finalize_group(_released_one([_group("g", 1), orphan, finished]), ROLLOUT)
     [t] = done.trajectories
     assert t.status == TrajectoryStatus.FAILED and "segment_started" in t.error
@@ -139,24 +157,35 @@ def test_generation_before_its_segment_is_a_failed_record_not_an_exception():
 
 
 def test_row_with_a_string_prompt_releases_failed_records_and_a_dead_letter():
-    events = [_group("g", 2, row={"prompt": "a string prompt"}),
-              *_session("g", 0, [[1]]), SessionFailed(uid="g", session_id=1, attempt="a", error="x")]
+    events = [
+        _group("g", 2, row={"prompt": "a string prompt"}),
+        *_session("g", 0, [[1]]),
+        SessionFailed(uid="g", session_id=1, attempt="a", error="x"),
+    ]
     done = finalize_group(_released_one(events), ROLLOUT)
     assert [t.key for t in done.trajectories] == ["g_0_0", "g_1_0"]
-    assert all(t.status == TrajectoryStatus.FAILED and "row cannot be carried" in t.error
-               for t in done.trajectories)
+    assert all(
+        t.status == TrajectoryStatus.FAILED and "row cannot be carried" in t.error
+        for t in done.trajectories
+    )
     assert all(t.group_size == 2 and t.raw_prompt == [] for t in done.trajectories)
     assert len(done.records) == 2
     [letter] = done.letters
-    assert letter.key == "g" and "row.prompt must be a list of chat messages, got str" in letter.reason
+    assert (
+        letter.key == "g" and "row.prompt must be a list of chat messages, got str" in letter.reason
+    )
 
 
 def test_output_naming_tokens_never_logged_fails_only_its_session():
     bad = _session("g", 1, [[2]])
-    bad[-1] = bad[-1].model_copy(update={"outputs": [OutputSummary(segment=0, prompt_len=1,
-                                                                   response_len=50)]})
+    bad[-1] = bad[-1].model_copy(
+        update={"outputs": [OutputSummary(segment=0, prompt_len=1, response_len=50)]}
+    )
     done = finalize_group(_released_one([_group("g", 2), *_session("g", 0, [[1]]), *bad]), ROLLOUT)
-    assert [t.status for t in done.trajectories] == [TrajectoryStatus.COMPLETED, TrajectoryStatus.FAILED]
+    assert [t.status for t in done.trajectories] == [
+        TrajectoryStatus.COMPLETED,
+        TrajectoryStatus.FAILED,
+    ]
     assert "holds 2 tokens" in done.trajectories[1].error and len(done.letters) == 1
 
 
@@ -189,8 +218,11 @@ def test_uid_with_the_key_separator_is_released_and_keys_parse_back():
 
 def test_group_past_the_deadline_is_released_with_unsettled_sessions_failed():
     limits = FoldLimits(group_deadline_s=10.0)
-    old = [_group("old", 2, ts=100.0), *_session("old", 0, [[1]], ts=101.0),
-           *_session("old", 1, [[2]], ts=102.0)[:-1]]  # session 1 never finishes
+    old = [
+        _group("old", 2, ts=100.0),
+        *_session("old", 0, [[1]], ts=101.0),
+        *_session("old", 1, [[2]], ts=102.0)[:-1],
+    ]  # session 1 never finishes
     later = [_group("new", 1, ts=111.0)]  # 11 s after "old" opened
     fold = PartitionFold(0, limits=limits)
     assert _fold_all(fold, old) == []
@@ -209,10 +241,16 @@ def test_deadline_decisions_are_the_same_from_the_watermark_as_from_the_start():
     """A restart folds from the low watermark with the released uids read back; the offline
     replay folds from offset 0: both release the same records, byte for byte."""
     limits = FoldLimits(group_deadline_s=10.0, max_open_groups=3)
-    events = [_group("a", 1, ts=0.0), *_session("a", 0, [[1]], ts=1.0),
-              _group("b", 2, ts=2.0), *_session("b", 0, [[2]], ts=3.0),  # b never completes
-              _group("c", 1, ts=50.0),  # releases b past its deadline
-              *_session("c", 0, [[3]], ts=51.0), _group("d", 1, ts=52.0), *_session("d", 0, [[4]], ts=53.0)]
+    events = [
+        _group("a", 1, ts=0.0),
+        *_session("a", 0, [[1]], ts=1.0),
+        _group("b", 2, ts=2.0),
+        *_session("b", 0, [[2]], ts=3.0),  # b never completes
+        _group("c", 1, ts=50.0),  # releases b past its deadline
+        *_session("c", 0, [[3]], ts=51.0),
+        _group("d", 1, ts=52.0),
+        *_session("d", 0, [[4]], ts=53.0),
+    ]
     whole = PartitionFold(0, limits=limits)
     from_start = _records(_fold_all(whole, events))
     # stop after "a" was released; a restart resumes at the watermark with "a" remembered
@@ -220,7 +258,9 @@ def test_deadline_decisions_are_the_same_from_the_watermark_as_from_the_start():
     cut = 7
     before = _records(_fold_all(first, events[:cut]))
     resumed = PartitionFold(first.low_watermark(), released=first.released, limits=limits)
-    after = _records(_fold_all(resumed, events[first.low_watermark():], start=first.low_watermark()))
+    after = _records(
+        _fold_all(resumed, events[first.low_watermark() :], start=first.low_watermark())
+    )
     assert {**before, **after} == from_start
     assert set(from_start) == {"a_0_0", "b_0_0", "b_1_0", "c_0_0", "d_0_0"}
 
@@ -257,8 +297,11 @@ def test_too_many_open_groups_releases_the_oldest_as_failed():
 
 def test_released_memory_keeps_the_newest_uids():
     fold = PartitionFold(0, released=["r1", "r2"], limits=FoldLimits(max_released=2))
-    _fold_all(fold, [_group("g", 1), SessionFailed(uid="g", session_id=0, attempt="a", error="x")],
-              start=10)
+    _fold_all(
+        fold,
+        [_group("g", 1), SessionFailed(uid="g", session_id=0, attempt="a", error="x")],
+        start=10,
+    )
     assert list(fold.released) == ["r2", "g"] and fold.forgotten == 1
 
 
@@ -266,7 +309,11 @@ def test_group_over_max_n_is_rejected_without_trajectories():
     fold = PartitionFold(0, limits=FoldLimits(max_n=4))
     [released] = fold.fold(0, _group("big", 5000))
     done = finalize_group(released, ROLLOUT)
-    assert released.rejected and done.trajectories == [] and "limits.max_n = 4" in done.letters[0].reason
+    assert (
+        released.rejected
+        and done.trajectories == []
+        and "limits.max_n = 4" in done.letters[0].reason
+    )
     assert fold.fold(1, SessionFailed(uid="big", session_id=0, attempt="a", error="x")) == []
 
 
@@ -278,7 +325,11 @@ def test_limits_and_deadlines_come_from_the_config(tmp_path):
     assert cfg.replay_buffer.transactional_id is None and cfg.deadlines.group_s == 3600.0
     limits = FoldLimits.from_config(cfg)
     assert (limits.group_deadline_s, limits.max_open_groups, limits.max_released, limits.max_n) == (
-        3600.0, cfg.replay_buffer.max_open_groups, cfg.replay_buffer.max_released_uids, cfg.limits.max_n)
+        3600.0,
+        cfg.replay_buffer.max_open_groups,
+        cfg.replay_buffer.max_released_uids,
+        cfg.limits.max_n,
+    )
     path = tmp_path / "c.yaml"
     path.write_text("replay_buffer: {rescan_lookback_s: 60}\n")
     with pytest.raises(ConfigError, match="rescan_lookback_s"):
@@ -290,7 +341,9 @@ def test_released_topic_is_compacted_and_outlives_the_turn_log():
     released = topic_configs(cfg.kafka, Topics.from_config(cfg.kafka).released)
     assert released["cleanup.policy"] == "compact,delete"
     assert int(released["retention.ms"]) > cfg.kafka.retention_ms
-    assert topic_configs(cfg.kafka, Topics.from_config(cfg.kafka).turns)["cleanup.policy"] == "delete"
+    assert (
+        topic_configs(cfg.kafka, Topics.from_config(cfg.kafka).turns)["cleanup.policy"] == "delete"
+    )
     record = ReleasedRecord(uid="a_b", partition=1, trajectories=2, failed=1)
     assert ReleasedRecord.model_validate_json(record.encode()).uid == "a_b"
 

@@ -22,8 +22,14 @@ pytestmark = pytest.mark.kafka  # replay-buffer processes on the test broker
 
 
 def _produce(kafka: KafkaConfig, events) -> None:
-    p = Producer({**kafka.client_settings(), "enable.idempotence": True, "linger.ms": 5,
-                  "message.max.bytes": kafka.max_message_bytes})
+    p = Producer(
+        {
+            **kafka.client_settings(),
+            "enable.idempotence": True,
+            "linger.ms": 5,
+            "message.max.bytes": kafka.max_message_bytes,
+        }
+    )
     topic = Topics.from_config(kafka).turns
     for uid, key, value in events:
         p.produce(topic, key=key, value=value, partition=partition_for(uid, kafka.partitions))
@@ -48,8 +54,12 @@ def _wait_for(cfg: Config, count: int, timeout_s: float) -> list[str]:
 
 @pytest.mark.slow
 def test_sigkill_and_restart_release_every_group_exactly_once(kafka_config, tmp_path):
-    cfg = Config(kafka=kafka_config, replay_buffer=ReplayBufferConfig(
-        group_id=unique_name("rb"), transactional_id=unique_name("tx")))
+    cfg = Config(
+        kafka=kafka_config,
+        replay_buffer=ReplayBufferConfig(
+            group_id=unique_name("rb"), transactional_id=unique_name("tx")
+        ),
+    )
     config_path = write_config(cfg, tmp_path / "c.yaml")
     first, second = make_events(150), make_events(150)
     _produce(kafka_config, first)
@@ -84,13 +94,19 @@ def test_sigkill_and_restart_release_every_group_exactly_once(kafka_config, tmp_
 
 def test_group_waits_for_all_sessions(kafka_config, tmp_path):
     """A group with one session still running is not released (no silently short group)."""
-    cfg = Config(kafka=kafka_config, replay_buffer=ReplayBufferConfig(
-        group_id=unique_name("rb"), transactional_id=unique_name("tx")))
+    cfg = Config(
+        kafka=kafka_config,
+        replay_buffer=ReplayBufferConfig(
+            group_id=unique_name("rb"), transactional_id=unique_name("tx")
+        ),
+    )
     uid = uuid.uuid4().hex
     events = group_events(uid)
     *all_but_last, last = events
     _produce(kafka_config, all_but_last)
-    proc = spawn(["replay-buffer", "run"], write_config(cfg, tmp_path / "c.yaml"), tmp_path / "rb.log")
+    proc = spawn(
+        ["replay-buffer", "run"], write_config(cfg, tmp_path / "c.yaml"), tmp_path / "rb.log"
+    )
     try:
         time.sleep(6)
         assert _trajectory_keys(cfg) == []

@@ -45,7 +45,9 @@ WAIT_S = 120.0  # seconds for a buffer to release what was produced (two busy co
 
 
 def _config(kafka: KafkaConfig, **overrides) -> Config:
-    return with_overrides(Config(kafka=kafka), {"replay_buffer.group_id": unique_name("rb"), **overrides})
+    return with_overrides(
+        Config(kafka=kafka), {"replay_buffer.group_id": unique_name("rb"), **overrides}
+    )
 
 
 def _produce(kafka: KafkaConfig, events) -> None:
@@ -53,7 +55,9 @@ def _produce(kafka: KafkaConfig, events) -> None:
     producer = idempotent_producer(kafka, {"linger.ms": 5})
     topic = Topics.from_config(kafka).turns
     for uid, key, value in events:
-        producer.produce(topic, key=key, value=value, partition=partition_for(uid, kafka.partitions))
+        producer.produce(
+            topic, key=key, value=value, partition=partition_for(uid, kafka.partitions)
+        )
         producer.poll(0)
     assert producer.flush(30) == 0
 
@@ -146,11 +150,15 @@ def test_a_new_group_id_releases_nothing_twice(kafka_config: KafkaConfig):
         keys = _wait_for_keys(second, _expected_keys(uids + markers))
     assert not _dupes(keys), f"released twice: {sorted(_dupes(keys))[:5]}"
     assert set(keys) == _expected_keys(uids + markers)
-    released = [ReleasedRecord.model_validate_json(m.value())
-                for m in read_topic(first, Topics.from_config(kafka_config).released)]
+    released = [
+        ReleasedRecord.model_validate_json(m.value())
+        for m in read_topic(first, Topics.from_config(kafka_config).released)
+    ]
     assert sorted(r.uid for r in released) == sorted(uids + markers)
-    assert all(r.trajectories == N and r.partition == partition_for(r.uid, kafka_config.partitions)
-               for r in released)
+    assert all(
+        r.trajectories == N and r.partition == partition_for(r.uid, kafka_config.partitions)
+        for r in released
+    )
 
 
 # --- 3. a uid with the key separator ---------------------------------------------------------
@@ -165,8 +173,10 @@ def test_uid_with_an_underscore_is_released_once_across_a_restart(kafka_config: 
         _wait_for_keys(cfg, _expected_keys([uid]))
     # the session worker re-runs the released group (a redelivered prompt), then restart
     markers = _uids_on_every_partition(kafka_config)
-    _produce(kafka_config, group_events(uid, attempt="rerun")
-             + [e for m in markers for e in group_events(m)])
+    _produce(
+        kafka_config,
+        group_events(uid, attempt="rerun") + [e for m in markers for e in group_events(m)],
+    )
     with _buffer(cfg):
         keys = _wait_for_keys(cfg, _expected_keys(markers))
     assert Counter(keys) == Counter(_expected_keys([uid] + markers))
@@ -177,7 +187,9 @@ def test_uid_with_an_underscore_is_released_once_across_a_restart(kafka_config: 
 
 
 def test_partition_counts_are_checked_against_the_cluster(kafka_bootstrap: str):
-    kafka = KafkaConfig(bootstrap_servers=kafka_bootstrap, topic_prefix=unique_name("t"), partitions=2)
+    kafka = KafkaConfig(
+        bootstrap_servers=kafka_bootstrap, topic_prefix=unique_name("t"), partitions=2
+    )
     topics = Topics.from_config(kafka)
     admin = admin_client(kafka)
     counts = {topics.prompts: 2, topics.turns: 3, topics.trajectories: 2, topics.dlq: 1}
@@ -218,16 +230,21 @@ def _wait_until_visible(kafka: KafkaConfig, topic: str, timeout_s: float = 30.0)
 
 
 def _stamped(events, ts: float) -> list[tuple[str, str, bytes]]:
-    return [(uid, key, encode_turn_event(decode_turn_event(value).model_copy(update={"ts": ts})))
-            for uid, key, value in events]
+    return [
+        (uid, key, encode_turn_event(decode_turn_event(value).model_copy(update={"ts": ts})))
+        for uid, key, value in events
+    ]
 
 
 @pytest.mark.slow
 def test_a_group_past_its_deadline_is_released_as_failed_records(kafka_config: KafkaConfig):
     cfg = _config(kafka_config, **{"deadlines.group_s": 5.0})
     stuck = f"s{uuid.uuid4().hex[:10]}"
-    later = next(u for u in (f"l{uuid.uuid4().hex[:10]}" for _ in range(100))
-                 if partition_for(u, 2) == partition_for(stuck, 2))
+    later = next(
+        u
+        for u in (f"l{uuid.uuid4().hex[:10]}" for _ in range(100))
+        if partition_for(u, 2) == partition_for(stuck, 2)
+    )
     now = time.time()
     _produce(kafka_config, _stamped(group_events(stuck)[:-1], now))  # the last session never ends
     _produce(kafka_config, _stamped(group_events(later), now + 10))  # 10 s of log time later
@@ -238,7 +255,9 @@ def test_a_group_past_its_deadline_is_released_as_failed_records(kafka_config: K
     last = f"{stuck}_{N - 1}_0"
     [failed] = records[last]
     assert failed.status.value == "failed" and "deadlines.group_s = 5 s" in failed.error
-    assert all(records[k][0].status.value == "completed" for k in _expected_keys([stuck, later]) - {last})
+    assert all(
+        records[k][0].status.value == "completed" for k in _expected_keys([stuck, later]) - {last}
+    )
     assert any("deadlines.group_s" in letter["reason"] for letter in dead_letters(cfg))
 
 
@@ -246,7 +265,9 @@ def test_a_group_past_its_deadline_is_released_as_failed_records(kafka_config: K
 
 
 @pytest.mark.slow
-def test_poison_groups_become_failed_records_and_the_process_goes_on(kafka_config: KafkaConfig, tmp_path):
+def test_poison_groups_become_failed_records_and_the_process_goes_on(
+    kafka_config: KafkaConfig, tmp_path
+):
     cfg = _config(kafka_config)
     string_prompt, orphan = f"p{uuid.uuid4().hex[:10]}", f"o{uuid.uuid4().hex[:10]}"
     ids = {"uid": orphan, "session_id": 0, "attempt": "a"}
@@ -256,22 +277,30 @@ def test_poison_groups_become_failed_records_and_the_process_goes_on(kafka_confi
         GroupStarted(uid=orphan, attempt="a", n=1, row=ROW),
         # the head of the session is missing: a generation and a finish, seq 1 and 2
         Generation(**ids, segment=0, turn=0, token_ids=[1], seq=1),
-        SessionFinished(**ids, outputs=[OutputSummary(segment=0, prompt_len=0, response_len=1)], seq=2))
+        SessionFinished(
+            **ids, outputs=[OutputSummary(segment=0, prompt_len=0, response_len=1)], seq=2
+        ),
+    )
     good = _uids_on_every_partition(kafka_config, "good")
     _produce(kafka_config, poison)
     log = tmp_path / "rb.log"
-    with running([spawn(["replay-buffer", "run"], write_config(cfg, tmp_path / "c.yaml"), log)]) as [proc]:
+    with running(
+        [spawn(["replay-buffer", "run"], write_config(cfg, tmp_path / "c.yaml"), log)]
+    ) as [proc]:
         _wait_for_keys(cfg, {f"{string_prompt}_0_0", f"{orphan}_0_0"}, procs=[proc])
         _produce(kafka_config, [e for uid in good for e in group_events(uid)])
-        keys = _wait_for_keys(cfg, _expected_keys(good) | {f"{string_prompt}_0_0", f"{orphan}_0_0"},
-                              procs=[proc])
+        keys = _wait_for_keys(
+            cfg, _expected_keys(good) | {f"{string_prompt}_0_0", f"{orphan}_0_0"}, procs=[proc]
+        )
         assert proc.poll() is None, log.read_text()[-3000:]
     assert not _dupes(keys)
     records = _trajectories(cfg)
     [bad_row] = records[f"{string_prompt}_0_0"]
     assert bad_row.status.value == "failed" and "row cannot be carried" in bad_row.error
     [headless] = records[f"{orphan}_0_0"]
-    assert headless.status.value == "failed" and "seq 0..1 are not in the turn log" in headless.error
+    assert (
+        headless.status.value == "failed" and "seq 0..1 are not in the turn log" in headless.error
+    )
     reasons = [letter["reason"] for letter in dead_letters(cfg)]
     assert any(string_prompt in r and "row.prompt must be a list" in r for r in reasons)
     assert any(f"{orphan}_0" in r and "not in the turn log" in r for r in reasons)
@@ -281,7 +310,9 @@ def test_poison_groups_become_failed_records_and_the_process_goes_on(kafka_confi
 
 
 @pytest.mark.slow
-def test_two_buffers_from_one_config_share_the_work_without_fencing(kafka_config: KafkaConfig, tmp_path):
+def test_two_buffers_from_one_config_share_the_work_without_fencing(
+    kafka_config: KafkaConfig, tmp_path
+):
     cfg = _config(kafka_config)
     assert cfg.replay_buffer.transactional_id is None  # each process makes its own
     config_path = write_config(cfg, tmp_path / "c.yaml")
@@ -300,7 +331,8 @@ def test_two_buffers_from_one_config_share_the_work_without_fencing(kafka_config
 
 @pytest.mark.slow
 def test_a_pinned_transactional_id_in_two_processes_ends_the_older_with_one_line(
-        kafka_config: KafkaConfig, tmp_path):
+    kafka_config: KafkaConfig, tmp_path
+):
     """Pinning replay_buffer.transactional_id and starting it twice fences the first
     process: a fatal error, which ends it with exit code 1 and one line naming the cause."""
     cfg = _config(kafka_config, **{"replay_buffer.transactional_id": unique_name("pinned")})
@@ -327,16 +359,24 @@ def test_a_pinned_transactional_id_in_two_processes_ends_the_older_with_one_line
 def test_the_buffer_survives_a_broker_restart(tmp_path: Path):
     port = free_port()
     broker_cfg = Config(
-        broker=BrokerConfig(data_dir=tmp_path / "kafka", port=port, controller_port=free_port(),
-                            heap="256m", start_timeout_s=120.0),
-        kafka=KafkaConfig(bootstrap_servers=f"127.0.0.1:{port}", topic_prefix="r", partitions=2))
+        broker=BrokerConfig(
+            data_dir=tmp_path / "kafka",
+            port=port,
+            controller_port=free_port(),
+            heap="256m",
+            start_timeout_s=120.0,
+        ),
+        kafka=KafkaConfig(bootstrap_servers=f"127.0.0.1:{port}", topic_prefix="r", partitions=2),
+    )
     cfg = _config(broker_cfg.kafka)
     uids = [f"b{uuid.uuid4().hex[:10]}" for _ in range(300)]
     log = tmp_path / "rb.log"
     try:
         start_broker(broker_cfg)
         ensure_topics(cfg.kafka)
-        with running([spawn(["replay-buffer", "run"], write_config(cfg, tmp_path / "c.yaml"), log)]) as [proc]:
+        with running(
+            [spawn(["replay-buffer", "run"], write_config(cfg, tmp_path / "c.yaml"), log)]
+        ) as [proc]:
             _wait_for_recovered(log, proc)
             # groups keep arriving (the producer queues while the broker is down), so the
             # buffer is between polls and commits when the broker goes away
@@ -361,7 +401,9 @@ def _trickle(kafka: KafkaConfig, uids: list[str], pause_s: float) -> None:
     topic = Topics.from_config(kafka).turns
     for uid in uids:
         for _, key, value in group_events(uid):
-            producer.produce(topic, key=key, value=value, partition=partition_for(uid, kafka.partitions))
+            producer.produce(
+                topic, key=key, value=value, partition=partition_for(uid, kafka.partitions)
+            )
         producer.poll(pause_s)
     assert producer.flush(120) == 0
 

@@ -13,7 +13,9 @@ from rolloutbus.replica.engine import DecodeEngine, sample_tokens
 from rolloutbus.replica.generation import EngineSampling, GenerationRequest, RequestRejectedError
 
 
-def _request(temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1, **kw) -> GenerationRequest:
+def _request(
+    temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1, **kw
+) -> GenerationRequest:
     return GenerationRequest(
         request_id=kw.pop("request_id", "r"),
         prompt_ids=kw.pop("prompt_ids", [1, 2, 3]),
@@ -45,7 +47,10 @@ def test_top_p_keeps_the_smallest_set_reaching_p_and_renormalises():
     tokens, logprobs = _draw(_request(top_p=0.7), 5_000)
     assert set(tokens.tolist()) == {0, 1}
     expected = {0: math.log(0.5 / 0.8), 1: math.log(0.3 / 0.8)}
-    assert all(abs(lp - expected[t]) < 1e-5 for t, lp in zip(tokens.tolist(), logprobs.tolist(), strict=True))
+    assert all(
+        abs(lp - expected[t]) < 1e-5
+        for t, lp in zip(tokens.tolist(), logprobs.tolist(), strict=True)
+    )
 
 
 def test_top_k_and_temperature():
@@ -81,7 +86,10 @@ def engine():
 
 async def test_batch_never_exceeds_max_batch_size(engine):
     engine.stats.batch_sizes.clear()
-    requests = [_request(prompt_ids=[i + 1] * (i + 2), max_tokens=6, ignore_eos=True, seed=i) for i in range(10)]
+    requests = [
+        _request(prompt_ids=[i + 1] * (i + 2), max_tokens=6, ignore_eos=True, seed=i)
+        for i in range(10)
+    ]
     results = await asyncio.gather(*[engine.submit(r) for r in requests])
     assert all(len(r.token_ids) == 6 and r.finish_reason == "length" for r in results)
     assert engine.stats.max_batch_size_seen == 4
@@ -89,7 +97,9 @@ async def test_batch_never_exceeds_max_batch_size(engine):
 
 
 async def test_cancelled_request_is_aborted_and_the_batch_goes_on(engine):
-    long = asyncio.ensure_future(engine.submit(_request(max_tokens=60, ignore_eos=True, prompt_ids=[5])))
+    long = asyncio.ensure_future(
+        engine.submit(_request(max_tokens=60, ignore_eos=True, prompt_ids=[5]))
+    )
     await asyncio.sleep(0.05)
     long.cancel()
     short = await engine.submit(_request(max_tokens=3, ignore_eos=True))
@@ -109,7 +119,9 @@ async def test_prompt_over_max_model_len_is_rejected(engine):
 
 async def test_eos_as_first_token_finishes_at_prefill(engine):
     greedy = await engine.submit(_request(temperature=0.0, max_tokens=1))
-    result = await engine.submit(_request(temperature=0.0, max_tokens=5, stop_token_ids=[greedy.token_ids[0]]))
+    result = await engine.submit(
+        _request(temperature=0.0, max_tokens=5, stop_token_ids=[greedy.token_ids[0]])
+    )
     assert result.token_ids == greedy.token_ids and result.finish_reason == "stop"
 
 

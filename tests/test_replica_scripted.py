@@ -15,36 +15,78 @@ def _config() -> Config:
 
 
 async def test_scripted_turns_are_served_in_order_and_say_they_are_scripted():
-    engine = ScriptedEngine([ScriptedTurn([5, 6, 7], logprobs=[-0.1, -0.2, -0.3]), [8, 9]], eos_token_ids=frozenset({9}))
-    async with await start_replica(_config(), engine) as replica, httpx.AsyncClient(base_url=replica.url) as client:
+    engine = ScriptedEngine(
+        [ScriptedTurn([5, 6, 7], logprobs=[-0.1, -0.2, -0.3]), [8, 9]], eos_token_ids=frozenset({9})
+    )
+    async with (
+        await start_replica(_config(), engine) as replica,
+        httpx.AsyncClient(base_url=replica.url) as client,
+    ):
         models = (await client.get("/v1/models")).json()
         assert models["data"][0]["owned_by"] == "scripted-test-double"
         body = {"prompt": [1, 2], "max_tokens": 10, "logprobs": 0, "return_token_ids": True}
         first = (await client.post("/v1/completions", json=body)).json()["choices"][0]
-        assert first["token_ids"] == [5, 6, 7] and first["logprobs"]["token_logprobs"] == [-0.1, -0.2, -0.3]
-        assert first["logprobs"]["tokens"] == ["token_id:5", "token_id:6", "token_id:7"]  # no tokenizer
-        second = (await client.post("/inference/v1/generate", json={"token_ids": [3], "sampling_params": {"logprobs": 0}})).json()
-        assert second["choices"][0]["token_ids"] == [8, 9] and second["choices"][0]["finish_reason"] == "stop"
+        assert first["token_ids"] == [5, 6, 7] and first["logprobs"]["token_logprobs"] == [
+            -0.1,
+            -0.2,
+            -0.3,
+        ]
+        assert first["logprobs"]["tokens"] == [
+            "token_id:5",
+            "token_id:6",
+            "token_id:7",
+        ]  # no tokenizer
+        second = (
+            await client.post(
+                "/inference/v1/generate",
+                json={"token_ids": [3], "sampling_params": {"logprobs": 0}},
+            )
+        ).json()
+        assert (
+            second["choices"][0]["token_ids"] == [8, 9]
+            and second["choices"][0]["finish_reason"] == "stop"
+        )
         exhausted = await client.post("/v1/completions", json=body)
-        assert exhausted.status_code == 500 and "no turn left" in exhausted.json()["error"]["message"]
+        assert (
+            exhausted.status_code == 500 and "no turn left" in exhausted.json()["error"]["message"]
+        )
     assert [call.prompt_ids for call in engine.calls] == [[1, 2], [3], [1, 2]]
 
 
 async def test_scripted_callable_honours_max_tokens_and_stop_ids():
     engine = ScriptedEngine(lambda prompt: list(range(100, 100 + len(prompt) * 3)))
-    async with await start_replica(_config(), engine) as replica, httpx.AsyncClient(base_url=replica.url) as client:
-        out = (await client.post("/generate", json={"input_ids": [1, 2, 3], "return_logprob": True,
-                                                     "sampling_params": {"max_new_tokens": 4}})).json()
+    async with (
+        await start_replica(_config(), engine) as replica,
+        httpx.AsyncClient(base_url=replica.url) as client,
+    ):
+        out = (
+            await client.post(
+                "/generate",
+                json={
+                    "input_ids": [1, 2, 3],
+                    "return_logprob": True,
+                    "sampling_params": {"max_new_tokens": 4},
+                },
+            )
+        ).json()
         assert out["output_ids"] == [100, 101, 102, 103]
         assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 4}
-        stopped = (await client.post("/generate", json={"input_ids": [1, 2], "sampling_params": {"stop_token_ids": [102]}})).json()
+        stopped = (
+            await client.post(
+                "/generate",
+                json={"input_ids": [1, 2], "sampling_params": {"stop_token_ids": [102]}},
+            )
+        ).json()
         assert stopped["output_ids"] == [100, 101, 102]
         assert stopped["meta_info"]["finish_reason"] == {"type": "stop", "matched": 102}
 
 
 async def test_hang_then_recover():
     engine = ScriptedEngine(lambda prompt: [1, 2])
-    async with await start_replica(_config(), engine) as replica, httpx.AsyncClient(base_url=replica.url) as client:
+    async with (
+        await start_replica(_config(), engine) as replica,
+        httpx.AsyncClient(base_url=replica.url) as client,
+    ):
         engine.hang()
         with pytest.raises(httpx.ReadTimeout):
             await client.post("/v1/completions", json={"prompt": [1]}, timeout=0.3)
@@ -56,10 +98,15 @@ async def test_hang_then_recover():
 
 async def test_fail_is_a_500_and_unhealthy():
     engine = ScriptedEngine(lambda prompt: [1])
-    async with await start_replica(_config(), engine) as replica, httpx.AsyncClient(base_url=replica.url) as client:
+    async with (
+        await start_replica(_config(), engine) as replica,
+        httpx.AsyncClient(base_url=replica.url) as client,
+    ):
         engine.fail("replica on fire")
         response = await client.post("/v1/completions", json={"prompt": [1]})
-        assert response.status_code == 500 and "replica on fire" in response.json()["error"]["message"]
+        assert (
+            response.status_code == 500 and "replica on fire" in response.json()["error"]["message"]
+        )
         assert (await client.get("/health")).status_code == 503
         engine.recover()
         assert (await client.get("/health")).status_code == 200
@@ -67,6 +114,9 @@ async def test_fail_is_a_500_and_unhealthy():
 
 async def test_token_delay_slows_the_reply():
     engine = ScriptedEngine(lambda prompt: [1, 2, 3, 4], token_delay_s=0.05)
-    async with await start_replica(_config(), engine) as replica, httpx.AsyncClient(base_url=replica.url) as client:
+    async with (
+        await start_replica(_config(), engine) as replica,
+        httpx.AsyncClient(base_url=replica.url) as client,
+    ):
         out = (await client.post("/generate", json={"input_ids": [1]})).json()
         assert out["meta_info"]["e2e_latency"] >= 0.2

@@ -1,4 +1,5 @@
-"""Reward: the arithmetic scorer, selection by data_source, and score_outputs (verl V1 semantics)."""
+"""Reward: the arithmetic scorer, selection by data_source, and score_outputs (verl V1
+semantics)."""
 
 import sys
 from pathlib import Path
@@ -17,8 +18,12 @@ from rolloutbus.streams.agent_loop.reward import (  # noqa: E402
     split_result,
 )
 
-ROW = {"data_source": "my/math", "prompt": [{"role": "user", "content": "计算 18 * 7"}],
-       "reward_model": {"style": "rule", "ground_truth": "126"}, "extra_info": {"index": 42}}
+ROW = {
+    "data_source": "my/math",
+    "prompt": [{"role": "user", "content": "计算 18 * 7"}],
+    "reward_model": {"style": "rule", "ground_truth": "126"},
+    "extra_info": {"index": 42},
+}
 
 
 @pytest.fixture(scope="module")
@@ -28,14 +33,27 @@ def tok():
 
 def output(tok, text, **fields):
     ids = tok.encode(text, add_special_tokens=False) + [tok.convert_tokens_to_ids("<|im_end|>")]
-    return AgentLoopOutput(prompt_ids=[1], response_ids=ids, response_mask=[1] * len(ids),
-                           metrics=AgentLoopMetrics(), **fields)
+    return AgentLoopOutput(
+        prompt_ids=[1],
+        response_ids=ids,
+        response_mask=[1] * len(ids),
+        metrics=AgentLoopMetrics(),
+        **fields,
+    )
 
 
-@pytest.mark.parametrize("answer, score", [
-    ("18 * 7 = 126", 1.0), ("The answer is 126.", 1.0), ("126.0", 1.0), ("about 125", 0.0), ("no idea", 0.0),
-    ("1,260 / 10 = 126", 1.0), ("126 then 127", 0.0),
-])
+@pytest.mark.parametrize(
+    "answer, score",
+    [
+        ("18 * 7 = 126", 1.0),
+        ("The answer is 126.", 1.0),
+        ("126.0", 1.0),
+        ("about 125", 0.0),
+        ("no idea", 0.0),
+        ("1,260 / 10 = 126", 1.0),
+        ("126 then 127", 0.0),
+    ],
+)
 def test_arithmetic_score(answer, score):
     assert arithmetic_score("my/math", answer, "126", None) == score
 
@@ -62,17 +80,29 @@ def test_scores_the_last_output_and_copies_to_earlier(tok):
         seen.append((data_source, solution_str, ground_truth, extra_info))
         return arithmetic_score(data_source, solution_str, ground_truth, extra_info)
 
-    outs = [output(tok, "wrong 5"), output(tok, "The answer is 126.", num_turns=4,
-                                             extra_fields={"tool_rewards": [0.5]})]
+    outs = [
+        output(tok, "wrong 5"),
+        output(tok, "The answer is 126.", num_turns=4, extra_fields={"tool_rewards": [0.5]}),
+    ]
     score_outputs(outs, ROW, tok, compute_score=spy)
     assert len(seen) == 1
     data_source, solution, truth, info = seen[0]
-    assert (data_source, solution, truth) == ("my/math", "The answer is 126.", "126")  # special tokens skipped
-    assert info["index"] == 42 and info["num_turns"] == 4 and info["tool_extra_fields"]["tool_rewards"] == [0.5]
+    assert (data_source, solution, truth) == (
+        "my/math",
+        "The answer is 126.",
+        "126",
+    )  # special tokens skipped
+    assert (
+        info["index"] == 42
+        and info["num_turns"] == 4
+        and info["tool_extra_fields"]["tool_rewards"] == [0.5]
+    )
     assert [o.reward_score for o in outs] == [1.0, 1.0]
     assert outs[0].extra_fields["reward_extra_info"] == {"acc": 1.0}
     assert outs[1].metrics.compute_score > 0 and outs[0].metrics.compute_score == 0
-    assert outs[1].as_dict()["rm_scores"][-1] == 1.0 and set(outs[1].as_dict()["rm_scores"][:-1]) == {0.0}
+    assert outs[1].as_dict()["rm_scores"][-1] == 1.0 and set(
+        outs[1].as_dict()["rm_scores"][:-1]
+    ) == {0.0}
 
 
 def test_default_scorer_is_used_for_the_seed_row(tok):
@@ -85,7 +115,11 @@ def test_skips_outputs_the_loop_already_scored(tok):
     def boom(*args):
         raise AssertionError("must not be called")
 
-    outs = [output(tok, "a", reward_score=0.25), output(tok, "b"), output(tok, "c", reward_score=0.75)]
+    outs = [
+        output(tok, "a", reward_score=0.25),
+        output(tok, "b"),
+        output(tok, "c", reward_score=0.75),
+    ]
     score_outputs(outs, ROW, tok, compute_score=boom)
     assert [o.reward_score for o in outs] == [0.25, 0.75, 0.75]
 

@@ -257,20 +257,34 @@ def test_the_workers_run_end_to_end_over_sasl(sasl_broker: Config, tmp_path: Pat
 
     tok = qwen3_tokenizer()
     end = tok.convert_tokens_to_ids("<|im_end|>")
-    engine = ScriptedEngine(lambda prompt: ScriptedTurn([*tok.encode("5"), end]),
-                            tokenizer=tok, eos_token_ids=frozenset({end}))
+    engine = ScriptedEngine(
+        lambda prompt: ScriptedTurn([*tok.encode("5"), end]),
+        tokenizer=tok,
+        eos_token_ids=frozenset({end}),
+    )
     kafka = _client(sasl_broker, "trainer", USERS["trainer"])
     ensure_topics(kafka)
-    cfg = with_overrides(sasl_broker, {
-        "kafka": kafka.model_dump(), "model.name": "tiny-qwen3", "replica_server.port": 0,
-        "rollout.n": 2, "rollout.prompt_length": 64, "rollout.response_length": 16,
-        "sessions.app_id": unique_name("s"), "replay_buffer.group_id": unique_name("rb"),
-        "replay_buffer.transactional_id": unique_name("tx")})
+    cfg = with_overrides(
+        sasl_broker,
+        {
+            "kafka": kafka.model_dump(),
+            "model.name": "tiny-qwen3",
+            "replica_server.port": 0,
+            "rollout.n": 2,
+            "rollout.prompt_length": 64,
+            "rollout.response_length": 16,
+            "sessions.app_id": unique_name("s"),
+            "replay_buffer.group_id": unique_name("rb"),
+            "replay_buffer.transactional_id": unique_name("tx"),
+        },
+    )
     with replica_in_thread(cfg, engine) as replica:
         cfg = with_overrides(cfg, {"replicas.urls": [replica.url]})
         config_path = write_config(cfg, tmp_path / "config.yaml")
-        workers = [spawn(["sessions", "run"], config_path, tmp_path / "sessions.log"),
-                   spawn(["replay-buffer", "run"], config_path, tmp_path / "replay.log")]
+        workers = [
+            spawn(["sessions", "run"], config_path, tmp_path / "sessions.log"),
+            spawn(["replay-buffer", "run"], config_path, tmp_path / "replay.log"),
+        ]
         with running(workers):
             group = build_group(cfg, make_arithmetic_rows(1, seed=3, tool_fraction=0.0)[0])
             publisher = PromptPublisher(cfg)

@@ -30,7 +30,8 @@ def _scan(events) -> TurnLogScan:
 
 def test_finished_groups_are_dropped_and_unfinished_sessions_listed():
     events = [
-        _group("g1"), _group("g2"),
+        _group("g1"),
+        _group("g2"),
         SessionStarted(**_ids("g1", 0), agent_name="a", seq=0),
         SessionFinished(**_ids("g1", 0), outputs=[], seq=1),
         SessionStarted(**_ids("g1", 1), agent_name="a", seq=0),
@@ -57,7 +58,8 @@ def test_duplicate_writes_are_folded_once():
         _group("g", n=1),
         SessionStarted(**_ids("g", 0), agent_name="a", seq=0),
         SegmentStarted(**_ids("g", 0), segment=0, prompt_ids=[1], seq=1),
-        gen, gen,  # a producer retry wrote the generation twice
+        gen,
+        gen,  # a producer retry wrote the generation twice
     ]
     [unfinished] = _scan(events).unfinished()
     attempt = unfinished.sessions[0]

@@ -39,9 +39,12 @@ class CountingClient:
     async def generate(self, request_id, *, prompt_ids, sampling_params, **kwargs):
         self.calls += 1
         base = 100 * self.calls
-        return TokenOutput(token_ids=[base, base + 1], log_probs=[-0.5, -0.25],
-                           stop_reason="completed",
-                           extra_fields={"weight_version": 4, "replica_id": "r0"})
+        return TokenOutput(
+            token_ids=[base, base + 1],
+            log_probs=[-0.5, -0.25],
+            stop_reason="completed",
+            extra_fields={"weight_version": 4, "replica_id": "r0"},
+        )
 
 
 @register("two_turn_test")
@@ -50,23 +53,31 @@ class TwoTurnLoop(AgentLoopBase):
 
     async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> AgentLoopOutput:
         first = await self.server_manager.generate(
-            "r", prompt_ids=PROMPT, sampling_params=sampling_params)
+            "r", prompt_ids=PROMPT, sampling_params=sampling_params
+        )
         obs = list(type(self).observation)
         second = await self.server_manager.generate(
-            "r", prompt_ids=PROMPT + first.token_ids + obs, sampling_params=sampling_params)
+            "r", prompt_ids=PROMPT + first.token_ids + obs, sampling_params=sampling_params
+        )
         response = first.token_ids + obs + second.token_ids
         return AgentLoopOutput(
-            prompt_ids=PROMPT, response_ids=response,
+            prompt_ids=PROMPT,
+            response_ids=response,
             response_mask=[1, 1] + [0] * len(obs) + [1, 1],
             response_logprobs=first.log_probs + [0.0] * len(obs) + second.log_probs,
-            num_turns=3, metrics=AgentLoopMetrics(),
-            extra_fields=dict(second.extra_fields))
+            num_turns=3,
+            metrics=AgentLoopMetrics(),
+            extra_fields=dict(second.extra_fields),
+        )
 
 
 def _group(uid: str = "g1", n: int = 2) -> PromptGroup:
-    return PromptGroup(uid=uid, n=n, sampling_params=GroupSamplingParams(),
-                       row={"prompt": [{"role": "user", "content": "hi"}],
-                            "agent_name": "two_turn_test"})
+    return PromptGroup(
+        uid=uid,
+        n=n,
+        sampling_params=GroupSamplingParams(),
+        row={"prompt": [{"role": "user", "content": "hi"}], "agent_name": "two_turn_test"},
+    )
 
 
 class Log:
@@ -90,8 +101,10 @@ def _released(events: list[Any]):
 
 
 def _columns(trajectories) -> list[tuple]:
-    return [(t.key, t.status.value, t.responses, t.response_mask, t.rollout_log_probs,
-             t.extra_fields) for t in trajectories]
+    return [
+        (t.key, t.status.value, t.responses, t.response_mask, t.rollout_log_probs, t.extra_fields)
+        for t in trajectories
+    ]
 
 
 def _crash_after(events: list[Any], generations: int) -> list[Any]:
@@ -113,15 +126,23 @@ async def _resume(log: Log, client: CountingClient) -> SessionContext:
         scan.apply(offset, event)
     ctx = SessionContext(config=Config(), tokenizer=None, llm_client=client)
     for unfinished in scan.unfinished():
-        await run_sessions(ctx, prompt_group_of(unfinished.group), unfinished.group.attempt,
-                           log.emit, resume=unfinished.sessions)
+        await run_sessions(
+            ctx,
+            prompt_group_of(unfinished.group),
+            unfinished.group.attempt,
+            log.emit,
+            resume=unfinished.sessions,
+        )
     return ctx
 
 
 async def _fault_free() -> list[tuple]:
     log = Log()
-    await run_group(SessionContext(config=Config(), tokenizer=None, llm_client=CountingClient()),
-                    _group(), log.emit)
+    await run_group(
+        SessionContext(config=Config(), tokenizer=None, llm_client=CountingClient()),
+        _group(),
+        log.emit,
+    )
     return _columns(_released(log.events))
 
 
@@ -149,8 +170,11 @@ async def test_resumed_sessions_replay_their_log_and_sample_nothing_twice():
 async def test_a_duplicated_event_in_the_log_does_not_change_the_result():
     reference = await _fault_free()
     log = Log()
-    await run_group(SessionContext(config=Config(), tokenizer=None, llm_client=CountingClient()),
-                    _group(), log.emit)
+    await run_group(
+        SessionContext(config=Config(), tokenizer=None, llm_client=CountingClient()),
+        _group(),
+        log.emit,
+    )
     generation = next(e for e in log.events if e.type == "generation")
     at = log.events.index(generation)
     log.events.insert(at + 1, generation)  # a producer retry wrote it twice
@@ -159,8 +183,11 @@ async def test_a_duplicated_event_in_the_log_does_not_change_the_result():
 
 async def test_a_loop_that_diverges_from_its_log_restarts_as_a_new_attempt(monkeypatch):
     full = Log()
-    await run_group(SessionContext(config=Config(), tokenizer=None, llm_client=CountingClient()),
-                    _group(n=1), full.emit)
+    await run_group(
+        SessionContext(config=Config(), tokenizer=None, llm_client=CountingClient()),
+        _group(n=1),
+        full.emit,
+    )
     crashed = Log()
     crashed.events = _crash_after(full.events, generations=2)[:-1]  # the observation is logged
     monkeypatch.setattr(TwoTurnLoop, "observation", [9, 9, 9])  # the tool answers differently
@@ -181,8 +208,11 @@ async def test_a_loop_that_diverges_from_its_log_restarts_as_a_new_attempt(monke
 async def test_any_crash_point_resumes_to_the_fault_free_result(generations):
     reference = await _fault_free()
     full = Log()
-    await run_group(SessionContext(config=Config(), tokenizer=None, llm_client=CountingClient()),
-                    _group(), full.emit)
+    await run_group(
+        SessionContext(config=Config(), tokenizer=None, llm_client=CountingClient()),
+        _group(),
+        full.emit,
+    )
     crashed = Log()
     crashed.events = _crash_after(full.events, generations) if generations else full.events[:1]
     client = CountingClient()
@@ -222,11 +252,15 @@ async def test_a_session_past_its_deadline_is_recorded_as_failed():
 
     log = Log()
     cfg = with_overrides(Config(), {"deadlines.session_s": 0.2})
-    group = PromptGroup(uid="g9", n=1, sampling_params=GroupSamplingParams(),
-                        row={"prompt": [{"role": "user", "content": "hi"}],
-                             "agent_name": "hangs_test"})
-    [result] = await run_group(SessionContext(config=cfg, tokenizer=None,
-                                              llm_client=CountingClient()), group, log.emit)
+    group = PromptGroup(
+        uid="g9",
+        n=1,
+        sampling_params=GroupSamplingParams(),
+        row={"prompt": [{"role": "user", "content": "hi"}], "agent_name": "hangs_test"},
+    )
+    [result] = await run_group(
+        SessionContext(config=cfg, tokenizer=None, llm_client=CountingClient()), group, log.emit
+    )
     assert result.type == "session_failed" and "deadlines.session_s" in result.error
     [t] = _released(log.events)
     assert t.status.value == "failed"

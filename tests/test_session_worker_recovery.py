@@ -36,25 +36,37 @@ SLOW_TURNS, FAST_GROUPS = 6, 3
 
 
 def _row(index: int, turns: int, delay_s: float) -> dict:
-    return {"data_source": "paced", "agent_name": "paced",
-            "prompt": [{"role": "user", "content": f"count to {index}"}],
-            "extra_info": {"turns": turns, "tool_delay_s": delay_s, "index": index}}
+    return {
+        "data_source": "paced",
+        "agent_name": "paced",
+        "prompt": [{"role": "user", "content": f"count to {index}"}],
+        "extra_info": {"turns": turns, "tool_delay_s": delay_s, "index": index},
+    }
 
 
 def _config(kafka_bootstrap: str, tmp_path: Path, port: int) -> Config:
     registry = tmp_path / "loops.yaml"
     registry.write_text("- name: paced\n  _target_: paced_loop.PacedToolLoop\n")
-    return Config.model_validate({
-        "kafka": {"bootstrap_servers": kafka_bootstrap, "topic_prefix": unique_name("k"),
-                  "partitions": 1},  # one partition: the slow group sits before the fast ones
-        "model": {"name": "tiny-qwen3"},
-        "replica_server": {"port": port, "max_batch_size": 8},
-        "replicas": {"urls": [f"http://127.0.0.1:{port}"]},
-        "rollout": {"n": N, "prompt_length": 64, "response_length": 64,
-                    "agent": {"agent_loop_config_path": str(registry)}},
-        "sessions": {"app_id": unique_name("s"), "concurrency": 4},
-        "replay_buffer": {"group_id": unique_name("rb"), "transactional_id": unique_name("tx")},
-    })
+    return Config.model_validate(
+        {
+            "kafka": {
+                "bootstrap_servers": kafka_bootstrap,
+                "topic_prefix": unique_name("k"),
+                "partitions": 1,
+            },  # one partition: the slow group sits before the fast ones
+            "model": {"name": "tiny-qwen3"},
+            "replica_server": {"port": port, "max_batch_size": 8},
+            "replicas": {"urls": [f"http://127.0.0.1:{port}"]},
+            "rollout": {
+                "n": N,
+                "prompt_length": 64,
+                "response_length": 64,
+                "agent": {"agent_loop_config_path": str(registry)},
+            },
+            "sessions": {"app_id": unique_name("s"), "concurrency": 4},
+            "replay_buffer": {"group_id": unique_name("rb"), "transactional_id": unique_name("tx")},
+        }
+    )
 
 
 @pytest.mark.slow
@@ -70,18 +82,24 @@ def test_sigkill_with_a_slow_group_behind_finished_ones_resumes_it(kafka_bootstr
         wait_http_ok(f"http://127.0.0.1:{port}/health", replica, tmp_path / "replica.log")
         buffer = spawn(["replay-buffer", "run"], config_path, tmp_path / "rb.log")
         with running([buffer]):
-            report = PromptPublisher(cfg).publish_file(write_jsonl(rows, tmp_path / "rows.jsonl"),
-                                                       progress=False)
+            report = PromptPublisher(cfg).publish_file(
+                write_jsonl(rows, tmp_path / "rows.jsonl"), progress=False
+            )
             slow_uid, fast_uids = report.uids[0], set(report.uids[1:])
-            worker = spawn(["sessions", "run"], config_path, tmp_path / "sessions1.log",
-                           python_path=[FIXTURES])
+            worker = spawn(
+                ["sessions", "run"], config_path, tmp_path / "sessions1.log", python_path=[FIXTURES]
+            )
             receive_groups(cfg, fast_uids, timeout_s=240)  # the later groups are released
-            _wait_for(lambda: _generations(cfg, topics.turns, slow_uid) >= 2 * N, 120,
-                      "the slow group logged no turns")
+            _wait_for(
+                lambda: _generations(cfg, topics.turns, slow_uid) >= 2 * N,
+                120,
+                "the slow group logged no turns",
+            )
             os.kill(worker.pid, signal.SIGKILL)
             worker.wait()
-            worker = spawn(["sessions", "run"], config_path, tmp_path / "sessions2.log",
-                           python_path=[FIXTURES])
+            worker = spawn(
+                ["sessions", "run"], config_path, tmp_path / "sessions2.log", python_path=[FIXTURES]
+            )
             try:
                 groups = receive_groups(cfg, {slow_uid}, timeout_s=300)
             finally:
@@ -89,7 +107,9 @@ def test_sigkill_with_a_slow_group_behind_finished_ones_resumes_it(kafka_bootstr
     keys = [m.key().decode() for m in read_topic(cfg, topics.trajectories)]
     assert not [k for k, c in Counter(keys).items() if c > 1], "a trajectory key was written twice"
     assert len(keys) == len(rows) * N
-    assert len(groups[slow_uid]) == N and set(groups[slow_uid].batch.column("status").to_pylist()) == {"completed"}
+    assert len(groups[slow_uid]) == N and set(
+        groups[slow_uid].batch.column("status").to_pylist()
+    ) == {"completed"}
     events = [decode_turn_event(m.value()) for m in read_topic(cfg, topics.turns)]
     _assert_resumed_without_resampling(events, slow_uid)
 
@@ -100,19 +120,27 @@ def _assert_resumed_without_resampling(events: list, uid: str) -> None:
     resumed = [e for e in mine if e.type == "session_started" and e.resumed_from]
     assert resumed, "no session of the slow group was resumed from the log"
     for start in resumed:
-        old = [e for e in mine if e.type == "generation" and e.attempt == start.resumed_from
-               and e.session_id == start.session_id]
+        old = [
+            e
+            for e in mine
+            if e.type == "generation"
+            and e.attempt == start.resumed_from
+            and e.session_id == start.session_id
+        ]
         new = [e for e in mine if e.type == "generation" and e.attempt == start.attempt]
         assert old, "the resumed attempt had logged generations"
         # replayed turns are the logged ones (same engine request): nothing sampled twice
-        assert [g.engine_request_id for g in new[:len(old)]] == [g.engine_request_id for g in old]
-        assert [g.token_ids for g in new[:len(old)]] == [g.token_ids for g in old]
+        assert [g.engine_request_id for g in new[: len(old)]] == [g.engine_request_id for g in old]
+        assert [g.token_ids for g in new[: len(old)]] == [g.token_ids for g in old]
         assert len(new) == SLOW_TURNS
 
 
 def _generations(cfg: Config, topic: str, uid: str) -> int:
-    return sum(1 for m in read_topic(cfg, topic)
-               if b'"type":"generation"' in m.value() and uid.encode() in m.value())
+    return sum(
+        1
+        for m in read_topic(cfg, topic)
+        if b'"type":"generation"' in m.value() and uid.encode() in m.value()
+    )
 
 
 def _wait_for(condition, timeout_s: float, message: str) -> None:

@@ -17,10 +17,21 @@ PAD = 0
 
 
 def _traj(i: int, prompt: list[int], response: list[int], mask: list[int], lp=None) -> Trajectory:
-    return Trajectory(key=f"u_{i}_0", uid="u", session_id=i, output_index=0, num_outputs=1,
-                      group_size=2, status="completed", prompts=prompt, responses=response,
-                      response_mask=mask, rollout_log_probs=lp, reward_score=1.0,
-                      rm_scores=[0.0] * (len(response) - 1) + [1.0])
+    return Trajectory(
+        key=f"u_{i}_0",
+        uid="u",
+        session_id=i,
+        output_index=0,
+        num_outputs=1,
+        group_size=2,
+        status="completed",
+        prompts=prompt,
+        responses=response,
+        response_mask=mask,
+        rollout_log_probs=lp,
+        reward_score=1.0,
+        rm_scores=[0.0] * (len(response) - 1) + [1.0],
+    )
 
 
 @pytest.fixture
@@ -36,13 +47,17 @@ def test_v0_padding_layout(batch):
     out = to_padded(batch, prompt_length=4, response_length=4, pad_token_id=PAD)
     assert out["prompts"].tolist() == [[0, 11, 12, 13], [0, 0, 0, 14]]  # left-padded
     assert out["responses"].tolist() == [[21, 31, 22, 0], [23, 24, 0, 0]]  # right-padded
-    assert out["input_ids"].tolist() == [[0, 11, 12, 13, 21, 31, 22, 0], [0, 0, 0, 14, 23, 24, 0, 0]]
+    assert out["input_ids"].tolist() == [
+        [0, 11, 12, 13, 21, 31, 22, 0],
+        [0, 0, 0, 14, 23, 24, 0, 0],
+    ]
     # observations are attended to (the model reads them) but never in the loss
     assert out["attention_mask"].tolist() == [[0, 1, 1, 1, 1, 1, 1, 0], [0, 0, 0, 1, 1, 1, 0, 0]]
     assert out["response_mask"].tolist() == [[1, 0, 1, 0], [1, 1, 0, 0]]
     assert out["position_ids"].tolist() == [[0, 0, 1, 2, 3, 4, 5, 5], [0, 0, 0, 0, 1, 2, 2, 2]]
-    assert torch.allclose(out["rollout_log_probs"],
-                          torch.tensor([[-0.5, 0.0, -0.25, 0.0], [-1.0, -2.0, 0.0, 0.0]]))
+    assert torch.allclose(
+        out["rollout_log_probs"], torch.tensor([[-0.5, 0.0, -0.25, 0.0], [-1.0, -2.0, 0.0, 0.0]])
+    )
     assert out["rm_scores"].tolist() == [[0.0, 0.0, 1.0, 0.0], [0.0, 1.0, 0.0, 0.0]]
 
 
@@ -60,14 +75,18 @@ def test_jagged_keeps_true_lengths(batch):
 def test_config_unknown_key_is_named(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("rollout:\n  multi_turn:\n    max_tool_response_lenght: 10\n")
-    with pytest.raises(ConfigError, match=r"unknown config key 'rollout\.multi_turn\.max_tool_response_lenght'"):
+    with pytest.raises(
+        ConfigError, match=r"unknown config key 'rollout\.multi_turn\.max_tool_response_lenght'"
+    ):
         load_config(path, env={})
 
 
 def test_config_env_overrides_yaml(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("rollout:\n  n: 2\n  val_kwargs: {n: 3}\n")
-    cfg = load_config(path, env={"ROLLOUTBUS__ROLLOUT__N": "8", "ROLLOUTBUS__KAFKA__TOPIC_PREFIX": "exp1"})
+    cfg = load_config(
+        path, env={"ROLLOUTBUS__ROLLOUT__N": "8", "ROLLOUTBUS__KAFKA__TOPIC_PREFIX": "exp1"}
+    )
     assert (cfg.rollout.n, cfg.rollout.val_kwargs.n, cfg.kafka.topic_prefix) == (8, 3, "exp1")
     assert cfg.rollout.agent.default_agent_loop == "single_turn_agent"
     with pytest.raises(ConfigError, match="rollout.n"):
@@ -76,8 +95,10 @@ def test_config_env_overrides_yaml(tmp_path):
 
 def test_verl_rollout_block_can_be_pasted_and_read_the_verl_way(tmp_path):
     path = tmp_path / "verl.yaml"
-    path.write_text("actor_rollout_ref:\n  rollout:\n    n: 5\n    response_length: 77\n"
-                    "    agent: {default_agent_loop: tool_agent}\n")
+    path.write_text(
+        "actor_rollout_ref:\n  rollout:\n    n: 5\n    response_length: 77\n"
+        "    agent: {default_agent_loop: tool_agent}\n"
+    )
     cfg = load_config(path, env={})
     assert cfg.rollout.n == 5 and cfg.rollout.agent.default_agent_loop == "tool_agent"
     assert cfg.actor_rollout_ref.rollout.response_length == 77  # as a ported loop reads it
@@ -105,19 +126,28 @@ def test_config_is_frozen_and_adjusted_by_validated_copies():
 
 def test_verl_keys_with_no_meaning_here_are_accepted_with_a_warning(tmp_path, caplog):
     path = tmp_path / "verl.yaml"
-    path.write_text("actor_rollout_ref:\n  rollout:\n    agent: {num_workers: 8}\n"
-                    "    multi_turn: {enable: true}\n")
+    path.write_text(
+        "actor_rollout_ref:\n  rollout:\n    agent: {num_workers: 8}\n"
+        "    multi_turn: {enable: true}\n"
+    )
     with caplog.at_level(logging.WARNING, logger="rolloutbus.config"):
         cfg = load_config(path, env={})
     assert cfg.rollout.multi_turn.enable is True  # kept, for a ported loop that reads it
     warned = [r.getMessage() for r in caplog.records]
-    assert len(warned) == 1 and "'rollout.multi_turn.enable' = True" in warned[0]  # 8 is verl's default
+    assert (
+        len(warned) == 1 and "'rollout.multi_turn.enable' = True" in warned[0]
+    )  # 8 is verl's default
     assert "agent_name" in warned[0]
-    assert set(VERL_KEYS_ACCEPTED_NOT_USED) == {"rollout.agent.num_workers", "rollout.multi_turn.enable"}
+    assert set(VERL_KEYS_ACCEPTED_NOT_USED) == {
+        "rollout.agent.num_workers",
+        "rollout.multi_turn.enable",
+    }
 
 
 def test_data_train_files_takes_one_path_or_a_list(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("data: {train_files: ~/data/gsm8k/train.parquet, prompt_key: question}\n")
     cfg = load_config(path, env={})
-    assert cfg.data.train_files == ["~/data/gsm8k/train.parquet"] and cfg.data.prompt_key == "question"
+    assert (
+        cfg.data.train_files == ["~/data/gsm8k/train.parquet"] and cfg.data.prompt_key == "question"
+    )

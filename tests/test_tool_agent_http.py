@@ -42,14 +42,29 @@ def _turn(tok, text: str, logprob: float) -> ScriptedTurn:
 
 async def test_tool_agent_section_11_layout_over_http_and_through_the_fold(tok, tmp_path):
     tools_yaml = tmp_path / "tools.yaml"
-    tools_yaml.write_text("tools:\n  - class_name: rolloutbus.streams.agent_loop.tools.CalculatorTool\n    config: {}\n")
-    engine = ScriptedEngine([_turn(tok, CALL, LP1), _turn(tok, ANSWER, LP2)], tokenizer=tok,
-                            eos_token_ids=frozenset({tok.convert_tokens_to_ids("<|im_end|>")}))
-    cfg = Config.model_validate({"replica_server": {"port": 0}, "model": {"name": "tiny-qwen3"},
-                                 "rollout": {"multi_turn": {"tool_config_path": str(tools_yaml)}}})
-    row = {"data_source": "my/math", "agent_name": "tool_agent",
-           "prompt": [{"role": "user", "content": "计算 18 * 7"}],
-           "reward_model": {"style": "rule", "ground_truth": "126"}, "extra_info": {"index": 42}}
+    tools_yaml.write_text(
+        "tools:\n  - class_name: rolloutbus.streams.agent_loop.tools.CalculatorTool\n    "
+        "config: {}\n"
+    )
+    engine = ScriptedEngine(
+        [_turn(tok, CALL, LP1), _turn(tok, ANSWER, LP2)],
+        tokenizer=tok,
+        eos_token_ids=frozenset({tok.convert_tokens_to_ids("<|im_end|>")}),
+    )
+    cfg = Config.model_validate(
+        {
+            "replica_server": {"port": 0},
+            "model": {"name": "tiny-qwen3"},
+            "rollout": {"multi_turn": {"tool_config_path": str(tools_yaml)}},
+        }
+    )
+    row = {
+        "data_source": "my/math",
+        "agent_name": "tool_agent",
+        "prompt": [{"role": "user", "content": "计算 18 * 7"}],
+        "reward_model": {"style": "rule", "ground_truth": "126"},
+        "extra_info": {"index": 42},
+    }
     group = PromptGroup(uid="u42", row=row, n=1, sampling_params=GroupSamplingParams())
     events = []
 
@@ -68,12 +83,20 @@ async def test_tool_agent_section_11_layout_over_http_and_through_the_fold(tok, 
     a1 = _turn(tok, CALL, LP1).token_ids
     a2 = _turn(tok, ANSWER, LP2).token_ids
     assert second.prompt_ids[: len(first.prompt_ids) + len(a1)] == first.prompt_ids + a1
-    obs = second.prompt_ids[len(first.prompt_ids) + len(a1):]
-    assert tok.decode(obs) == ("\n<|im_start|>user\n<tool_response>\n126\n</tool_response>"
-                               "<|im_end|>\n<|im_start|>assistant\n")
+    obs = second.prompt_ids[len(first.prompt_ids) + len(a1) :]
+    assert tok.decode(obs) == (
+        "\n<|im_start|>user\n<tool_response>\n126\n</tool_response>"
+        "<|im_end|>\n<|im_start|>assistant\n"
+    )
 
-    assert [e.type for e in events] == ["session_started", "segment_started", "generation",
-                                        "observation", "generation", "session_finished"]
+    assert [e.type for e in events] == [
+        "session_started",
+        "segment_started",
+        "generation",
+        "observation",
+        "generation",
+        "session_finished",
+    ]
     fold = SessionFold(0, "att")
     for e in events:
         fold.apply(e)

@@ -16,27 +16,41 @@ from rolloutbus.streams.agent_loop.tools import (
 )
 
 
-@pytest.mark.parametrize("expr, value", [
-    ("18 * 7", 126), ("(1 + 2) * -3", -9), ("7 / 2", 3.5), ("7 // 2", 3), ("7 % 4", 3), ("2 ** 10", 1024),
-    ("-(-4)", 4), ("1.5 + 2", 3.5), ("+3", 3), ("18 × 7", 126),
-])
+@pytest.mark.parametrize(
+    "expr, value",
+    [
+        ("18 * 7", 126),
+        ("(1 + 2) * -3", -9),
+        ("7 / 2", 3.5),
+        ("7 // 2", 3),
+        ("7 % 4", 3),
+        ("2 ** 10", 1024),
+        ("-(-4)", 4),
+        ("1.5 + 2", 3.5),
+        ("+3", 3),
+        ("18 × 7", 126),
+    ],
+)
 def test_calculator_arithmetic(expr, value):
     assert evaluate_arithmetic(expr) == value
 
 
-@pytest.mark.parametrize("expr, message", [
-    ("__import__('os').system('true')", "unsupported"),
-    ("abs(-1)", "unsupported"),
-    ("x + 1", "unsupported"),
-    ("'a' * 3", "unsupported"),
-    ("2 ** 1000", "exponent"),
-    ("10 ** 10 ** 10", "exponent"),
-    ("(2 ** 100) ** 100", "digits"),
-    ("1 / 0", "division by zero"),
-    ("1 +", "not an arithmetic"),
-    ("1" * 600, "longer than"),
-    ("(-8) ** 0.5", "not a real"),
-])
+@pytest.mark.parametrize(
+    "expr, message",
+    [
+        ("__import__('os').system('true')", "unsupported"),
+        ("abs(-1)", "unsupported"),
+        ("x + 1", "unsupported"),
+        ("'a' * 3", "unsupported"),
+        ("2 ** 1000", "exponent"),
+        ("10 ** 10 ** 10", "exponent"),
+        ("(2 ** 100) ** 100", "digits"),
+        ("1 / 0", "division by zero"),
+        ("1 +", "not an arithmetic"),
+        ("1" * 600, "longer than"),
+        ("(-8) ** 0.5", "not a real"),
+    ],
+)
 def test_calculator_rejects_everything_else(expr, message):
     with pytest.raises(ValueError, match=message):
         evaluate_arithmetic(expr)
@@ -52,7 +66,9 @@ async def test_calculator_tool():
     await tool.release(instance)
 
 
-def add(a: int, b: float = 1.0, mode: Literal["fast", "slow"] = "fast", tags: list[str] | None = None) -> str:
+def add(
+    a: int, b: float = 1.0, mode: Literal["fast", "slow"] = "fast", tags: list[str] | None = None
+) -> str:
     """Add two numbers.
 
     Args:
@@ -65,7 +81,11 @@ def add(a: int, b: float = 1.0, mode: Literal["fast", "slow"] = "fast", tags: li
 def test_function_tool_schema_from_signature_and_docstring():
     schema = FunctionTool(add).get_openai_tool_schema()
     fn = schema["function"]
-    assert schema["type"] == "function" and fn["name"] == "add" and fn["description"] == "Add two numbers."
+    assert (
+        schema["type"] == "function"
+        and fn["name"] == "add"
+        and fn["description"] == "Add two numbers."
+    )
     props = fn["parameters"]["properties"]
     assert props["a"] == {"type": "integer", "description": "the first number"}
     assert props["b"] == {"type": "number", "description": "the second number"}
@@ -81,7 +101,9 @@ async def test_function_tool_call_sync_async_and_reward():
 
     assert await FunctionTool(add).call({"a": 1, "b": 2}) == (ToolResponse(text="3"), None, {})
     assert await FunctionTool(scored).call({"x": 2}) == (ToolResponse(text="x=2"), 1.0, {})
-    assert (await FunctionTool(lambda: {"k": 1}, name="j", description="d").call({}))[0].text == '{"k": 1}'
+    assert (await FunctionTool(lambda: {"k": 1}, name="j", description="d").call({}))[
+        0
+    ].text == '{"k": 1}'
 
 
 def test_tools_from_verl_yaml(tmp_path):
@@ -95,9 +117,15 @@ def test_tools_from_verl_yaml(tmp_path):
         "      function:\n"
         "        name: calc\n"
         "        description: arithmetic\n"
-        "        parameters: {type: object, properties: {expression: {type: string}}, required: [expression]}\n")
+        "        parameters: {type: object, properties: {expression: {type: string}},\n"
+        "                     required: [expression]}\n"
+    )
     [tool] = load_tools_from_config(path)
-    assert isinstance(tool, CalculatorTool) and tool.name == "calc" and tool.config == {"type": "native"}
+    assert (
+        isinstance(tool, CalculatorTool)
+        and tool.name == "calc"
+        and tool.config == {"type": "native"}
+    )
 
 
 def test_bad_tool_config(tmp_path):
@@ -113,8 +141,9 @@ def test_function_tools_from_a_file_and_catalog_cache(tmp_path):
     path = tmp_path / "my_tools.py"
     path.write_text(
         "import json\n\n"
-        "def lookup(key: str) -> str:\n    \"\"\"Look a key up.\"\"\"\n    return key\n\n"
-        "def _private():\n    pass\n")
+        'def lookup(key: str) -> str:\n    """Look a key up."""\n    return key\n\n'
+        "def _private():\n    pass\n"
+    )
     tools = load_function_tools(str(path))
     assert [t.name for t in tools] == ["lookup"]
     first = load_tool_catalog(None, str(path))

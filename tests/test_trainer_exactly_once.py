@@ -39,10 +39,22 @@ FIXTURES = Path(__file__).parent / "fixtures"
 
 
 def _records(uid: str) -> list[tuple[str, bytes]]:
-    ts = [Trajectory(key=trajectory_key(uid, s, 0), uid=uid, session_id=s, output_index=0, num_outputs=1,
-                     group_size=GROUP_SIZE, status=TrajectoryStatus.COMPLETED, prompts=[1, 2, 3],
-                     responses=[4, 5], response_mask=[1, 1], rollout_log_probs=[-0.1, -0.2])
-          for s in range(GROUP_SIZE)]
+    ts = [
+        Trajectory(
+            key=trajectory_key(uid, s, 0),
+            uid=uid,
+            session_id=s,
+            output_index=0,
+            num_outputs=1,
+            group_size=GROUP_SIZE,
+            status=TrajectoryStatus.COMPLETED,
+            prompts=[1, 2, 3],
+            responses=[4, 5],
+            response_mask=[1, 1],
+            rollout_log_probs=[-0.1, -0.2],
+        )
+        for s in range(GROUP_SIZE)
+    ]
     return list(zip([t.key for t in ts], encode_trajectories(ts), strict=True))
 
 
@@ -64,7 +76,9 @@ def publish_groups(kafka: KafkaConfig, count: int, *, record_per_batch: bool = F
     by_partition: dict[int, list[str]] = {}
     for uid in uids:
         by_partition.setdefault(partition_for(uid, kafka.partitions), []).append(uid)
-    producer = idempotent_producer(kafka, {"linger.ms": 0, "batch.num.messages": 1} if record_per_batch else None)
+    producer = idempotent_producer(
+        kafka, {"linger.ms": 0, "batch.num.messages": 1} if record_per_batch else None
+    )
     topic = Topics.from_config(kafka).trajectories
     for partition, mine in by_partition.items():
         for key, value in _interleaved(mine):
@@ -119,8 +133,9 @@ def test_a_crash_without_commit_resumes_exactly_at_the_checkpoint(kafka_config):
         checkpoint = json.dumps(first.position().model_dump(mode="json"))
     # closed without a commit: as far as Kafka knows, nothing was used
     assert any(p["yielded"] for p in json.loads(checkpoint)["partitions"].values())
-    with TrainerClient(kafka_config, group_id, resume_from=json.loads(checkpoint),
-                       config=SAFETY_NET_OFF) as resumed:
+    with TrainerClient(
+        kafka_config, group_id, resume_from=json.loads(checkpoint), config=SAFETY_NET_OFF
+    ) as resumed:
         rest = take_all(resumed, len(uids) - len(trained))
     exactly_once(trained, rest, expected=uids)
 
@@ -136,7 +151,9 @@ def test_a_commit_newer_than_the_checkpoint_does_not_skip_what_the_checkpoint_la
         checkpoint = first.position().model_dump(mode="json")
         after_checkpoint = take(first, 3)
         first.commit(in_checkpoint + after_checkpoint)  # then the crash, before the next checkpoint
-    with TrainerClient(kafka_config, group_id, resume_from=checkpoint, config=SAFETY_NET_OFF) as resumed:
+    with TrainerClient(
+        kafka_config, group_id, resume_from=checkpoint, config=SAFETY_NET_OFF
+    ) as resumed:
         rest = take_all(resumed, len(uids) - 3)
     exactly_once([g.uid for g in in_checkpoint], rest, expected=uids)
     # a client that does not checkpoint goes by the (advisory) commit
@@ -158,7 +175,9 @@ class _TrainerThread(threading.Thread):
     # together instead of draining one first, so a revoke always finds groups of its own
     INTERLEAVED_FETCH = {"max.partition.fetch.bytes": 1}
 
-    def __init__(self, kafka: KafkaConfig, group_id: str, received: list[str], stop: threading.Event):
+    def __init__(
+        self, kafka: KafkaConfig, group_id: str, received: list[str], stop: threading.Event
+    ):
         super().__init__(daemon=True)
         self.kafka, self.group_id, self.received, self.stop = kafka, group_id, received, stop
         self.mine: list[str] = []
@@ -166,8 +185,12 @@ class _TrainerThread(threading.Thread):
 
     def run(self) -> None:
         try:
-            with TrainerClient(self.kafka, self.group_id, config=SAFETY_NET_OFF,
-                               consumer_overrides=self.INTERLEAVED_FETCH) as client:
+            with TrainerClient(
+                self.kafka,
+                self.group_id,
+                config=SAFETY_NET_OFF,
+                consumer_overrides=self.INTERLEAVED_FETCH,
+            ) as client:
                 uncommitted: list[TrajectoryGroup] = []
                 while not self.stop.is_set():
                     for group in client.groups(max_groups=1, timeout_s=0.5):
@@ -201,10 +224,13 @@ def test_two_clients_across_a_rebalance_never_share_or_drop_a_group(kafka_config
     second = _TrainerThread(kafka_config, group_id, received, stop)
     first.start()
     try:
-        assert _wait_until(lambda: len(first.mine) >= 5, TAKE_TIMEOUT_S), \
+        assert _wait_until(lambda: len(first.mine) >= 5, TAKE_TIMEOUT_S), (
             f"the first client got {len(first.mine)} groups in {TAKE_TIMEOUT_S} s"
+        )
         second.start()
-        _wait_until(lambda: set(received) >= set(uids) or first.error or second.error, TAKE_TIMEOUT_S)
+        _wait_until(
+            lambda: set(received) >= set(uids) or first.error or second.error, TAKE_TIMEOUT_S
+        )
         time.sleep(SETTLE_S)
     finally:
         stop.set()
@@ -222,19 +248,24 @@ def test_a_commit_after_the_partitions_were_lost_is_a_broker_error(kafka_config)
     publish_groups(kafka_config, 4)
     group_id, received, stop = unique_name("trainer"), [], threading.Event()
     # the broker's minimum session timeout; a member that does not poll for 6 s leaves the group
-    quick = {"consumer_overrides": {"session.timeout.ms": 6000},
-             "config": TrainerConfig(dedupe_window_keys=0, max_poll_interval_s=6.0)}
+    quick = {
+        "consumer_overrides": {"session.timeout.ms": 6000},
+        "config": TrainerConfig(dedupe_window_keys=0, max_poll_interval_s=6.0),
+    }
     slow = TrainerClient(kafka_config, group_id, **quick)
     try:
         [group] = take(slow, 1)
         other = _TrainerThread(kafka_config, group_id, received, stop)
         other.start()  # the rebalance waits for `slow`, busy training, until it is dropped
-        assert _wait_until(lambda: received, TAKE_TIMEOUT_S), "the second client never got a partition"
+        assert _wait_until(lambda: received, TAKE_TIMEOUT_S), (
+            "the second client never got a partition"
+        )
         with pytest.raises(BrokerError) as caught:
             slow.commit(group)
         assert isinstance(caught.value.__cause__, KafkaException)
         assert group.resume is not None
-        where = f"{Topics.from_config(kafka_config).trajectories}[{group.partition}]@{group.resume.offset}"
+        topic = Topics.from_config(kafka_config).trajectories
+        where = f"{topic}[{group.partition}]@{group.resume.offset}"
         assert where in str(caught.value)
         # once it has polled it knows the partition went: nothing to commit, no error
         list(slow.groups(timeout_s=2.0))
@@ -249,10 +280,19 @@ def test_a_commit_after_the_partitions_were_lost_is_a_broker_error(kafka_config)
 # -- a real trainer process, SIGKILLed ----------------------------------------------------
 
 
-def _run_trainer(config_path: Path, group_id: str, checkpoint: Path, expect: int, *extra: str,
-                 log: Path) -> int:
-    argv = [sys.executable, str(FIXTURES / "checkpointing_trainer.py"), str(config_path), group_id,
-            str(checkpoint), "--expect", str(expect), *extra]
+def _run_trainer(
+    config_path: Path, group_id: str, checkpoint: Path, expect: int, *extra: str, log: Path
+) -> int:
+    argv = [
+        sys.executable,
+        str(FIXTURES / "checkpointing_trainer.py"),
+        str(config_path),
+        group_id,
+        str(checkpoint),
+        "--expect",
+        str(expect),
+        *extra,
+    ]
     with log.open("ab") as out:
         return subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, timeout=240).returncode
 
@@ -261,27 +301,53 @@ def _committed(kafka: KafkaConfig, group_id: str) -> dict[int, PartitionPosition
     consumer = read_committed_consumer(kafka, group_id)  # reads the group's offsets, never joins it
     try:
         topic = Topics.from_config(kafka).trajectories
-        parts = consumer.committed([TopicPartition(topic, p) for p in range(kafka.partitions)], timeout=30)
+        parts = consumer.committed(
+            [TopicPartition(topic, p) for p in range(kafka.partitions)], timeout=30
+        )
     finally:
         consumer.close()
-    return {tp.partition: PartitionPosition.from_commit(tp.offset, tp.metadata) for tp in parts if tp.offset >= 0}
+    return {
+        tp.partition: PartitionPosition.from_commit(tp.offset, tp.metadata)
+        for tp in parts
+        if tp.offset >= 0
+    }
 
 
 @pytest.mark.slow
-def test_a_trainer_killed_between_step_and_commit_trains_every_group_exactly_once(kafka_config, tmp_path):
+def test_a_trainer_killed_between_step_and_commit_trains_every_group_exactly_once(
+    kafka_config, tmp_path
+):
     uids = publish_groups(kafka_config, 16)
     config_path = write_config(Config(kafka=kafka_config), tmp_path / "c.yaml")
-    group_id, checkpoint, log = unique_name("trainer"), tmp_path / "checkpoint.json", tmp_path / "trainer.log"
+    group_id, checkpoint, log = (
+        unique_name("trainer"),
+        tmp_path / "checkpoint.json",
+        tmp_path / "trainer.log",
+    )
 
     # checkpointed its 4th group, killed before committing it: Kafka's commit is one group behind
-    assert _run_trainer(config_path, group_id, checkpoint, len(uids), "--kill-before-commit", "4", log=log) == -9
+    assert (
+        _run_trainer(
+            config_path, group_id, checkpoint, len(uids), "--kill-before-commit", "4", log=log
+        )
+        == -9
+    )
     saved = json.loads(checkpoint.read_text())
     assert len(saved["trained"]) == 4
-    assert _committed(kafka_config, group_id) != {int(p): PartitionPosition.model_validate(pos)
-                                                  for p, pos in saved["position"]["partitions"].items()}
+    assert _committed(kafka_config, group_id) != {
+        int(p): PartitionPosition.model_validate(pos)
+        for p, pos in saved["position"]["partitions"].items()
+    }
     # stepped its 3rd group of this run, killed before the checkpoint: that step is lost
-    assert _run_trainer(config_path, group_id, checkpoint, len(uids), "--kill-after-step", "3", log=log) == -9
+    assert (
+        _run_trainer(
+            config_path, group_id, checkpoint, len(uids), "--kill-after-step", "3", log=log
+        )
+        == -9
+    )
     assert len(json.loads(checkpoint.read_text())["trained"]) == 6
-    assert _run_trainer(config_path, group_id, checkpoint, len(uids), log=log) == 0, log.read_text()[-3000:]
+    assert _run_trainer(config_path, group_id, checkpoint, len(uids), log=log) == 0, (
+        log.read_text()[-3000:]
+    )
     trained = json.loads(checkpoint.read_text())["trained"]
     exactly_once(trained, expected=uids)

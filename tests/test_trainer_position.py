@@ -24,14 +24,28 @@ GROUP_SIZE = 2
 
 def records(uid: str, size: int = GROUP_SIZE) -> list[tuple[str, bytes]]:
     """(key, value) of every trajectory of one group, as the replay buffer writes them."""
-    ts = [Trajectory(key=trajectory_key(uid, s, 0), uid=uid, session_id=s, output_index=0, num_outputs=1,
-                     group_size=size, status=TrajectoryStatus.COMPLETED, prompts=[1, 2], responses=[3],
-                     response_mask=[1], rollout_log_probs=[-0.5])
-          for s in range(size)]
+    ts = [
+        Trajectory(
+            key=trajectory_key(uid, s, 0),
+            uid=uid,
+            session_id=s,
+            output_index=0,
+            num_outputs=1,
+            group_size=size,
+            status=TrajectoryStatus.COMPLETED,
+            prompts=[1, 2],
+            responses=[3],
+            response_mask=[1],
+            rollout_log_probs=[-0.5],
+        )
+        for s in range(size)
+    ]
     return list(zip([t.key for t in ts], encode_trajectories(ts), strict=True))
 
 
-def feed(progress: PartitionProgress, log: list[tuple[str, bytes]], first_offset: int = 0) -> list[str]:
+def feed(
+    progress: PartitionProgress, log: list[tuple[str, bytes]], first_offset: int = 0
+) -> list[str]:
     """Offer ``log`` from ``first_offset`` on; the uids of the groups completed, in order."""
     done = []
     for offset, (key, value) in enumerate(log):
@@ -63,8 +77,13 @@ def test_resuming_from_a_position_yields_exactly_the_groups_not_yet_yielded():
     log = interleaved_log()
     first = PartitionProgress(PartitionPosition(offset=0), max_interleaved=8)
     assert feed(first, log[:3]) == ["b"]
-    checkpoint = TrainerPosition.model_validate(json.loads(json.dumps(
-        TrainerPosition(topic="t", partitions={0: first.snapshot()}).model_dump(mode="json"))))
+    checkpoint = TrainerPosition.model_validate(
+        json.loads(
+            json.dumps(
+                TrainerPosition(topic="t", partitions={0: first.snapshot()}).model_dump(mode="json")
+            )
+        )
+    )
     resumed = PartitionProgress(checkpoint.partitions[0], max_interleaved=8)
     assert feed(resumed, log, first_offset=checkpoint.offsets[0]) == ["a", "c"]
 

@@ -38,11 +38,23 @@ from rolloutbus.streams.inference.backends import (
 CALLS = [
     EngineCall("e-plain", [1, 2, 3], TurnSamplingParams(), max_tokens=16),
     EngineCall(
-        "e-full", [5, 0, 7, 151643], max_tokens=300, model="policy", priority=-2,
+        "e-full",
+        [5, 0, 7, 151643],
+        max_tokens=300,
+        model="policy",
+        priority=-2,
         sampling=TurnSamplingParams(
-            temperature=0.7, top_p=0.9, top_k=20, min_p=0.05, repetition_penalty=1.1,
-            presence_penalty=0.1, frequency_penalty=0.2, logprobs=True, seed=1234,
-            stop_token_ids=[151645, 151643], ignore_eos=True,
+            temperature=0.7,
+            top_p=0.9,
+            top_k=20,
+            min_p=0.05,
+            repetition_penalty=1.1,
+            presence_penalty=0.1,
+            frequency_penalty=0.2,
+            logprobs=True,
+            seed=1234,
+            stop_token_ids=[151645, 151643],
+            ignore_eos=True,
         ),
     ),
     EngineCall("e-verl", [9] * 50, TurnSamplingParams(top_k=-1, logprobs=True), max_tokens=1),
@@ -97,31 +109,40 @@ def check_sampling(name: str, sp: VllmSamplingParams, call: EngineCall) -> None:
     check(f"{name}: temperature/top_p", (sp.temperature, sp.top_p) == (s.temperature, s.top_p))
     # vLLM "quietly accepts -1 as disabled"; verl sends -1, so do we.
     check(f"{name}: top_k", sp.top_k == s.top_k, sp.top_k)
-    check(f"{name}: min_p/penalties",
-          (sp.min_p, sp.repetition_penalty, sp.presence_penalty, sp.frequency_penalty)
-          == (s.min_p, s.repetition_penalty, s.presence_penalty, s.frequency_penalty))
+    check(
+        f"{name}: min_p/penalties",
+        (sp.min_p, sp.repetition_penalty, sp.presence_penalty, sp.frequency_penalty)
+        == (s.min_p, s.repetition_penalty, s.presence_penalty, s.frequency_penalty),
+    )
     check(f"{name}: stop_token_ids", list(sp.stop_token_ids or []) == (s.stop_token_ids or []))
     check(f"{name}: ignore_eos", sp.ignore_eos == s.ignore_eos)
 
 
 def check_completion_responses() -> None:
-    for finish, expected in (("stop", "completed"), ("length", "completed"),
-                             ("abort", "aborted")):
+    for finish, expected in (("stop", "completed"), ("length", "completed"), ("abort", "aborted")):
         experts = np.arange(2 * 3 * 2, dtype=np.uint8).reshape(2, 3, 2)
         response = completion.CompletionResponse(
             model="policy",
             usage={"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6},
-            choices=[completion.CompletionResponseChoice(
-                index=0, text="x", finish_reason=finish, token_ids=TOKENS,
-                prompt_token_ids=[1, 2, 3],
-                logprobs=completion.CompletionLogProbs(
-                    text_offset=[0, 1, 2], token_logprobs=LOGPROBS,
-                    tokens=[f"token_id:{t}" for t in TOKENS],
-                    top_logprobs=[{f"token_id:{t}": lp} for t, lp in zip(TOKENS, LOGPROBS, strict=True)],
-                ),
-                routed_experts=npy_b64(experts),
-                weight_versions=[WeightVersionSpan(version="v3", start=0, end=3)],
-            )],
+            choices=[
+                completion.CompletionResponseChoice(
+                    index=0,
+                    text="x",
+                    finish_reason=finish,
+                    token_ids=TOKENS,
+                    prompt_token_ids=[1, 2, 3],
+                    logprobs=completion.CompletionLogProbs(
+                        text_offset=[0, 1, 2],
+                        token_logprobs=LOGPROBS,
+                        tokens=[f"token_id:{t}" for t in TOKENS],
+                        top_logprobs=[
+                            {f"token_id:{t}": lp} for t, lp in zip(TOKENS, LOGPROBS, strict=True)
+                        ],
+                    ),
+                    routed_experts=npy_b64(experts),
+                    weight_versions=[WeightVersionSpan(version="v3", start=0, end=3)],
+                )
+            ],
         )
         out = VllmCompletionsBackend().parse_response(wire(response))
         name = f"completions response finish={finish}"
@@ -132,13 +153,20 @@ def check_completion_responses() -> None:
         check(f"{name}: weight version", out.extra_fields.get("weight_version") == "v3")
     # Without logprobs (not asked) vLLM sends logprobs: null; the ids come from token_ids.
     bare = completion.CompletionResponse(
-        model="policy", usage={"prompt_tokens": 1, "total_tokens": 3, "completion_tokens": 2},
-        choices=[completion.CompletionResponseChoice(
-            index=0, text="", finish_reason="stop", token_ids=[4, 5])],
+        model="policy",
+        usage={"prompt_tokens": 1, "total_tokens": 3, "completion_tokens": 2},
+        choices=[
+            completion.CompletionResponseChoice(
+                index=0, text="", finish_reason="stop", token_ids=[4, 5]
+            )
+        ],
     )
     out = VllmCompletionsBackend().parse_response(wire(bare))
-    check("completions response without logprobs",
-          (out.token_ids, out.log_probs) == ([4, 5], None), out)
+    check(
+        "completions response without logprobs",
+        (out.token_ids, out.log_probs) == ([4, 5], None),
+        out,
+    )
 
 
 # -- /inference/v1/generate --------------------------------------------------------------
@@ -152,8 +180,9 @@ def check_generate_requests() -> None:
         name = f"generate request {call.engine_request_id}"
         check(f"{name}: keys declared by vLLM", set(body) <= declared, set(body) - declared)
         sp_keys = set(body["sampling_params"])
-        check(f"{name}: sampling keys declared by vLLM", sp_keys <= sp_declared,
-              sp_keys - sp_declared)
+        check(
+            f"{name}: sampling keys declared by vLLM", sp_keys <= sp_declared, sp_keys - sp_declared
+        )
         req = tito.GenerateRequest.model_validate(json.loads(json.dumps(body)))
         check(f"{name}: token ids", req.token_ids == call.prompt_ids)
         check(f"{name}: request id kept", req.request_id == call.engine_request_id)
@@ -162,35 +191,48 @@ def check_generate_requests() -> None:
         check(f"{name}: model", req.model == call.model)
         check(f"{name}: no detokenize", req.sampling_params.detokenize is False)
         for key in sp_keys:
-            check(f"{name}: sampling key {key} marked as provided",
-                  req.is_sampling_param_provided(key))
+            check(
+                f"{name}: sampling key {key} marked as provided",
+                req.is_sampling_param_provided(key),
+            )
         check_sampling(name, req.sampling_params, call)
 
 
 def check_generate_responses() -> None:
-    for finish, expected in (("stop", "completed"), ("length", "completed"),
-                             ("abort", "aborted")):
+    for finish, expected in (("stop", "completed"), ("length", "completed"), ("abort", "aborted")):
         response = tito.GenerateTokensResponse(
-            request_id="e1", model="policy",
-            choices=[tito.GenerateTokensChoice(
-                index=0, finish_reason=finish, token_ids=TOKENS,
-                logprobs=tito.GenerateLogProbs(content=[
-                    tito.GenerateLogProbsContent(token_id=t, logprob=lp, rank=1)
-                    for t, lp in zip(TOKENS, LOGPROBS, strict=True)
-                ]),
-                weight_versions=[WeightVersionSpan(version="v1", start=0, end=1),
-                                 WeightVersionSpan(version="v2", start=1, end=3)],
-            )],
+            request_id="e1",
+            model="policy",
+            choices=[
+                tito.GenerateTokensChoice(
+                    index=0,
+                    finish_reason=finish,
+                    token_ids=TOKENS,
+                    logprobs=tito.GenerateLogProbs(
+                        content=[
+                            tito.GenerateLogProbsContent(token_id=t, logprob=lp, rank=1)
+                            for t, lp in zip(TOKENS, LOGPROBS, strict=True)
+                        ]
+                    ),
+                    weight_versions=[
+                        WeightVersionSpan(version="v1", start=0, end=1),
+                        WeightVersionSpan(version="v2", start=1, end=3),
+                    ],
+                )
+            ],
         )
         out = VllmGenerateBackend().parse_response(wire(response))
         name = f"generate response finish={finish}"
         check(f"{name}: token ids", out.token_ids == TOKENS, out.token_ids)
         check(f"{name}: logprobs", out.log_probs == LOGPROBS, out.log_probs)
         check(f"{name}: stop reason", out.stop_reason == expected, out.stop_reason)
-        check(f"{name}: weight version of the last token",
-              out.extra_fields.get("weight_version") == "v2")
+        check(
+            f"{name}: weight version of the last token",
+            out.extra_fields.get("weight_version") == "v2",
+        )
     bare = tito.GenerateTokensResponse(
-        choices=[tito.GenerateTokensChoice(index=0, finish_reason="stop", token_ids=[4])])
+        choices=[tito.GenerateTokensChoice(index=0, finish_reason="stop", token_ids=[4])]
+    )
     out = VllmGenerateBackend().parse_response(wire(bare))
     check("generate response without logprobs", (out.token_ids, out.log_probs) == ([4], None))
 

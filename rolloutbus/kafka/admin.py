@@ -18,8 +18,13 @@ from rolloutbus.errors import BrokerError, ConfigError
 from rolloutbus.kafka.clients import admin_client, broker_error, kafka_error_code
 from rolloutbus.topics import Topics
 
-__all__ = ["check_partition_counts", "delete_topics", "ensure_topics", "topic_configs",
-           "topic_partitions"]
+__all__ = [
+    "check_partition_counts",
+    "delete_topics",
+    "ensure_topics",
+    "topic_configs",
+    "topic_partitions",
+]
 
 # Policy versions are a single ordered stream that every worker reads in full, so the
 # control topic has one partition; the others share kafka.partitions (see topics.py).
@@ -42,7 +47,8 @@ def check_reachable(kafka: KafkaConfig, timeout_s: float = REACHABLE_TIMEOUT_S) 
         raise BrokerError(
             f"cannot reach Kafka at {kafka.bootstrap_servers} within {timeout_s:.0f} s "
             f"({_broker_error('metadata request', kafka, exc)}); start the embedded broker with "
-            "`rolloutbus broker start` or set kafka.bootstrap_servers") from exc
+            "`rolloutbus broker start` or set kafka.bootstrap_servers"
+        ) from exc
 
 
 def topic_partitions(kafka: KafkaConfig) -> dict[str, int]:
@@ -89,21 +95,26 @@ def check_partition_counts(kafka: KafkaConfig, timeout_s: float = ADMIN_TIMEOUT_
     existing = _partition_counts(_admin(kafka), kafka, timeout_s)
     missing = [name for name in names if name not in existing]
     if missing:
-        raise BrokerError(f"topics {', '.join(missing)} do not exist on {kafka.bootstrap_servers}: "
-                          "create them with `rolloutbus topics` (same config)")
+        raise BrokerError(
+            f"topics {', '.join(missing)} do not exist on {kafka.bootstrap_servers}: "
+            "create them with `rolloutbus topics` (same config)"
+        )
     counts = {name: existing[name] for name in names}
     if len(set(counts.values())) > 1:
         found = ", ".join(f"{name} has {count}" for name, count in counts.items())
         raise BrokerError(
             f"the rollout topics on {kafka.bootstrap_servers} disagree on their partition count "
             f"({found}): a uid would map to different partitions on different topics; recreate "
-            "them with one count, or use another kafka.topic_prefix")
+            "them with one count, or use another kafka.topic_prefix"
+        )
     count = counts[names[0]]
     if count != kafka.partitions:
         raise ConfigError(
-            f"the rollout topics ({kafka.topic_prefix}.*) on {kafka.bootstrap_servers} have {count} "
+            f"the rollout topics ({kafka.topic_prefix}.*) on {kafka.bootstrap_servers} have "
+            f"{count} "
             f"partitions but kafka.partitions is {kafka.partitions}: set kafka.partitions: {count} "
-            "(or use another kafka.topic_prefix)")
+            "(or use another kafka.topic_prefix)"
+        )
     return count
 
 
@@ -129,7 +140,9 @@ def ensure_topics(kafka: KafkaConfig, timeout_s: float = ADMIN_TIMEOUT_S) -> lis
     return created
 
 
-def delete_topics(kafka: KafkaConfig, names: Iterable[str], timeout_s: float = ADMIN_TIMEOUT_S) -> None:
+def delete_topics(
+    kafka: KafkaConfig, names: Iterable[str], timeout_s: float = ADMIN_TIMEOUT_S
+) -> None:
     """Delete topics by name; a topic that does not exist is not an error (for tests)."""
     names = list(names)
     if not names:
@@ -149,7 +162,10 @@ def _admin(kafka: KafkaConfig) -> AdminClient:
 
 
 def _partition_counts(admin: AdminClient, kafka: KafkaConfig, timeout_s: float) -> dict[str, int]:
-    return {name: len(meta.partitions) for name, meta in _metadata(admin, kafka, timeout_s).topics.items()}
+    return {
+        name: len(meta.partitions)
+        for name, meta in _metadata(admin, kafka, timeout_s).topics.items()
+    }
 
 
 def _metadata(admin: AdminClient, kafka: KafkaConfig, timeout_s: float) -> ClusterMetadata:
@@ -159,7 +175,9 @@ def _metadata(admin: AdminClient, kafka: KafkaConfig, timeout_s: float) -> Clust
         raise _broker_error(f"listing topics ({kafka.topic_prefix}.*)", kafka, exc) from exc
 
 
-def _check_partition_counts(kafka: KafkaConfig, wanted: dict[str, int], existing: dict[str, int]) -> None:
+def _check_partition_counts(
+    kafka: KafkaConfig, wanted: dict[str, int], existing: dict[str, int]
+) -> None:
     for name, count in wanted.items():
         if name in existing and existing[name] != count:
             raise BrokerError(
@@ -169,16 +187,27 @@ def _check_partition_counts(kafka: KafkaConfig, wanted: dict[str, int], existing
             )
 
 
-def _create(admin: AdminClient, kafka: KafkaConfig, names: list[str], wanted: dict[str, int],
-            timeout_s: float) -> list[str]:
+def _create(
+    admin: AdminClient,
+    kafka: KafkaConfig,
+    names: list[str],
+    wanted: dict[str, int],
+    timeout_s: float,
+) -> list[str]:
     if not names:
         return []
     new_topics = [
-        NewTopic(name, num_partitions=wanted[name], replication_factor=kafka.replication_factor,
-                 config=topic_configs(kafka, name))
+        NewTopic(
+            name,
+            num_partitions=wanted[name],
+            replication_factor=kafka.replication_factor,
+            config=topic_configs(kafka, name),
+        )
         for name in names
     ]
-    futures = admin.create_topics(new_topics, operation_timeout=timeout_s, request_timeout=timeout_s)
+    futures = admin.create_topics(
+        new_topics, operation_timeout=timeout_s, request_timeout=timeout_s
+    )
     created = []
     for name, future in futures.items():
         try:
@@ -191,8 +220,13 @@ def _create(admin: AdminClient, kafka: KafkaConfig, names: list[str], wanted: di
     return [name for name in names if name in created]  # in the order of Topics.all()
 
 
-def _wait_until_visible(admin: AdminClient, kafka: KafkaConfig, wanted: dict[str, int],
-                        names: list[str], timeout_s: float) -> None:
+def _wait_until_visible(
+    admin: AdminClient,
+    kafka: KafkaConfig,
+    wanted: dict[str, int],
+    names: list[str],
+    timeout_s: float,
+) -> None:
     """Wait until the broker's metadata shows every new partition with a leader.
 
     create_topics returns once the controller has committed the topic; a producer that

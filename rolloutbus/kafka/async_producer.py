@@ -27,11 +27,13 @@ DELIVERY_TIMEOUT_MS = 120_000
 
 class AsyncProducer:
     def __init__(self, kafka: KafkaConfig, *, overrides: dict[str, Any] | None = None):
-        self._producer = idempotent_producer(kafka, {
-            "linger.ms": 2, "delivery.timeout.ms": DELIVERY_TIMEOUT_MS, **(overrides or {})})
+        self._producer = idempotent_producer(
+            kafka, {"linger.ms": 2, "delivery.timeout.ms": DELIVERY_TIMEOUT_MS, **(overrides or {})}
+        )
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._poll_forever, name="turn-log-producer",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._poll_forever, name="turn-log-producer", daemon=True
+        )
         self._thread.start()
 
     async def send(self, topic: str, *, key: bytes, value: bytes, partition: int) -> int:
@@ -44,8 +46,9 @@ class AsyncProducer:
 
         while True:
             try:
-                self._producer.produce(topic, key=key, value=value, partition=partition,
-                                       on_delivery=on_delivery)
+                self._producer.produce(
+                    topic, key=key, value=value, partition=partition, on_delivery=on_delivery
+                )
                 break
             except BufferError:
                 await asyncio.sleep(POLL_S)  # local queue full: wait for deliveries
@@ -63,8 +66,9 @@ class AsyncProducer:
             self._producer.poll(POLL_S)
 
 
-def _settle(done: asyncio.Future[int], err: KafkaError | None, msg: Message, topic: str,
-            partition: int) -> None:
+def _settle(
+    done: asyncio.Future[int], err: KafkaError | None, msg: Message, topic: str, partition: int
+) -> None:
     if done.done():
         return
     if err is not None:

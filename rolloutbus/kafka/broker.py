@@ -143,7 +143,9 @@ def fetch_kafka_jars(quiet: bool = True) -> Path:
 
 def _pom_hash() -> str:
     if not POM_PATH.exists():
-        raise BrokerError(f"{POM_PATH} is missing: the embedded broker needs the repository's ops/ folder")
+        raise BrokerError(
+            f"{POM_PATH} is missing: the embedded broker needs the repository's ops/ folder"
+        )
     return hashlib.sha256(POM_PATH.read_bytes()).hexdigest()[:16]
 
 
@@ -151,13 +153,21 @@ def _run_maven_copy(mvn: str, libs: Path, quiet: bool) -> None:
     staging = libs.with_name(libs.name + ".staging")
     shutil.rmtree(staging, ignore_errors=True)
     cmd = [
-        mvn, *(["-q"] if quiet else []), "-B", "-f", str(POM_PATH),
-        "dependency:copy-dependencies", "-DincludeScope=runtime", f"-DoutputDirectory={staging}",
+        mvn,
+        *(["-q"] if quiet else []),
+        "-B",
+        "-f",
+        str(POM_PATH),
+        "dependency:copy-dependencies",
+        "-DincludeScope=runtime",
+        f"-DoutputDirectory={staging}",
     ]
     try:
         result = subprocess.run(cmd, capture_output=quiet, text=True, timeout=FETCH_TIMEOUT_S)
     except subprocess.TimeoutExpired as exc:
-        raise BrokerError(f"fetching Kafka jars with Maven took over {FETCH_TIMEOUT_S:.0f} s") from exc
+        raise BrokerError(
+            f"fetching Kafka jars with Maven took over {FETCH_TIMEOUT_S:.0f} s"
+        ) from exc
     if result.returncode != 0 or not any(staging.glob("kafka_2.13-*.jar")):
         output = _tail_text((result.stdout or "") + (result.stderr or ""), LOG_TAIL_LINES)
         raise BrokerError(
@@ -189,7 +199,9 @@ def java_major_version() -> int:
     result = subprocess.run([java, "-version"], capture_output=True, text=True, timeout=60)
     major = parse_java_major(result.stderr + result.stdout)
     if major is None:
-        raise BrokerError(f"cannot read the Java version from `java -version`: {result.stderr.strip()!r}")
+        raise BrokerError(
+            f"cannot read the Java version from `java -version`: {result.stderr.strip()!r}"
+        )
     if major < MIN_JAVA:
         raise BrokerError(
             f"Java {major} found at {java}, but Kafka 4.x brokers need Java {MIN_JAVA}+ "
@@ -241,9 +253,13 @@ def _probe_config(cfg: Config) -> KafkaConfig:
     if not cfg.broker.sasl_users:
         return KafkaConfig(bootstrap_servers=bootstrap)
     name, password = next(iter(cfg.broker.sasl_users.items()))
-    return KafkaConfig(bootstrap_servers=bootstrap, security_protocol=SASL_LISTENER,
-                       sasl_mechanism=cfg.broker.sasl_mechanism, sasl_username=name,
-                       sasl_password=password)
+    return KafkaConfig(
+        bootstrap_servers=bootstrap,
+        security_protocol=SASL_LISTENER,
+        sasl_mechanism=cfg.broker.sasl_mechanism,
+        sasl_username=name,
+        sasl_password=password,
+    )
 
 
 def _pid_file(data_dir: Path) -> Path:
@@ -296,7 +312,9 @@ def _is_kafka_process(pid: int) -> bool:
 
 def _answers(cfg: Config, timeout_s: float = PROBE_TIMEOUT_S) -> bool:
     probe = _probe_config(cfg)
-    if not _port_accepts(probe.bootstrap_servers):  # cheap check first: librdkafka logs refused connects
+    if not _port_accepts(
+        probe.bootstrap_servers
+    ):  # cheap check first: librdkafka logs refused connects
         return False
     # log_level 0 keeps the refused connects of a broker still starting out of the log
     admin = admin_client(probe, {"log_level": 0})
@@ -351,13 +369,18 @@ def _check_listen_address(cfg: Config) -> None:
             "machine's LAN address), or 127.0.0.1"
         )
     if not _is_loopback(host) and not cfg.broker.sasl_users:
-        log.warning("the embedded broker listens on %s without authentication: anyone who "
-                    "reaches that address can read and write every topic (set broker.sasl_users)",
-                    host)
+        log.warning(
+            "the embedded broker listens on %s without authentication: anyone who "
+            "reaches that address can read and write every topic (set broker.sasl_users)",
+            host,
+        )
 
 
 def _is_wildcard(host: str) -> bool:
-    return host in ("", "*") or _ip(host) in (ipaddress.ip_address("0.0.0.0"), ipaddress.ip_address("::"))
+    return host in ("", "*") or _ip(host) in (
+        ipaddress.ip_address("0.0.0.0"),
+        ipaddress.ip_address("::"),
+    )
 
 
 def _is_loopback(host: str) -> bool:
@@ -373,8 +396,10 @@ def _ip(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
 
 
 def _check_ports_free(cfg: Config) -> None:
-    for name, host, port in (("broker.port", cfg.broker.host, cfg.broker.port),
-                             ("broker.controller_port", LOOPBACK, cfg.broker.controller_port)):
+    for name, host, port in (
+        ("broker.port", cfg.broker.host, cfg.broker.port),
+        ("broker.controller_port", LOOPBACK, cfg.broker.controller_port),
+    ):
         if not _port_free(host, port):
             raise BrokerError(
                 f"port {port} on {host} ({name}) is already in use: stop what listens "
@@ -443,7 +468,9 @@ def server_properties(cfg: Config, data_dir: Path) -> str:
         "transaction.state.log.num.partitions": "1",
         "share.coordinator.state.topic.num.partitions": "1",
     }
-    header = "# Written by rolloutbus.kafka.broker on every start; edit the config, not this file.\n"
+    header = (
+        "# Written by rolloutbus.kafka.broker on every start; edit the config, not this file.\n"
+    )
     return header + "".join(f"{key}={value}\n" for key, value in lines.items())
 
 
@@ -456,8 +483,11 @@ def _sasl_properties(cfg: Config) -> dict[str, str]:
         return {}
     mechanism = cfg.broker.sasl_mechanism
     own_name, own_password = next(iter(users.items()))
-    entries = [f'username="{own_name}"', f'password="{own_password.get_secret_value()}"',
-               *(f'user_{name}="{password.get_secret_value()}"' for name, password in users.items())]
+    entries = [
+        f'username="{own_name}"',
+        f'password="{own_password.get_secret_value()}"',
+        *(f'user_{name}="{password.get_secret_value()}"' for name, password in users.items()),
+    ]
     jaas = f"org.apache.kafka.common.security.plain.PlainLoginModule required {' '.join(entries)};"
     prefix = f"listener.name.{SASL_LISTENER.lower()}.{mechanism.lower()}"
     return {
@@ -481,10 +511,13 @@ def _write_server_properties(cfg: Config, data_dir: Path) -> Path:
 def _java_command(libs: Path, data_dir: Path, heap: str | None = None) -> list[str]:
     heap_flags = [f"-Xms{heap}", f"-Xmx{heap}"] if heap else ["-Xmx256m"]  # tools: 256m
     return [
-        "java", *heap_flags, *JVM_FLAGS,
+        "java",
+        *heap_flags,
+        *JVM_FLAGS,
         f"-Dkafka.logs.dir={data_dir / 'logs'}",
         f"-Dlog4j2.configurationFile={LOG4J_CONFIG}",
-        "-cp", f"{libs}/*",
+        "-cp",
+        f"{libs}/*",
     ]
 
 
@@ -493,16 +526,27 @@ def _format_storage_once(libs: Path, properties: Path, data_dir: Path) -> None:
         return
     cluster_id = _random_cluster_id()
     cmd = [
-        *_java_command(libs, data_dir), STORAGE_TOOL_CLASS, "format",
-        "--standalone", "-t", cluster_id, "-c", str(properties), "--ignore-formatted",
+        *_java_command(libs, data_dir),
+        STORAGE_TOOL_CLASS,
+        "format",
+        "--standalone",
+        "-t",
+        cluster_id,
+        "-c",
+        str(properties),
+        "--ignore-formatted",
     ]
     try:
         result = subprocess.run(cmd, capture_output=True, text=True, timeout=FORMAT_TIMEOUT_S)
     except subprocess.TimeoutExpired as exc:
-        raise BrokerError(f"formatting KRaft storage in {data_dir} took over {FORMAT_TIMEOUT_S:.0f} s") from exc
+        raise BrokerError(
+            f"formatting KRaft storage in {data_dir} took over {FORMAT_TIMEOUT_S:.0f} s"
+        ) from exc
     if result.returncode != 0:
         output = _tail_text(result.stdout + result.stderr, LOG_TAIL_LINES)
-        raise BrokerError(f"formatting KRaft storage in {data_dir} failed (exit {result.returncode}):\n{output}")
+        raise BrokerError(
+            f"formatting KRaft storage in {data_dir} failed (exit {result.returncode}):\n{output}"
+        )
 
 
 def _random_cluster_id() -> str:
@@ -523,8 +567,12 @@ def _launch_jvm(cfg: Config, libs: Path, properties: Path, data_dir: Path) -> in
     cmd = [*_java_command(libs, data_dir, heap), KAFKA_MAIN_CLASS, str(properties)]
     with open(data_dir / "logs" / "stdout.log", "ab") as out:
         proc = subprocess.Popen(
-            cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-            cwd=data_dir, start_new_session=True,  # Ctrl-C in our terminal does not reach it
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=data_dir,
+            start_new_session=True,  # Ctrl-C in our terminal does not reach it
         )
     _launched[proc.pid] = proc
     _pid_file(data_dir).write_text(f"{proc.pid}\n")
@@ -557,7 +605,11 @@ def _broker_log_tail(data_dir: Path) -> str:
     # console appender's threshold); server.log adds INFO, mostly a config dump.
     logs = data_dir / "logs"
     stdout_log = logs / "stdout.log"
-    tail = _tail_text(stdout_log.read_text(errors="replace"), LOG_TAIL_LINES) if stdout_log.exists() else ""
+    tail = (
+        _tail_text(stdout_log.read_text(errors="replace"), LOG_TAIL_LINES)
+        if stdout_log.exists()
+        else ""
+    )
     return f"--- {stdout_log} ---\n{tail or '(empty)'}\n--- full log: {logs / 'server.log'}"
 
 

@@ -64,15 +64,19 @@ def idempotent_producer_settings(kafka: KafkaConfig, overrides: Overrides = None
     }
 
 
-def transactional_producer_settings(kafka: KafkaConfig, transactional_id: str,
-                                    overrides: Overrides = None) -> dict[str, Any]:
+def transactional_producer_settings(
+    kafka: KafkaConfig, transactional_id: str, overrides: Overrides = None
+) -> dict[str, Any]:
     """An idempotent producer with a ``transactional.id``: one live writer per id (a
     restarted one fences the old), for consume-transform-produce exactly once."""
-    return idempotent_producer_settings(kafka, {"transactional.id": transactional_id, **(overrides or {})})
+    return idempotent_producer_settings(
+        kafka, {"transactional.id": transactional_id, **(overrides or {})}
+    )
 
 
-def read_committed_consumer_settings(kafka: KafkaConfig, group_id: str, *, partition_eof: bool = False,
-                                     overrides: Overrides = None) -> dict[str, Any]:
+def read_committed_consumer_settings(
+    kafka: KafkaConfig, group_id: str, *, partition_eof: bool = False, overrides: Overrides = None
+) -> dict[str, Any]:
     """Sees only committed transactions; offsets are committed by the caller, never on a
     timer, so a crash re-reads what was not yet used. ``partition_eof`` reports the end of
     each assigned partition (see :class:`PartitionEnd`)."""
@@ -101,17 +105,26 @@ def idempotent_producer(kafka: KafkaConfig, overrides: Overrides = None) -> Prod
         return Producer(idempotent_producer_settings(kafka, overrides))
 
 
-def transactional_producer(kafka: KafkaConfig, transactional_id: str, overrides: Overrides = None) -> Producer:
-    with translate_kafka_errors(f"creating transactional producer {transactional_id!r} "
-                                f"for {kafka.bootstrap_servers}"):
+def transactional_producer(
+    kafka: KafkaConfig, transactional_id: str, overrides: Overrides = None
+) -> Producer:
+    with translate_kafka_errors(
+        f"creating transactional producer {transactional_id!r} for {kafka.bootstrap_servers}"
+    ):
         return Producer(transactional_producer_settings(kafka, transactional_id, overrides))
 
 
-def read_committed_consumer(kafka: KafkaConfig, group_id: str, *, partition_eof: bool = False,
-                            overrides: Overrides = None) -> Consumer:
-    with translate_kafka_errors(f"creating consumer of group {group_id!r} for {kafka.bootstrap_servers}"):
-        return Consumer(read_committed_consumer_settings(kafka, group_id, partition_eof=partition_eof,
-                                                         overrides=overrides))
+def read_committed_consumer(
+    kafka: KafkaConfig, group_id: str, *, partition_eof: bool = False, overrides: Overrides = None
+) -> Consumer:
+    with translate_kafka_errors(
+        f"creating consumer of group {group_id!r} for {kafka.bootstrap_servers}"
+    ):
+        return Consumer(
+            read_committed_consumer_settings(
+                kafka, group_id, partition_eof=partition_eof, overrides=overrides
+            )
+        )
 
 
 def admin_client(kafka: KafkaConfig, overrides: Overrides = None) -> AdminClient:
@@ -143,7 +156,9 @@ def consume_records(consumer: Consumer, max_records: int, timeout_s: float) -> l
     return [msg for msg in batch if not isinstance(msg, PartitionEnd)]
 
 
-def iter_records(consumer: Consumer, poll_s: float, *, idle_timeout_s: float | None = None) -> Iterator[Message]:
+def iter_records(
+    consumer: Consumer, poll_s: float, *, idle_timeout_s: float | None = None
+) -> Iterator[Message]:
     """Records as they arrive, skipping partition ends; stops after ``idle_timeout_s``
     seconds without any (None: never)."""
     idle_since = time.monotonic()
@@ -165,7 +180,9 @@ def record_or_partition_end(msg: Message) -> Message | PartitionEnd:
         return msg
     if err.code() == KafkaError._PARTITION_EOF:
         return PartitionEnd(msg.topic() or "", *record_position(msg))
-    raise broker_error(err, "consuming", topic=msg.topic(), partition=msg.partition(), offset=msg.offset())
+    raise broker_error(
+        err, "consuming", topic=msg.topic(), partition=msg.partition(), offset=msg.offset()
+    )
 
 
 def record_position(msg: Message) -> tuple[int, int]:
@@ -173,14 +190,18 @@ def record_position(msg: Message) -> tuple[int, int]:
     librdkafka sets both on those, though its types allow None (an error event may lack them)."""
     partition, offset = msg.partition(), msg.offset()
     if partition is None or offset is None:
-        raise BrokerError(f"a record without partition or offset: {message_location(msg) or msg.error()}")
+        raise BrokerError(
+            f"a record without partition or offset: {message_location(msg) or msg.error()}"
+        )
     return partition, offset
 
 
 # -- errors ------------------------------------------------------------------------------
 
 
-def record_location(topic: str | None, partition: int | None = None, offset: int | None = None) -> str:
+def record_location(
+    topic: str | None, partition: int | None = None, offset: int | None = None
+) -> str:
     """``topic[partition]@offset``, leaving out what is unknown (None or librdkafka's
     negative placeholders such as -1 for "any partition" or -1001 for "no offset")."""
     if not topic:
@@ -196,8 +217,15 @@ def message_location(msg: Message) -> str:
     return record_location(msg.topic(), msg.partition(), msg.offset())
 
 
-def broker_error(exc: KafkaException | KafkaError, action: str, *, topic: str | None = None,
-                 partition: int | None = None, offset: int | None = None, hint: str = "") -> BrokerError:
+def broker_error(
+    exc: KafkaException | KafkaError,
+    action: str,
+    *,
+    topic: str | None = None,
+    partition: int | None = None,
+    offset: int | None = None,
+    hint: str = "",
+) -> BrokerError:
     """The BrokerError for a confluent-kafka failure; use as ``raise broker_error(...) from exc``.
 
     ``action`` says what was being done ("committing offsets"); ``hint`` what to check.
@@ -208,13 +236,21 @@ def broker_error(exc: KafkaException | KafkaError, action: str, *, topic: str | 
 
 
 @contextmanager
-def translate_kafka_errors(action: str, *, topic: str | None = None, partition: int | None = None,
-                           offset: int | None = None, hint: str = "") -> Iterator[None]:
+def translate_kafka_errors(
+    action: str,
+    *,
+    topic: str | None = None,
+    partition: int | None = None,
+    offset: int | None = None,
+    hint: str = "",
+) -> Iterator[None]:
     """Re-raise a ``KafkaException`` from the block as :func:`broker_error`."""
     try:
         yield
     except KafkaException as exc:
-        raise broker_error(exc, action, topic=topic, partition=partition, offset=offset, hint=hint) from exc
+        raise broker_error(
+            exc, action, topic=topic, partition=partition, offset=offset, hint=hint
+        ) from exc
 
 
 def kafka_error_code(exc: KafkaException | KafkaError) -> int | None:

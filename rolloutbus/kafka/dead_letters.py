@@ -33,8 +33,15 @@ class DeadLetterRecord(NamedTuple):
     value: bytes
 
 
-def dead_letter_record(topic: str, original: bytes, *, stage: str, reason: str, source: str = "",
-                       key: str | None = None) -> DeadLetterRecord:
+def dead_letter_record(
+    topic: str,
+    original: bytes,
+    *,
+    stage: str,
+    reason: str,
+    source: str = "",
+    key: str | None = None,
+) -> DeadLetterRecord:
     """Wrap ``original`` (exactly as received) in a :class:`DeadLetter` and log why."""
     log.warning("dead letter (%s) from %s: %s", stage, source or "?", reason)
     letter = DeadLetter.of(original, stage=stage, reason=reason, source=source)
@@ -50,18 +57,24 @@ class DeadLetterWriter:
         self._producer = producer or idempotent_producer(kafka)
         self.count = 0  # letters written (and acknowledged) by ``write``
 
-    def record(self, original: bytes, reason: str, *, source: str = "",
-               key: str | None = None) -> DeadLetterRecord:
+    def record(
+        self, original: bytes, reason: str, *, source: str = "", key: str | None = None
+    ) -> DeadLetterRecord:
         """The letter, not yet produced: for a caller that produces it in a transaction."""
-        return dead_letter_record(self.topic, original, stage=self.stage, reason=reason,
-                                  source=source, key=key)
+        return dead_letter_record(
+            self.topic, original, stage=self.stage, reason=reason, source=source, key=key
+        )
 
-    def write(self, original: bytes, reason: str, *, source: str = "", key: str | None = None) -> None:
+    def write(
+        self, original: bytes, reason: str, *, source: str = "", key: str | None = None
+    ) -> None:
         """Produce the letter and wait until the broker has it."""
         letter = self.record(original, reason, source=source, key=key)
         with translate_kafka_errors("writing a dead letter", topic=self.topic):
             self._producer.produce(letter.topic, key=letter.key, value=letter.value)
             remaining = self._producer.flush(FLUSH_TIMEOUT_S)
         if remaining:
-            raise BrokerError(f"dead letter to {self.topic} not delivered within {FLUSH_TIMEOUT_S} s")
+            raise BrokerError(
+                f"dead letter to {self.topic} not delivered within {FLUSH_TIMEOUT_S} s"
+            )
         self.count += 1

@@ -24,15 +24,17 @@ POLL_S = 30.0  # seconds one poll may wait before the read counts as stalled
 PARTITION_READER_GROUP = "rolloutbus-partition-reader"
 
 
-def read_partition(kafka: KafkaConfig, topic: str, partition: int, start: int,
-                   stop: int | None = None) -> Iterator[Message]:
+def read_partition(
+    kafka: KafkaConfig, topic: str, partition: int, start: int, stop: int | None = None
+) -> Iterator[Message]:
     """Committed records of ``topic[partition]`` from ``start`` until the end or ``stop``."""
     # no offsets are committed: the group id only satisfies librdkafka
     consumer = read_committed_consumer(kafka, PARTITION_READER_GROUP, partition_eof=True)
     try:
         with translate_kafka_errors("reading watermarks", topic=topic, partition=partition):
-            low, high = consumer.get_watermark_offsets(TopicPartition(topic, partition), timeout=POLL_S,
-                                                       cached=False)
+            low, high = consumer.get_watermark_offsets(
+                TopicPartition(topic, partition), timeout=POLL_S, cached=False
+            )
         begin, end = max(start, low), high if stop is None else min(stop, high)
         if end <= begin:
             return

@@ -240,8 +240,8 @@ class DecodeEngine:
         mask = torch.zeros((len(seqs), width), dtype=torch.long)
         for i, seq in enumerate(seqs):
             ids = seq.request.prompt_ids
-            input_ids[i, width - len(ids):] = torch.tensor(ids, dtype=torch.long)
-            mask[i, width - len(ids):] = 1
+            input_ids[i, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
+            mask[i, width - len(ids) :] = 1
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache(config=self.model.config)
         out = self.model(
@@ -278,7 +278,9 @@ class DecodeEngine:
 
     def _sample(self, rows: list[_Sequence], logits: torch.Tensor) -> torch.Tensor:
         """Sample one token per row, record it and its logprob, mark finished rows."""
-        tokens, logprobs, tops = sample_tokens(logits.float(), [s.request for s in rows], [s.generator for s in rows])
+        tokens, logprobs, tops = sample_tokens(
+            logits.float(), [s.request for s in rows], [s.generator for s in rows]
+        )
         for i, seq in enumerate(rows):
             if seq.finish_reason is not None:
                 continue
@@ -286,7 +288,9 @@ class DecodeEngine:
         self.stats.generation_tokens += len(rows)
         return tokens
 
-    def _append(self, seq: _Sequence, token: int, logprob: float, top: dict[int, float] | None) -> None:
+    def _append(
+        self, seq: _Sequence, token: int, logprob: float, top: dict[int, float] | None
+    ) -> None:
         seq.token_ids.append(token)
         seq.logprobs.append(logprob)
         if top is not None:
@@ -336,7 +340,9 @@ class DecodeEngine:
             waiting, self._waiting = list(self._waiting), deque()
         for seq in (batch.rows if batch else []) + waiting:
             if self._error is not None:
-                _reject(seq, ReplicaError(f"decode loop for {self.model_name} crashed: {self._error!r}"))
+                _reject(
+                    seq, ReplicaError(f"decode loop for {self.model_name} crashed: {self._error!r}")
+                )
             else:
                 self._finish(seq, "abort")
         self.stats.running = self.stats.waiting = 0
@@ -376,7 +382,9 @@ def sample_tokens(
 
 
 def _apply_top_k(scaled: torch.Tensor, requests: list[GenerationRequest]) -> torch.Tensor:
-    ks = [r.sampling.top_k if r.sampling.top_k > 0 and not r.sampling.greedy else 0 for r in requests]
+    ks = [
+        r.sampling.top_k if r.sampling.top_k > 0 and not r.sampling.greedy else 0 for r in requests
+    ]
     k_max = min(max(ks), scaled.shape[-1])
     if k_max <= 0:
         return scaled
@@ -456,8 +464,12 @@ def _merge(running: _Batch | None, joining: _Batch) -> _Batch:
     width = max(running.mask.shape[1], joining.mask.shape[1])
     for mine, theirs in zip(running.cache.layers, joining.cache.layers, strict=True):
         mine.keys = torch.cat([_pad_left(mine.keys, width, -2), _pad_left(theirs.keys, width, -2)])
-        mine.values = torch.cat([_pad_left(mine.values, width, -2), _pad_left(theirs.values, width, -2)])
-    running.mask = torch.cat([_pad_left(running.mask, width, -1), _pad_left(joining.mask, width, -1)])
+        mine.values = torch.cat(
+            [_pad_left(mine.values, width, -2), _pad_left(theirs.values, width, -2)]
+        )
+    running.mask = torch.cat(
+        [_pad_left(running.mask, width, -1), _pad_left(joining.mask, width, -1)]
+    )
     running.pending = torch.cat([running.pending, joining.pending])
     running.rows = running.rows + joining.rows
     return running
@@ -493,7 +505,9 @@ def _zero_padding(cache: Any, mask: torch.Tensor) -> None:
     keep = mask.bool()[:, None, :, None]
     for layer in cache.layers:
         if type(layer).__name__ != "DynamicLayer":
-            raise ReplicaError(f"unsupported KV cache layer {type(layer).__name__} (sliding window?)")
+            raise ReplicaError(
+                f"unsupported KV cache layer {type(layer).__name__} (sliding window?)"
+            )
         layer.keys = torch.where(keep, layer.keys, 0.0)
         layer.values = torch.where(keep, layer.values, 0.0)
 

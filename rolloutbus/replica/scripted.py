@@ -42,7 +42,8 @@ Script = Iterable[ScriptedTurn | list[int]] | Callable[[list[int]], ScriptedTurn
 
 @dataclass
 class ScriptedEngine:
-    """Returns scripted tokens per call: from a list consumed in order, or a callable of the prompt ids."""
+    """Returns scripted tokens per call: from a list consumed in order, or a callable of the
+    prompt ids."""
 
     script: Script
     token_delay_s: float = 0.0  # seconds per output token, to look like a decode
@@ -93,7 +94,8 @@ class ScriptedEngine:
         if len(request.prompt_ids) + request.max_tokens > self.max_model_len:
             raise RequestRejectedError(
                 f"this model's maximum context length is {self.max_model_len} tokens, but "
-                f"{len(request.prompt_ids)} prompt tokens + max_tokens {request.max_tokens} exceed it"
+                f"{len(request.prompt_ids)} prompt tokens + max_tokens {request.max_tokens} "
+                "exceed it"
             )
         self.calls.append(request)
         start = asyncio.get_running_loop().time()
@@ -102,7 +104,9 @@ class ScriptedEngine:
         self.stats.running += 1
         try:
             if self.token_delay_s:
-                await asyncio.sleep(self.token_delay_s * min(len(turn.token_ids), request.max_tokens))
+                await asyncio.sleep(
+                    self.token_delay_s * min(len(turn.token_ids), request.max_tokens)
+                )
         finally:
             self.stats.running -= 1
         return self._result(request, turn, asyncio.get_running_loop().time() - start)
@@ -120,19 +124,31 @@ class ScriptedEngine:
             try:
                 turn = next(self._turns)
             except StopIteration:
-                raise ReplicaError(f"{self.model_name}: the script has no turn left for call {len(self.calls)}") from None
+                raise ReplicaError(
+                    f"{self.model_name}: the script has no turn left for call {len(self.calls)}"
+                ) from None
         return turn if isinstance(turn, ScriptedTurn) else ScriptedTurn(token_ids=list(turn))
 
-    def _result(self, request: GenerationRequest, turn: ScriptedTurn, elapsed: float) -> GenerationResult:
+    def _result(
+        self, request: GenerationRequest, turn: ScriptedTurn, elapsed: float
+    ) -> GenerationResult:
         token_ids = list(turn.token_ids[: request.max_tokens])
-        logprobs = list(turn.logprobs[: len(token_ids)]) if turn.logprobs else [DEFAULT_LOGPROB] * len(token_ids)
-        stops = set(request.stop_token_ids) | (set() if request.ignore_eos else set(self.eos_token_ids))
+        logprobs = (
+            list(turn.logprobs[: len(token_ids)])
+            if turn.logprobs
+            else [DEFAULT_LOGPROB] * len(token_ids)
+        )
+        stops = set(request.stop_token_ids) | (
+            set() if request.ignore_eos else set(self.eos_token_ids)
+        )
         for i, token in enumerate(token_ids):  # a stop token ends the turn, as in a real decode
             if token in stops:
                 token_ids, logprobs = token_ids[: i + 1], logprobs[: i + 1]
                 break
         last = token_ids[-1] if token_ids else None
-        reason = turn.finish_reason or ("stop" if last in stops or len(token_ids) < request.max_tokens else "length")
+        reason = turn.finish_reason or (
+            "stop" if last in stops or len(token_ids) < request.max_tokens else "length"
+        )
         self.stats.prompt_tokens += len(request.prompt_ids)
         self.stats.generation_tokens += len(token_ids)
         self.stats.batch_sizes[1] += 1

@@ -65,8 +65,14 @@ from rolloutbus.schemas.inference import (
     WireModel,
 )
 
-__all__ = ["ReplicaHandle", "build_app", "replica_in_thread", "serve_replica", "start_replica",
-           "validate_request_body"]
+__all__ = [
+    "ReplicaHandle",
+    "build_app",
+    "replica_in_thread",
+    "serve_replica",
+    "start_replica",
+    "validate_request_body",
+]
 
 log = logging.getLogger(__name__)
 
@@ -113,8 +119,17 @@ class HTTPProblem(Exception):
         self.status, self.message, self.param = status, message, param
 
     def response(self) -> web.Response:
-        kind = {400: "BadRequestError", 404: "NotFoundError"}.get(self.status, "InternalServerError")
-        body = {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.status}}
+        kind = {400: "BadRequestError", 404: "NotFoundError"}.get(
+            self.status, "InternalServerError"
+        )
+        body = {
+            "error": {
+                "message": self.message,
+                "type": kind,
+                "param": self.param,
+                "code": self.status,
+            }
+        }
         return web.json_response(body, status=self.status)
 
 
@@ -185,7 +200,11 @@ def _refuse_unsupported(body: GenerateBody) -> None:
     _only(f"{at}n", sampling.n, 1, "; send n requests")
     _only("stream", body.stream, False)
     if sampling.stop:
-        raise HTTPProblem(400, "stop strings are not supported by the embedded replica; use stop_token_ids", f"{at}stop")
+        raise HTTPProblem(
+            400,
+            "stop strings are not supported by the embedded replica; use stop_token_ids",
+            f"{at}stop",
+        )
     if isinstance(sampling, VllmSamplingFields):
         _only(f"{at}prompt_logprobs", sampling.prompt_logprobs, None)
         _at_most(f"{at}logprobs", sampling.logprobs, MAX_TOP_LOGPROBS)
@@ -199,12 +218,19 @@ def _refuse_unsupported(body: GenerateBody) -> None:
 
 def _only(field: str, value: Any, honoured: Any, hint: str = "") -> None:
     if value not in (None, honoured):
-        raise HTTPProblem(400, f"{field}={value!r} is not supported by the embedded replica{hint}", field)
+        raise HTTPProblem(
+            400, f"{field}={value!r} is not supported by the embedded replica{hint}", field
+        )
 
 
 def _at_most(field: str, value: int | None, limit: int) -> None:
     if value is not None and value > limit:
-        raise HTTPProblem(400, f"field '{field}': at most {limit} alternatives per token (vLLM's --max-logprobs default), got {value}", field)
+        raise HTTPProblem(
+            400,
+            f"field '{field}': at most {limit} alternatives per token (vLLM's --max-logprobs "
+            f"default), got {value}",
+            field,
+        )
 
 
 def _describe_validation_error(exc: ValidationError) -> tuple[str, str | None]:
@@ -226,7 +252,11 @@ def _drop_union_tags(loc: tuple[Any, ...]) -> str:
 
 def _check_model(engine: Engine, requested: str | None) -> None:
     if requested is not None and requested != engine.model_name:
-        raise HTTPProblem(404, f"The model `{requested}` does not exist; this replica serves `{engine.model_name}`.", "model")
+        raise HTTPProblem(
+            404,
+            f"The model `{requested}` does not exist; this replica serves `{engine.model_name}`.",
+            "model",
+        )
 
 
 def _max_tokens(engine: Engine, requested: int | None, prompt_len: int) -> int:
@@ -234,7 +264,12 @@ def _max_tokens(engine: Engine, requested: int | None, prompt_len: int) -> int:
         return requested
     room = engine.max_model_len - prompt_len
     if room < 1:
-        raise HTTPProblem(400, f"prompt has {prompt_len} tokens; this model's maximum context length is {engine.max_model_len}", "prompt")
+        raise HTTPProblem(
+            400,
+            f"prompt has {prompt_len} tokens; this model's maximum context length is "
+            f"{engine.max_model_len}",
+            "prompt",
+        )
     return room
 
 
@@ -253,15 +288,24 @@ class _EngineCollector:
         yield _gauge("requests_waiting", "Requests queued for a batch slot.", stats.waiting, model)
         yield _counter("prompt_tokens", "Prefilled prompt tokens.", stats.prompt_tokens, model)
         yield _counter("generation_tokens", "Sampled tokens.", stats.generation_tokens, model)
-        yield _counter("num_preemptions", "Preemptions (always 0: the engine never preempts).", stats.preemptions, model)
+        yield _counter(
+            "num_preemptions",
+            "Preemptions (always 0: the engine never preempts).",
+            stats.preemptions,
+            model,
+        )
         yield _counter("decode_steps", "Decode steps run.", stats.steps, model)
         # dict() copies under the GIL: the decode thread may add a key meanwhile.
         yield self._batch_histogram(dict(stats.batch_sizes), model)
 
     @staticmethod
     def _batch_histogram(sizes: dict[int, int], model: list[str]) -> HistogramMetricFamily:
-        family = HistogramMetricFamily(f"{METRIC_PREFIX}_batch_size", "Rows per decode step.", labels=["model_name"])
-        buckets = [(str(float(b)), sum(n for s, n in sizes.items() if s <= b)) for b in BATCH_BUCKETS]
+        family = HistogramMetricFamily(
+            f"{METRIC_PREFIX}_batch_size", "Rows per decode step.", labels=["model_name"]
+        )
+        buckets = [
+            (str(float(b)), sum(n for s, n in sizes.items() if s <= b)) for b in BATCH_BUCKETS
+        ]
         buckets.append(("+Inf", sum(sizes.values())))
         family.add_metric(model, buckets, sum_value=float(sum(s * n for s, n in sizes.items())))
         return family
@@ -285,11 +329,39 @@ class _RequestMetrics:
     def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
         self.model_name = model_name
         p = METRIC_PREFIX
-        self.success = Counter(f"{p}_request_success", "Finished requests.", ["model_name", "finished_reason"], registry=registry)
-        self.errors = Counter(f"{p}_request_errors", "Requests answered with an HTTP error.", ["model_name", "code"], registry=registry)
-        self.e2e = Histogram(f"{p}_e2e_request_latency_seconds", "Submit to last token.", ["model_name"], buckets=E2E_BUCKETS, registry=registry)
-        self.ttft = Histogram(f"{p}_time_to_first_token_seconds", "Submit to first token.", ["model_name"], buckets=TTFT_BUCKETS, registry=registry)
-        self.queue = Histogram(f"{p}_request_queue_time_seconds", "Submit to prefill.", ["model_name"], buckets=TTFT_BUCKETS, registry=registry)
+        self.success = Counter(
+            f"{p}_request_success",
+            "Finished requests.",
+            ["model_name", "finished_reason"],
+            registry=registry,
+        )
+        self.errors = Counter(
+            f"{p}_request_errors",
+            "Requests answered with an HTTP error.",
+            ["model_name", "code"],
+            registry=registry,
+        )
+        self.e2e = Histogram(
+            f"{p}_e2e_request_latency_seconds",
+            "Submit to last token.",
+            ["model_name"],
+            buckets=E2E_BUCKETS,
+            registry=registry,
+        )
+        self.ttft = Histogram(
+            f"{p}_time_to_first_token_seconds",
+            "Submit to first token.",
+            ["model_name"],
+            buckets=TTFT_BUCKETS,
+            registry=registry,
+        )
+        self.queue = Histogram(
+            f"{p}_request_queue_time_seconds",
+            "Submit to prefill.",
+            ["model_name"],
+            buckets=TTFT_BUCKETS,
+            registry=registry,
+        )
 
     def observe(self, result: GenerationResult) -> None:
         m = self.model_name
@@ -303,7 +375,9 @@ class _RequestMetrics:
 async def _count_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     response = await handler(request)
     if response.status >= 400 and request.path != "/health":
-        request.app[METRICS_KEY].errors.labels(request.app[ENGINE_KEY].model_name, str(response.status)).inc()
+        request.app[METRICS_KEY].errors.labels(
+            request.app[ENGINE_KEY].model_name, str(response.status)
+        ).inc()
     return response
 
 
@@ -322,7 +396,9 @@ def _sampling(temperature: float, top_p: float, top_k: int) -> EngineSampling:
 
 def _usage(result: GenerationResult) -> Usage:
     prompt, completion = len(result.prompt_ids), len(result.token_ids)
-    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    return Usage(
+        prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+    )
 
 
 def _decode(engine: Engine, token_ids: list[int], skip_special: bool = True) -> str:
@@ -344,23 +420,30 @@ async def completions(request: web.Request) -> web.Response:
     _check_model(engine, body.model)
     prompt_ids = _prompt_ids(engine, body.prompt)
     request_id = body.request_id or request.headers.get("X-Request-Id") or _new_id("cmpl")
-    gen = _completion_generation(body, request_id, prompt_ids, _max_tokens(engine, body.max_tokens, len(prompt_ids)))
+    gen = _completion_generation(
+        body, request_id, prompt_ids, _max_tokens(engine, body.max_tokens, len(prompt_ids))
+    )
     result = await _generate(request, gen)
-    return web.json_response(_completion_response(engine, body, request_id, result,
-                                                  request.app[WEIGHT_VERSION_KEY]))
+    return web.json_response(
+        _completion_response(engine, body, request_id, result, request.app[WEIGHT_VERSION_KEY])
+    )
 
 
 def _prompt_ids(engine: Engine, prompt: list[int] | str) -> list[int]:
     if isinstance(prompt, list):
         return prompt
     if engine.tokenizer is None:
-        raise HTTPProblem(400, "field 'prompt': text prompts need a tokenizer; send token ids", "prompt")
+        raise HTTPProblem(
+            400, "field 'prompt': text prompts need a tokenizer; send token ids", "prompt"
+        )
     if not prompt:
         raise HTTPProblem(400, "field 'prompt': must not be empty", "prompt")
     return engine.tokenizer.encode(prompt, add_special_tokens=False)
 
 
-def _completion_generation(body: VllmCompletionRequest, request_id: str, prompt_ids: list[int], max_tokens: int) -> GenerationRequest:
+def _completion_generation(
+    body: VllmCompletionRequest, request_id: str, prompt_ids: list[int], max_tokens: int
+) -> GenerationRequest:
     return GenerationRequest(
         request_id=request_id,
         prompt_ids=prompt_ids,
@@ -373,10 +456,19 @@ def _completion_generation(body: VllmCompletionRequest, request_id: str, prompt_
     )
 
 
-def _completion_response(engine: Engine, body: VllmCompletionRequest, request_id: str, result: GenerationResult,
-                         weight_version: WeightVersion) -> dict[str, Any]:
+def _completion_response(
+    engine: Engine,
+    body: VllmCompletionRequest,
+    request_id: str,
+    result: GenerationResult,
+    weight_version: WeightVersion,
+) -> dict[str, Any]:
     # Left out (not null) unless the request set return_weight_versions.
-    versions: dict[str, Any] = {"weight_versions": weight_version.spans(len(result.token_ids))} if body.return_weight_versions else {}
+    versions: dict[str, Any] = (
+        {"weight_versions": weight_version.spans(len(result.token_ids))}
+        if body.return_weight_versions
+        else {}
+    )
     choice = VllmCompletionChoice(
         index=0,
         text=_decode(engine, result.token_ids, body.skip_special_tokens),
@@ -399,14 +491,18 @@ def _completion_response(engine: Engine, body: VllmCompletionRequest, request_id
     ).to_json()
 
 
-def _completion_logprobs(engine: Engine, body: VllmCompletionRequest, result: GenerationResult) -> VllmCompletionLogprobs:
+def _completion_logprobs(
+    engine: Engine, body: VllmCompletionRequest, result: GenerationResult
+) -> VllmCompletionLogprobs:
     as_ids = body.return_tokens_as_token_ids or engine.tokenizer is None
 
     def name(token_id: int) -> str:
         return f"token_id:{token_id}" if as_ids else engine.tokenizer.decode([token_id])
 
     tokens = [name(t) for t in result.token_ids]
-    tops = result.top_logprobs or [{t: lp} for t, lp in zip(result.token_ids, result.logprobs, strict=True)]
+    tops = result.top_logprobs or [
+        {t: lp} for t, lp in zip(result.token_ids, result.logprobs, strict=True)
+    ]
     offsets, offset = [], 0
     for token in tokens:  # offsets into the returned text, as vLLM reports them without echo
         offsets.append(offset)
@@ -448,26 +544,30 @@ async def vllm_generate(request: web.Request) -> web.Response:
         logprobs=_generate_logprobs(result) if sp.logprobs is not None else None,
         weight_versions=request.app[WEIGHT_VERSION_KEY].spans(len(result.token_ids)),
     )
-    return web.json_response(VllmGenerateResponse(
-        request_id=request_id,
-        model=engine.model_name,
-        created=int(time.time()),
-        choices=[choice],
-        usage=_usage(result),
-        prompt_token_ids=None,
-        prompt_logprobs=None,
-    ).to_json())
+    return web.json_response(
+        VllmGenerateResponse(
+            request_id=request_id,
+            model=engine.model_name,
+            created=int(time.time()),
+            choices=[choice],
+            usage=_usage(result),
+            prompt_token_ids=None,
+            prompt_logprobs=None,
+        ).to_json()
+    )
 
 
 def _generate_logprobs(result: GenerationResult) -> VllmGenerateLogprobs:
     content = []
     for i, (token, logprob) in enumerate(zip(result.token_ids, result.logprobs, strict=True)):
         top = result.top_logprobs[i] if result.top_logprobs else {}
-        content.append(VllmGenerateLogprob(
-            token_id=token,
-            logprob=logprob,
-            top_logprobs=[VllmTopLogprob(token_id=t, logprob=lp) for t, lp in top.items()],
-        ))
+        content.append(
+            VllmGenerateLogprob(
+                token_id=token,
+                logprob=logprob,
+                top_logprobs=[VllmTopLogprob(token_id=t, logprob=lp) for t, lp in top.items()],
+            )
+        )
     return VllmGenerateLogprobs(content=content)
 
 
@@ -492,8 +592,12 @@ async def sglang_generate(request: web.Request) -> web.Response:
     result = await _generate(request, gen)
     logprobs: dict[str, Any] = {}
     if body.return_logprob:
-        logprobs = {"output_token_logprobs": [[lp, t, None] for t, lp in zip(result.token_ids, result.logprobs, strict=True)],
-                    "input_token_logprobs": None}
+        logprobs = {
+            "output_token_logprobs": [
+                [lp, t, None] for t, lp in zip(result.token_ids, result.logprobs, strict=True)
+            ],
+            "input_token_logprobs": None,
+        }
     meta = SglangMetaInfo(
         id=rid,
         finish_reason=_sglang_finish_reason(result),
@@ -504,7 +608,9 @@ async def sglang_generate(request: web.Request) -> web.Response:
         weight_version=request.app[WEIGHT_VERSION_KEY].value,
         **logprobs,
     )
-    response = SglangGenerateResponse(text=_decode(engine, result.token_ids), output_ids=result.token_ids, meta_info=meta)
+    response = SglangGenerateResponse(
+        text=_decode(engine, result.token_ids), output_ids=result.token_ids, meta_info=meta
+    )
     return web.json_response(response.to_json())
 
 
@@ -556,7 +662,9 @@ async def metrics(request: web.Request) -> web.Response:
 
 def build_app(engine: Engine) -> web.Application:
     """The aiohttp app over a started engine; metrics live in the app's own registry."""
-    app = web.Application(middlewares=[_count_errors, _problems_as_json], client_max_size=64 * 1024 * 1024)
+    app = web.Application(
+        middlewares=[_count_errors, _problems_as_json], client_max_size=64 * 1024 * 1024
+    )
     registry = CollectorRegistry()
     registry.register(_EngineCollector(engine))
     app[ENGINE_KEY] = engine
@@ -612,7 +720,9 @@ async def start_replica(cfg: Config, engine: Engine | None = None) -> ReplicaHan
     except OSError as exc:
         await runner.cleanup()
         engine.stop()
-        raise ReplicaError(f"cannot listen on {cfg.replica_server.host}:{cfg.replica_server.port}: {exc}") from exc
+        raise ReplicaError(
+            f"cannot listen on {cfg.replica_server.host}:{cfg.replica_server.port}: {exc}"
+        ) from exc
     host, port = runner.addresses[0][:2]
     return ReplicaHandle(url=f"http://{host}:{port}", engine=engine, runner=runner)
 
@@ -639,7 +749,11 @@ def replica_in_thread(cfg: Config, engine: Engine | None = None) -> Iterator[Rep
 def serve_replica(cfg: Config) -> None:
     """Serve until SIGTERM or SIGINT (blocking); for ``rolloutbus replica serve``."""
     if not logging.getLogger().handlers:
-        logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        logging.basicConfig(
+            stream=sys.stderr,
+            level=logging.INFO,
+            format="%(asctime)s %(name)s %(levelname)s %(message)s",
+        )
     asyncio.run(_serve(cfg))
 
 

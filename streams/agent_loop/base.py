@@ -55,11 +55,15 @@ class AgentLoopBase(ABC):
         self.dataset_cls = dataset_cls
         self.data_config = data_config
         self.hf_model_type = hf_model_type
-        self.apply_chat_template_kwargs: dict[str, Any] = dict(kwargs.pop("apply_chat_template_kwargs", None) or {})
+        self.apply_chat_template_kwargs: dict[str, Any] = dict(
+            kwargs.pop("apply_chat_template_kwargs", None) or {}
+        )
         self.extra_kwargs = kwargs  # YAML kwargs of a custom loop that a subclass did not take
 
     @abstractmethod
-    async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> AgentLoopOutput | list[AgentLoopOutput]:
+    async def run(
+        self, sampling_params: dict[str, Any], **kwargs: Any
+    ) -> AgentLoopOutput | list[AgentLoopOutput]:
         """Run one trajectory; kwargs are the dataset row columns plus uid, session_id, ..."""
 
     # ---- prompts -------------------------------------------------------------------
@@ -89,15 +93,21 @@ class AgentLoopBase(ABC):
 
     def _assert_mm_supported(self, multimodal: bool) -> None:
         if multimodal and self.processor is None:
-            raise AgentLoopError("the prompt has images or videos but this loop has no processor (a VL model)")
+            raise AgentLoopError(
+                "the prompt has images or videos but this loop has no processor (a VL model)"
+            )
 
     def _render_prompt(self, messages, tools, images, videos, kwargs) -> list[int]:
         if self.processor is None:
-            return render_ids(self.tokenizer, messages, tools=tools, add_generation_prompt=True, **kwargs)
+            return render_ids(
+                self.tokenizer, messages, tools=tools, add_generation_prompt=True, **kwargs
+            )
         text = self.processor.apply_chat_template(
             messages, tools=tools or None, add_generation_prompt=True, tokenize=False, **kwargs
         )
-        inputs = self.processor(text=[text], images=images or None, videos=videos or None, return_tensors="pt")
+        inputs = self.processor(
+            text=[text], images=images or None, videos=videos or None, return_tensors="pt"
+        )
         input_ids = inputs["input_ids"]
         first = input_ids[0]
         return first.tolist() if hasattr(first, "tolist") else list(first)
@@ -105,7 +115,7 @@ class AgentLoopBase(ABC):
     def _strip_system_prompt(self, ids: list[int]) -> list[int]:
         """Drop the default system prefix the template adds to a headless render (pre-CT verl)."""
         system = self.system_prompt_ids
-        return ids[len(system):] if system and ids[: len(system)] == system else ids
+        return ids[len(system) :] if system and ids[: len(system)] == system else ids
 
     @property
     def system_prompt_ids(self) -> list[int]:
@@ -124,8 +134,12 @@ class AgentLoopBase(ABC):
                 f"multimodal prompt has {len(ids)} tokens, over rollout.prompt_length={limit}; "
                 "it cannot be truncated without breaking its image/video placeholders"
             )
-        logger.warning("prompt has %d tokens, over rollout.prompt_length=%d: keeping the last %d",
-                       len(ids), limit, limit)
+        logger.warning(
+            "prompt has %d tokens, over rollout.prompt_length=%d: keeping the last %d",
+            len(ids),
+            limit,
+            limit,
+        )
         return ids[-limit:]
 
     # ---- helpers shared by the built-in loops -------------------------------------------

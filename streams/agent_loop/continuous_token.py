@@ -98,7 +98,7 @@ class ContinuousTokenBuilder:
         """What the template writes after an assistant message's content (Qwen: <|im_end|>\\n)."""
         messages = [*_SYNTHETIC_PREFIX[:2], {"role": "assistant", "content": _END_PROBE}]
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, **self.template_kwargs)
-        tail = text[text.rindex(_END_PROBE) + len(_END_PROBE):]
+        tail = text[text.rindex(_END_PROBE) + len(_END_PROBE) :]
         return list(self.tokenizer.encode(tail, add_special_tokens=False))
 
     def boundary_ids(self, stream_ids: list[int]) -> list[int]:
@@ -124,37 +124,51 @@ class ContinuousTokenBuilder:
         suffix of the full render, or we raise.
         """
         kwargs = self.template_kwargs
-        prefix_text = self.tokenizer.apply_chat_template(_SYNTHETIC_PREFIX, tokenize=False, **kwargs)
+        prefix_text = self.tokenizer.apply_chat_template(
+            _SYNTHETIC_PREFIX, tokenize=False, **kwargs
+        )
         full_text = self.tokenizer.apply_chat_template(
-            [*_SYNTHETIC_PREFIX, *new_messages], tokenize=False, add_generation_prompt=True, **kwargs
+            [*_SYNTHETIC_PREFIX, *new_messages],
+            tokenize=False,
+            add_generation_prompt=True,
+            **kwargs,
         )
         if full_text.startswith(prefix_text):
-            suffix_text = full_text[len(prefix_text):]
+            suffix_text = full_text[len(prefix_text) :]
         else:
-            anchor = prefix_text[prefix_text.rindex(_NOOP_TOOL):]
+            anchor = prefix_text[prefix_text.rindex(_NOOP_TOOL) :]
             start = full_text.find(anchor, full_text.find(_NOOP_TOOL))
             if start < 0:
                 raise AgentLoopError(
-                    "the chat template is not append-only: new messages changed how the turn before them renders"
+                    "the chat template is not append-only: new messages changed how the turn "
+                    "before them renders"
                 )
-            suffix_text = full_text[start + len(anchor):]
+            suffix_text = full_text[start + len(anchor) :]
         full = list(self.tokenizer.encode(full_text, add_special_tokens=False))
         suffix = list(self.tokenizer.encode(suffix_text, add_special_tokens=False))
-        if not suffix or full[-len(suffix):] != suffix:
-            raise AgentLoopError("the chat template is not append-only: the new messages merge with the tokens before them")
+        if not suffix or full[-len(suffix) :] != suffix:
+            raise AgentLoopError(
+                "the chat template is not append-only: the new messages merge with the tokens "
+                "before them"
+            )
         return suffix
 
-    def observation(self, stream_ids: list[int], new_messages: list[dict[str, Any]]) -> ObservationTokens:
+    def observation(
+        self, stream_ids: list[int], new_messages: list[dict[str, Any]]
+    ) -> ObservationTokens:
         """Boundary + rendered ``new_messages`` + generation prompt, to append to ``stream_ids``."""
         if not new_messages:
             raise AgentLoopError("an observation needs at least one message")
         bad = [m.get("role") for m in new_messages if m.get("role") not in OBSERVATION_ROLES]
         if bad:
             raise AgentLoopError(
-                f"only tool, user or system messages can be appended to a token stream, got roles {bad}"
+                "only tool, user or system messages can be appended to a token stream, got "
+                f"roles {bad}"
             )
         message_ids = self._suffix_ids(new_messages)
-        return ObservationTokens(boundary_ids=self.boundary_ids(stream_ids), message_ids=message_ids)
+        return ObservationTokens(
+            boundary_ids=self.boundary_ids(stream_ids), message_ids=message_ids
+        )
 
 
 _builders: dict[tuple[int, tuple[tuple[str, Any], ...]], ContinuousTokenBuilder] = {}

@@ -23,7 +23,9 @@ logger = logging.getLogger(__name__)
 
 _agent_loop_registry: dict[str, dict[str, Any]] = {}
 
-_PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the repo root (verl resolves against its root)
+_PACKAGE_ROOT = (
+    Path(__file__).resolve().parents[2]
+)  # the repo root (verl resolves against its root)
 
 T = TypeVar("T", bound=type)
 
@@ -32,7 +34,9 @@ def register(agent_name: str) -> Callable[[T], T]:
     """Class decorator: route rows with ``agent_name`` to this loop class."""
 
     def decorator(subclass: T) -> T:
-        _agent_loop_registry[agent_name] = {"_target_": f"{subclass.__module__}.{subclass.__qualname__}"}
+        _agent_loop_registry[agent_name] = {
+            "_target_": f"{subclass.__module__}.{subclass.__qualname__}"
+        }
         return subclass
 
     return decorator
@@ -54,11 +58,15 @@ def load_agent_loop_config(path: str | Path) -> list[str]:
     except yaml.YAMLError as exc:
         raise AgentLoopError(f"agent loop config {resolved} is not valid YAML: {exc}") from exc
     if not isinstance(entries, list):
-        raise AgentLoopError(f"agent loop config {resolved} must be a YAML list of {{name, _target_}}")
+        raise AgentLoopError(
+            f"agent loop config {resolved} must be a YAML list of {{name, _target_}}"
+        )
     names = []
     for i, entry in enumerate(entries):
         if not isinstance(entry, Mapping) or "name" not in entry or "_target_" not in entry:
-            raise AgentLoopError(f"agent loop config {resolved}, entry {i}: needs 'name' and '_target_'")
+            raise AgentLoopError(
+                f"agent loop config {resolved}, entry {i}: needs 'name' and '_target_'"
+            )
         spec = {k: v for k, v in entry.items() if k != "name"}
         _agent_loop_registry[str(entry["name"])] = spec
         names.append(str(entry["name"]))
@@ -70,7 +78,9 @@ def _resolve_config_path(path: Path) -> Path:
     for candidate in candidates:
         if candidate.is_file():
             return candidate
-    raise AgentLoopError(f"agent loop config not found: {path} (looked at {', '.join(map(str, candidates))})")
+    raise AgentLoopError(
+        f"agent loop config not found: {path} (looked at {', '.join(map(str, candidates))})"
+    )
 
 
 _MISSING = object()
@@ -92,7 +102,9 @@ def create_agent_loop(agent_name: Any, **ctor_kwargs: Any) -> Any:
     if agent_name is None:
         raise UnknownAgentLoopError(
             "the row's agent_name is null; an explicit null does not fall back to "
-            f"agent.default_agent_loop (as in verl): name a loop or drop the field; registered: {registered}")
+            "agent.default_agent_loop (as in verl): name a loop or drop the field; registered: "
+            f"{registered}"
+        )
     if agent_name not in _agent_loop_registry:
         raise UnknownAgentLoopError(
             f"agent loop {agent_name!r} is not registered; registered: {registered}"

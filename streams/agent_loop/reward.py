@@ -26,7 +26,8 @@ _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
 
 
 def register_reward(*data_sources: str) -> Callable[[ComputeScore], ComputeScore]:
-    """Decorator: score rows of these data sources with the function (``"default"`` for the rest)."""
+    """Decorator: score rows of these data sources with the function (``"default"``: the
+    rest)."""
 
     def decorator(fn: ComputeScore) -> ComputeScore:
         for source in data_sources:
@@ -64,8 +65,11 @@ def last_number(text: str) -> float | None:
 
 
 @register_reward(DEFAULT_REWARD)
-def arithmetic_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> float:
-    """1.0 when the last number in the answer equals the ground truth, else 0.0 ("计算 18 * 7" → "126")."""
+def arithmetic_score(
+    data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None
+) -> float:
+    """1.0 when the last number in the answer equals the ground truth, else 0.0
+    ("计算 18 * 7" → "126")."""
     answer = last_number(solution_str)
     expected = last_number(str(ground_truth))
     if answer is None or expected is None:
@@ -74,7 +78,8 @@ def arithmetic_score(data_source: str, solution_str: str, ground_truth: Any, ext
 
 
 def split_result(result: float | int | dict[str, Any]) -> tuple[float, dict[str, Any]]:
-    """verl's naive reward manager: a dict keeps all its keys as extra info; a float is also ``acc``."""
+    """verl's naive reward manager: a dict keeps all its keys as extra info; a float is also
+    ``acc``."""
     if isinstance(result, Mapping):
         if "score" not in result:
             raise AgentLoopError(f"a reward dict needs 'score', got keys {sorted(result)}")
@@ -107,7 +112,9 @@ def score_outputs(
         extra_info = {
             **dict(row.get("extra_info") or {}),
             "num_turns": last.num_turns,
-            "tool_extra_fields": {k: v for k, v in last.extra_fields.items() if k != "reward_extra_info"},
+            "tool_extra_fields": {
+                k: v for k, v in last.extra_fields.items() if k != "reward_extra_info"
+            },
         }
         score, info = split_result(fn(data_source, solution_str, ground_truth, extra_info))
         last.reward_score = score
@@ -117,4 +124,6 @@ def score_outputs(
         if earlier.reward_score is None:
             earlier.reward_score = last.reward_score
             if "reward_extra_info" in last.extra_fields:
-                earlier.extra_fields["reward_extra_info"] = dict(last.extra_fields["reward_extra_info"])
+                earlier.extra_fields["reward_extra_info"] = dict(
+                    last.extra_fields["reward_extra_info"]
+                )

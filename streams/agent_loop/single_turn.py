@@ -39,9 +39,13 @@ class SingleTurnAgentLoop(AgentLoopBase):
             routed = routed[: len(prompt_ids) + len(response_ids)]
         metrics = AgentLoopMetrics(
             generate_sequences=timings["generate_sequences"],
-            num_preempted=token_output.num_preempted if token_output.num_preempted is not None else -1,
+            num_preempted=token_output.num_preempted
+            if token_output.num_preempted is not None
+            else -1,
         )
-        multi_modal_data = {k: v for k, v in (("images", images), ("videos", videos)) if v is not None}
+        multi_modal_data = {
+            k: v for k, v in (("images", images), ("videos", videos)) if v is not None
+        }
         return AgentLoopOutput(
             prompt_ids=prompt_ids,
             response_ids=response_ids,

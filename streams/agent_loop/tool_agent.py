@@ -88,7 +88,11 @@ class ToolAgentLoop(AgentLoopBase):
         self.tool_timeout_s = mt.tool_timeout_s
         self.prompt_length = self.rollout_config.prompt_length
         self.response_length = self.rollout_config.response_length
-        tool_list = list(tools) if tools is not None else load_tool_catalog(mt.tool_config_path, mt.function_tool_path)
+        tool_list = (
+            list(tools)
+            if tools is not None
+            else load_tool_catalog(mt.tool_config_path, mt.function_tool_path)
+        )
         self.tools = {tool.name: tool for tool in tool_list}
         self.tool_parser = ToolParser.get_tool_parser(mt.format, self.tokenizer)
 
@@ -121,7 +125,10 @@ class ToolAgentLoop(AgentLoopBase):
             return dict(self.tools)
         unknown = [name for name in selection if name not in self.tools]
         if unknown:
-            raise AgentLoopError(f"extra_info.tool_selection names unknown tools {unknown}; known: {sorted(self.tools)}")
+            raise AgentLoopError(
+                f"extra_info.tool_selection names unknown tools {unknown}; known: "
+                f"{sorted(self.tools)}"
+            )
         return {name: self.tools[name] for name in selection}
 
     def _with_stop_tokens(self, sampling_params: dict[str, Any]) -> dict[str, Any]:
@@ -129,7 +136,10 @@ class ToolAgentLoop(AgentLoopBase):
         if not stops:
             return sampling_params
         existing = list(sampling_params.get("stop_token_ids") or [])
-        return {**sampling_params, "stop_token_ids": existing + [t for t in stops if t not in existing]}
+        return {
+            **sampling_params,
+            "stop_token_ids": existing + [t for t in stops if t not in existing],
+        }
 
     async def _handle_pending_state(self, data: AgentData) -> AgentState:
         schemas = [tool.get_openai_tool_schema() for tool in data.tools.values()]
@@ -138,7 +148,9 @@ class ToolAgentLoop(AgentLoopBase):
         )
         return AgentState.GENERATING
 
-    async def _handle_generating_state(self, data: AgentData, params: dict[str, Any], kwargs) -> AgentState:
+    async def _handle_generating_state(
+        self, data: AgentData, params: dict[str, Any], kwargs
+    ) -> AgentState:
         extra = {"priority": kwargs["priority"]} if kwargs.get("priority") is not None else {}
         with simple_timer("generate_sequences", data.timings):
             output: TokenOutput = await self.server_manager.generate(
@@ -171,7 +183,9 @@ class ToolAgentLoop(AgentLoopBase):
         data.assistant_turns += 1
         tokens = list(output.token_ids)
         if data.assistant_turns > 1 and bool(output.log_probs) != data.has_logprobs:
-            raise AgentLoopError("the replica returned logprobs for some turns only; they cannot be aligned")
+            raise AgentLoopError(
+                "the replica returned logprobs for some turns only; they cannot be aligned"
+            )
         if output.log_probs:
             data.has_logprobs = True
             data.response_logprobs += list(output.log_probs)
@@ -214,19 +228,28 @@ class ToolAgentLoop(AgentLoopBase):
 
     # ---- tools ---------------------------------------------------------------------------
 
-    async def _call_tool(self, call: FunctionCall, data: AgentData) -> tuple[ToolResponse, float | None, dict]:
+    async def _call_tool(
+        self, call: FunctionCall, data: AgentData
+    ) -> tuple[ToolResponse, float | None, dict]:
         """Run one call; every failure becomes error text with reward 0.0 for the model to read."""
         if self.tool_timeout_s is None:
             response = await self._run_tool_safely(call, data)
         else:
             try:
-                response = await asyncio.wait_for(self._run_tool_safely(call, data), self.tool_timeout_s)
+                response = await asyncio.wait_for(
+                    self._run_tool_safely(call, data), self.tool_timeout_s
+                )
             except TimeoutError:
                 logger.warning("tool %s timed out after %s s", call.name, self.tool_timeout_s)
-                text = f"Error when executing tool {call.name}: timed out after {self.tool_timeout_s} s"
+                text = (
+                    f"Error when executing tool {call.name}: "
+                    f"timed out after {self.tool_timeout_s} s"
+                )
                 return ToolResponse(text=text), 0.0, {}
         tool_response, reward, metrics = response
-        tool_response = tool_response.model_copy(update={"text": self.truncate_tool_text(tool_response.text)})
+        tool_response = tool_response.model_copy(
+            update={"text": self.truncate_tool_text(tool_response.text)}
+        )
         return tool_response, reward, metrics
 
     async def _run_tool_safely(self, call: FunctionCall, data: AgentData):
@@ -263,9 +286,9 @@ class ToolAgentLoop(AgentLoopBase):
         if self.tool_response_truncate_side == "left":
             return text[:limit] + TRUNCATED_TAIL
         if self.tool_response_truncate_side == "right":
-            return TRUNCATED_HEAD + text[len(text) - limit:]
+            return TRUNCATED_HEAD + text[len(text) - limit :]
         half = limit // 2
-        return text[:half] + TRUNCATED_MIDDLE + text[len(text) - half:]
+        return text[:half] + TRUNCATED_MIDDLE + text[len(text) - half :]
 
     # ---- output --------------------------------------------------------------------------
 
@@ -283,7 +306,9 @@ class ToolAgentLoop(AgentLoopBase):
             tool_calls=data.timings.get("tool_calls", 0.0),
             num_preempted=data.num_preempted if data.num_preempted is not None else -1,
         )
-        multi_modal_data = {k: v for k, v in (("images", data.image_data), ("videos", data.video_data)) if v}
+        multi_modal_data = {
+            k: v for k, v in (("images", data.image_data), ("videos", data.video_data)) if v
+        }
         return AgentLoopOutput(
             prompt_ids=prompt_ids,
             response_ids=response_ids,

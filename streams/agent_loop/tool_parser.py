@@ -42,7 +42,9 @@ class ToolParser(ABC):
     @classmethod
     def get_tool_parser(cls, name: str, tokenizer: Any) -> ToolParser:
         if name not in cls._registry:
-            raise AgentLoopError(f"unknown tool parser {name!r}; registered: {', '.join(sorted(cls._registry))}")
+            raise AgentLoopError(
+                f"unknown tool parser {name!r}; registered: {', '.join(sorted(cls._registry))}"
+            )
         return cls._registry[name](tokenizer)
 
     @classmethod
@@ -88,17 +90,23 @@ class HermesToolParser(ToolParser):
             # keep what the model wrote: the loop answers with a JSON error for this call
             match = re.search(r'"name"\s*:\s*"([^"]*)"', body)
             raw = re.search(r'"arguments"\s*:\s*(.*)\}\s*$', body, re.DOTALL)
-            return FunctionCall(name=match.group(1) if match else "", arguments=raw.group(1) if raw else body.strip())
+            return FunctionCall(
+                name=match.group(1) if match else "",
+                arguments=raw.group(1) if raw else body.strip(),
+            )
         if not isinstance(call, dict):
             return FunctionCall(name="", arguments=body.strip())
         arguments = call.get("arguments", {})
-        text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+        text = (
+            arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+        )
         return FunctionCall(name=str(call.get("name", "")), arguments=text)
 
 
 @ToolParser.register("qwen3_coder")
 class Qwen3CoderToolParser(ToolParser):
-    """Qwen3-Coder XML: ``<tool_call><function=name><parameter=p>value</parameter></function></tool_call>``.
+    """Qwen3-Coder XML:
+    ``<tool_call><function=name><parameter=p>value</parameter></function></tool_call>``.
 
     Parameter values are JSON when they parse (numbers, objects), else strings.
     """
@@ -113,7 +121,9 @@ class Qwen3CoderToolParser(ToolParser):
         for block in self.tool_call_regex.findall(text):
             for name, body in self.function_regex.findall(block):
                 params = {key: self._value(raw) for key, raw in self.parameter_regex.findall(body)}
-                calls.append(FunctionCall(name=name, arguments=json.dumps(params, ensure_ascii=False)))
+                calls.append(
+                    FunctionCall(name=name, arguments=json.dumps(params, ensure_ascii=False))
+                )
         return self.tool_call_regex.sub("", text), calls
 
     @staticmethod

@@ -42,14 +42,19 @@ class ToolResponse(BaseModel):
 
 def function_schema(name: str, description: str, parameters: dict[str, Any]) -> dict[str, Any]:
     """An OpenAI function-tool schema."""
-    return {"type": "function", "function": {"name": name, "description": description, "parameters": parameters}}
+    return {
+        "type": "function",
+        "function": {"name": name, "description": description, "parameters": parameters},
+    }
 
 
 class BaseTool:
     """verl's tool interface. One tool object serves many trajectories; per-call state lives
     under the ``instance_id`` that ``create`` returns, until ``release``."""
 
-    def __init__(self, config: dict[str, Any] | None = None, tool_schema: dict[str, Any] | None = None):
+    def __init__(
+        self, config: dict[str, Any] | None = None, tool_schema: dict[str, Any] | None = None
+    ):
         self.config = dict(config or {})
         self.tool_schema = tool_schema or self.default_schema()
         if not self.tool_schema.get("function", {}).get("name"):
@@ -65,7 +70,9 @@ class BaseTool:
     def get_openai_tool_schema(self) -> dict[str, Any]:
         return self.tool_schema
 
-    async def create(self, instance_id: str | None = None, **kwargs: Any) -> tuple[str, ToolResponse]:
+    async def create(
+        self, instance_id: str | None = None, **kwargs: Any
+    ) -> tuple[str, ToolResponse]:
         return instance_id or uuid.uuid4().hex, ToolResponse()
 
     async def execute(
@@ -82,7 +89,14 @@ class BaseTool:
 
 # ---- plain-function tools ------------------------------------------------------------
 
-_JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array", dict: "object"}
+_JSON_TYPES = {
+    str: "string",
+    int: "integer",
+    float: "number",
+    bool: "boolean",
+    list: "array",
+    dict: "object",
+}
 
 
 class FunctionTool(BaseTool):
@@ -91,11 +105,15 @@ class FunctionTool(BaseTool):
     The function returns text, ``(text, reward)``, a ``ToolResponse``, or any JSON value.
     """
 
-    def __init__(self, fn: Callable[..., Any], name: str | None = None, description: str | None = None):
+    def __init__(
+        self, fn: Callable[..., Any], name: str | None = None, description: str | None = None
+    ):
         self.fn = fn
         super().__init__(tool_schema=schema_from_function(fn, name=name, description=description))
 
-    async def call(self, parameters: dict[str, Any]) -> tuple[ToolResponse, float | None, dict[str, Any]]:
+    async def call(
+        self, parameters: dict[str, Any]
+    ) -> tuple[ToolResponse, float | None, dict[str, Any]]:
         if inspect.iscoroutinefunction(self.fn):
             result = await self.fn(**parameters)
         else:
@@ -117,7 +135,9 @@ def as_tool_response(result: Any) -> ToolResponse:
     return ToolResponse(text=json.dumps(result, ensure_ascii=False, default=str))
 
 
-def schema_from_function(fn: Callable[..., Any], name: str | None = None, description: str | None = None) -> dict:
+def schema_from_function(
+    fn: Callable[..., Any], name: str | None = None, description: str | None = None
+) -> dict:
     """OpenAI schema from type hints and a Google-style docstring (``Args:`` section)."""
     doc = inspect.getdoc(fn) or ""
     summary, arg_docs = _parse_docstring(doc)
@@ -171,20 +191,24 @@ def load_function_tools(path_or_module: str) -> list[FunctionTool]:
     what = "function tools (rollout.multi_turn.function_tool_path)"
     module = import_module(path_or_module, what=what)
     names = getattr(module, "__all__", None) or [
-        n for n, obj in vars(module).items()
+        n
+        for n, obj in vars(module).items()
         if not n.startswith("_") and inspect.isfunction(obj) and obj.__module__ == module.__name__
     ]
     # through the importer so that an ``__all__`` entry that is missing or not callable is
     # the same clear error as any other plug-in path
-    return [FunctionTool(import_object(f"{module.__name__}:{n}", what=what, kind="callable"))
-            for n in names]
+    return [
+        FunctionTool(import_object(f"{module.__name__}:{n}", what=what, kind="callable"))
+        for n in names
+    ]
 
 
 # ---- YAML tool config (verl's format) --------------------------------------------------
 
 
 def load_tools_from_config(path: str | Path) -> list[BaseTool]:
-    """``tools: [{class_name: pkg.mod.Cls, config: {...}, tool_schema: {type: function, function: ...}}]``."""
+    """``tools: [{class_name: pkg.mod.Cls, config: {...},
+    tool_schema: {type: function, function: ...}}]``."""
     path = Path(path)
     try:
         data = yaml.safe_load(path.read_text()) or {}
@@ -194,8 +218,9 @@ def load_tools_from_config(path: str | Path) -> list[BaseTool]:
     for i, entry in enumerate(data.get("tools") or []):
         if "class_name" not in entry:
             raise AgentLoopError(f"tool config {path}, entry {i}: needs class_name")
-        cls = import_object(entry["class_name"], what=f"tool class (tool config {path}, entry {i})",
-                            kind="class")
+        cls = import_object(
+            entry["class_name"], what=f"tool class (tool config {path}, entry {i})", kind="class"
+        )
         tools.append(cls(config=entry.get("config") or {}, tool_schema=entry.get("tool_schema")))
     return tools
 
@@ -203,7 +228,9 @@ def load_tools_from_config(path: str | Path) -> list[BaseTool]:
 _catalogs: dict[tuple[str | None, str | None], list[BaseTool]] = {}
 
 
-def load_tool_catalog(tool_config_path: str | None, function_tool_path: str | None) -> list[BaseTool]:
+def load_tool_catalog(
+    tool_config_path: str | None, function_tool_path: str | None
+) -> list[BaseTool]:
     """Tools from both sources, loaded once per process (verl: once per worker)."""
     key = (tool_config_path, function_tool_path)
     if key not in _catalogs:
@@ -223,11 +250,17 @@ MAX_EXPRESSION_CHARS = 500  # longer input is rejected before parsing
 MAX_RESULT_DIGITS = 1000  # an integer result longer than this is rejected
 
 _BINARY_OPS: dict[type[ast.operator], Callable[[Any, Any], Any]] = {
-    ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-    ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow,
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.Pow: operator.pow,
 }
 _UNARY_OPS: dict[type[ast.unaryop], Callable[[Any], Any]] = {
-    ast.USub: operator.neg, ast.UAdd: operator.pos,
+    ast.USub: operator.neg,
+    ast.UAdd: operator.pos,
 }
 
 
@@ -281,7 +314,9 @@ class CalculatorTool(BaseTool):
             "Evaluate an arithmetic expression with + - * / // % ** and parentheses.",
             {
                 "type": "object",
-                "properties": {"expression": {"type": "string", "description": "for example 18 * 7"}},
+                "properties": {
+                    "expression": {"type": "string", "description": "for example 18 * 7"}
+                },
                 "required": ["expression"],
             },
         )

@@ -22,6 +22,17 @@ from rolloutbus.streams.assembly.trajectories import (
     violations,
 )
 
-__all__ = ["FinalizedGroup", "FoldLimits", "Letter", "OpenGroup", "PartitionFold", "ReleasedGroup",
-           "ReleasedRecord", "SessionFold", "build_group_trajectories",
-           "failed_trajectory", "finalize_group", "violations"]
+__all__ = [
+    "FinalizedGroup",
+    "FoldLimits",
+    "Letter",
+    "OpenGroup",
+    "PartitionFold",
+    "ReleasedGroup",
+    "ReleasedRecord",
+    "SessionFold",
+    "build_group_trajectories",
+    "failed_trajectory",
+    "finalize_group",
+    "violations",
+]

@@ -62,10 +62,12 @@ class FoldLimits:
 
     @classmethod
     def from_config(cls, cfg: Config) -> FoldLimits:
-        return cls(group_deadline_s=cfg.deadlines.group_s,
-                   max_open_groups=cfg.replay_buffer.max_open_groups,
-                   max_released=cfg.replay_buffer.max_released_uids,
-                   max_n=cfg.limits.max_n)
+        return cls(
+            group_deadline_s=cfg.deadlines.group_s,
+            max_open_groups=cfg.replay_buffer.max_open_groups,
+            max_released=cfg.replay_buffer.max_released_uids,
+            max_n=cfg.limits.max_n,
+        )
 
 
 @dataclass
@@ -118,8 +120,14 @@ class PartitionFold:
     trajectory topic, before the released-groups topic).
     """
 
-    def __init__(self, next_offset: int = 0, traj_next_offset: int = 0,
-                 released: Iterable[str] | None = None, *, limits: FoldLimits | None = None):
+    def __init__(
+        self,
+        next_offset: int = 0,
+        traj_next_offset: int = 0,
+        released: Iterable[str] | None = None,
+        *,
+        limits: FoldLimits | None = None,
+    ):
         self.next_offset = next_offset
         self.limits = limits or FoldLimits()
         self.open: dict[str, OpenGroup] = {}  # insertion order: oldest first
@@ -141,8 +149,10 @@ class PartitionFold:
         :meth:`fold`."""
         released = self.fold(offset, event)
         if len(released) > 1:
-            raise SchemaError(f"event at offset {offset} released {len(released)} groups: "
-                              "a fold with bounds must be read with fold(), not apply()")
+            raise SchemaError(
+                f"event at offset {offset} released {len(released)} groups: "
+                "a fold with bounds must be read with fold(), not apply()"
+            )
         return released[0] if released else None
 
     def fold(self, offset: int, event: Any) -> list[ReleasedGroup]:
@@ -191,18 +201,27 @@ class PartitionFold:
                 del group.attempts[other]
         return self._release_if_complete(group, offset)
 
-    def _apply_group_started(self, group: OpenGroup, offset: int, event: GroupStarted
-                             ) -> ReleasedGroup | None:
+    def _apply_group_started(
+        self, group: OpenGroup, offset: int, event: GroupStarted
+    ) -> ReleasedGroup | None:
         if group.started is not None:
             self.ignored += 1  # a duplicate, or a re-run's group_started: the first one holds
             return None
         max_n = self.limits.max_n
         if max_n is not None and event.n > max_n:
             self._close(group)
-            return ReleasedGroup(event, [], reason=(
-                f"group {event.uid} asks for n = {event.n} sessions, over limits.max_n = {max_n}: "
-                "rejected, no trajectories"), kind="rejected",
-                first_offset=group.first_offset, last_offset=offset)
+            return ReleasedGroup(
+                event,
+                [],
+                reason=(
+                    f"group {event.uid} asks for n = {event.n} sessions, over limits.max_n = "
+                    f"{max_n}: "
+                    "rejected, no trajectories"
+                ),
+                kind="rejected",
+                first_offset=group.first_offset,
+                last_offset=offset,
+            )
         group.started = event
         return self._release_if_complete(group, offset)
 
@@ -219,12 +238,17 @@ class PartitionFold:
         assert group.started is not None
         self._close(group)
         sessions = [group.settled[i] for i in range(group.started.n)]
-        return ReleasedGroup(group.started, sessions, first_offset=group.first_offset,
-                             last_offset=offset)
+        return ReleasedGroup(
+            group.started, sessions, first_offset=group.first_offset, last_offset=offset
+        )
 
     # -- early release -------------------------------------------------------------------
     def _note_ts(self, group: OpenGroup, ts: float) -> None:
-        if group.first_ts is None and math.isfinite(ts) and self.limits.group_deadline_s is not None:
+        if (
+            group.first_ts is None
+            and math.isfinite(ts)
+            and self.limits.group_deadline_s is not None
+        ):
             group.first_ts = ts
             heapq.heappush(self._deadlines, (ts, group.first_offset, group.uid))
 
@@ -238,9 +262,18 @@ class PartitionFold:
             group = self.open.get(uid)
             if group is None or group.first_offset != first_offset:
                 continue  # released meanwhile
-            out.append(self._release_early(group, offset, "deadline", (
-                f"group open longer than deadlines.group_s = {deadline_s:g} s of log time: "
-                f"its first event has ts {first_ts:.3f}, the event at offset {offset} has ts {ts:.3f}")))
+            out.append(
+                self._release_early(
+                    group,
+                    offset,
+                    "deadline",
+                    (
+                        f"group open longer than deadlines.group_s = {deadline_s:g} s of log time: "
+                        f"its first event has ts {first_ts:.3f}, the event at offset {offset} "
+                        f"has ts {ts:.3f}"
+                    ),
+                )
+            )
         return out
 
     def _release_over_open_limit(self, offset: int) -> list[ReleasedGroup]:
@@ -248,20 +281,39 @@ class PartitionFold:
         out = []
         while limit is not None and len(self.open) > limit:
             oldest = next(iter(self.open.values()))
-            out.append(self._release_early(oldest, offset, "too_many_open_groups", (
-                f"too many open groups on this partition (replay_buffer.max_open_groups = {limit}): "
-                f"the oldest, opened at offset {oldest.first_offset}, is released unfinished")))
+            out.append(
+                self._release_early(
+                    oldest,
+                    offset,
+                    "too_many_open_groups",
+                    (
+                        "too many open groups on this partition (replay_buffer.max_open_groups "
+                        f"= {limit}): "
+                        f"the oldest, opened at offset {oldest.first_offset}, is released "
+                        "unfinished"
+                    ),
+                )
+            )
         return out
 
-    def _release_early(self, group: OpenGroup, offset: int, kind: str, reason: str) -> ReleasedGroup:
+    def _release_early(
+        self, group: OpenGroup, offset: int, kind: str, reason: str
+    ) -> ReleasedGroup:
         self._close(group)
         head_missing = group.started is None
         sids = sorted(group.session_ids())
         if head_missing:
-            reason = (f"group_started of {group.uid} is not in the turn log (deleted by retention, "
-                      f"or read from after it), so its sessions are released as failed; {reason}")
-            head = GroupStarted(uid=group.uid, attempt="", n=max(1, len(sids)), row={},
-                                ts=group.first_ts if group.first_ts is not None else 0.0)
+            reason = (
+                f"group_started of {group.uid} is not in the turn log (deleted by retention, "
+                f"or read from after it), so its sessions are released as failed; {reason}"
+            )
+            head = GroupStarted(
+                uid=group.uid,
+                attempt="",
+                n=max(1, len(sids)),
+                row={},
+                ts=group.first_ts if group.first_ts is not None else 0.0,
+            )
         else:
             assert group.started is not None
             head = group.started
@@ -272,9 +324,15 @@ class PartitionFold:
                 fold = fold or self._latest_attempt(group, sid)
                 failed[sid] = reason
             sessions.append(fold)
-        return ReleasedGroup(head, sessions, failed=failed, reason=reason,
-                             kind="head_missing" if head_missing else kind,
-                             first_offset=group.first_offset, last_offset=offset)
+        return ReleasedGroup(
+            head,
+            sessions,
+            failed=failed,
+            reason=reason,
+            kind="head_missing" if head_missing else kind,
+            first_offset=group.first_offset,
+            last_offset=offset,
+        )
 
     @staticmethod
     def _latest_attempt(group: OpenGroup, sid: int) -> SessionFold:
@@ -287,8 +345,11 @@ class PartitionFold:
         self.mark_released(group.uid)
         if len(self._deadlines) > 2 * len(self.open) + DEADLINE_HEAP_SLACK:
             # entries of closed groups are dropped lazily; rebuild before they pile up
-            self._deadlines = [(ts, first, uid) for ts, first, uid in self._deadlines
-                               if (g := self.open.get(uid)) is not None and g.first_offset == first]
+            self._deadlines = [
+                (ts, first, uid)
+                for ts, first, uid in self._deadlines
+                if (g := self.open.get(uid)) is not None and g.first_offset == first
+            ]
             heapq.heapify(self._deadlines)
 
     def mark_released(self, uid: str) -> None:

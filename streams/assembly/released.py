@@ -68,16 +68,31 @@ class ReleasedRecord(BaseModel):
         return self.model_dump_json().encode("utf-8")
 
 
-def released_record(uid: str, partition: int, *, trajectories: int, failed: int, kind: str,
-                    turns_first_offset: int, turns_last_offset: int) -> ReleasedRecord:
-    return ReleasedRecord(uid=uid, partition=partition, trajectories=trajectories, failed=failed,
-                          kind=kind, turns_first_offset=turns_first_offset,
-                          turns_last_offset=turns_last_offset,
-                          released_at_ms=int(time.time() * 1000))
+def released_record(
+    uid: str,
+    partition: int,
+    *,
+    trajectories: int,
+    failed: int,
+    kind: str,
+    turns_first_offset: int,
+    turns_last_offset: int,
+) -> ReleasedRecord:
+    return ReleasedRecord(
+        uid=uid,
+        partition=partition,
+        trajectories=trajectories,
+        failed=failed,
+        kind=kind,
+        turns_first_offset=turns_first_offset,
+        turns_last_offset=turns_last_offset,
+        released_at_ms=int(time.time() * 1000),
+    )
 
 
-def read_released_uids(kafka: KafkaConfig, topic: str, partition: int, limit: int
-                       ) -> tuple[OrderedDict[str, None], int]:
+def read_released_uids(
+    kafka: KafkaConfig, topic: str, partition: int, limit: int
+) -> tuple[OrderedDict[str, None], int]:
     """The uids released on ``topic[partition]``, oldest first, the newest ``limit`` kept;
     and how many records were read. Committed records only (read_committed)."""
     uids: OrderedDict[str, None] = OrderedDict()
@@ -86,8 +101,12 @@ def read_released_uids(kafka: KafkaConfig, topic: str, partition: int, limit: in
         count += 1
         uid = _uid_of(msg.value())
         if uid is None:
-            log.warning("released-groups record at %s[%d]@%s is not a released record: skipped",
-                        topic, partition, msg.offset())
+            log.warning(
+                "released-groups record at %s[%d]@%s is not a released record: skipped",
+                topic,
+                partition,
+                msg.offset(),
+            )
             continue
         uids[uid] = None
         uids.move_to_end(uid)
@@ -132,9 +151,12 @@ def _high_watermark(kafka: KafkaConfig, tp: TopicPartition) -> int:
     """The offset after the last record written, committed or not."""
     request = {TopicPartition(tp.topic, tp.partition): OffsetSpec.latest()}
     admin = admin_client(kafka)  # held until the future resolves: a dropped client fails it
-    with translate_kafka_errors("reading the high watermark", topic=tp.topic, partition=tp.partition):
-        futures = admin.list_offsets(request, isolation_level=IsolationLevel.READ_UNCOMMITTED,
-                                     request_timeout=READ_TIMEOUT_S)
+    with translate_kafka_errors(
+        "reading the high watermark", topic=tp.topic, partition=tp.partition
+    ):
+        futures = admin.list_offsets(
+            request, isolation_level=IsolationLevel.READ_UNCOMMITTED, request_timeout=READ_TIMEOUT_S
+        )
         [result] = [future.result() for future in futures.values()]
     return result.offset
 
@@ -152,8 +174,10 @@ def _records_until(consumer: Consumer, tp: TopicPartition, high: int) -> Iterato
         if isinstance(msg, PartitionEnd) and _position(consumer, tp) >= high:
             return
         if time.monotonic() > deadline:
-            raise BrokerError(f"reading {where} up to offset {high}: a transaction there is still "
-                              f"open after {READ_TIMEOUT_S:.0f} s")
+            raise BrokerError(
+                f"reading {where} up to offset {high}: a transaction there is still "
+                f"open after {READ_TIMEOUT_S:.0f} s"
+            )
 
 
 def _position(consumer: Consumer, tp: TopicPartition) -> int:

@@ -103,16 +103,23 @@ LINGER_MS = 5  # ms a record waits to batch; small, since each batch is flushed 
 LETTER_REASON_CHARS = 4000  # characters of a decoder's error kept in a dead letter's reason
 ANY_PARTITION = -1  # an outgoing record the producer's partitioner places (dead letters)
 # consumer errors no retry can fix; every other non-fatal one is retried by librdkafka itself
-PERMANENT_CONSUMER_ERRORS = frozenset({
-    KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError.TOPIC_AUTHORIZATION_FAILED,
-    KafkaError.GROUP_AUTHORIZATION_FAILED, KafkaError._UNKNOWN_TOPIC,
-})
+PERMANENT_CONSUMER_ERRORS = frozenset(
+    {
+        KafkaError.UNKNOWN_TOPIC_OR_PART,
+        KafkaError.TOPIC_AUTHORIZATION_FAILED,
+        KafkaError.GROUP_AUTHORIZATION_FAILED,
+        KafkaError._UNKNOWN_TOPIC,
+    }
+)
 HEAD_MISSING_REASON = (
     "turn event of group {uid}, whose group_started is not in the turn log (deleted by "
     "retention, or never written): the group's sessions are released as failed records once "
-    "it passes deadlines.group_s or replay_buffer.max_open_groups")
-FENCED_HINT = ("another process runs with the same replay_buffer.transactional_id; leave it unset "
-               "to give every process its own")
+    "it passes deadlines.group_s or replay_buffer.max_open_groups"
+)
+FENCED_HINT = (
+    "another process runs with the same replay_buffer.transactional_id; leave it unset "
+    "to give every process its own"
+)
 
 
 class Outgoing(NamedTuple):
@@ -142,8 +149,9 @@ class ReplayBuffer:
         self.cfg = cfg
         self.topics = Topics.from_config(cfg.kafka)
         self.metrics = metrics or ReplayBufferMetrics()
-        self.transactional_id = (cfg.replay_buffer.transactional_id
-                                 or default_transactional_id(cfg.replay_buffer.group_id))
+        self.transactional_id = cfg.replay_buffer.transactional_id or default_transactional_id(
+            cfg.replay_buffer.group_id
+        )
         self.limits = FoldLimits.from_config(cfg)
         self.max_record_bytes = max_record_bytes(cfg.kafka)
         self.partitions: dict[int, PartitionFold] = {}  # ready: recovered, being folded
@@ -151,8 +159,9 @@ class ReplayBuffer:
         self._paused: set[int] = set()
         self._generation = 0  # bumped by every rebalance callback
         self._stop = threading.Event()
-        self._consumer = read_committed_consumer(cfg.kafka, cfg.replay_buffer.group_id,
-                                                 overrides={"auto.offset.reset": "earliest"})
+        self._consumer = read_committed_consumer(
+            cfg.kafka, cfg.replay_buffer.group_id, overrides={"auto.offset.reset": "earliest"}
+        )
         self._producer = self._new_producer()
         self._retired: list[Producer] = []  # wedged producers: a thread may still be inside one
         self._dirty = False
@@ -168,8 +177,12 @@ class ReplayBuffer:
         try:
             check_partition_counts(self.cfg.kafka)
             self._init_transactions()
-            self._consumer.subscribe([self.topics.turns], on_assign=self._on_assign,
-                                     on_revoke=self._on_revoke, on_lost=self._on_revoke)
+            self._consumer.subscribe(
+                [self.topics.turns],
+                on_assign=self._on_assign,
+                on_revoke=self._on_revoke,
+                on_lost=self._on_revoke,
+            )
             log.info("replay buffer %s consuming %s", self.transactional_id, self.topics.turns)
             while not self._stop.is_set():
                 self.step()
@@ -211,8 +224,12 @@ class ReplayBuffer:
         generation = self._generation
         messages = self._consume(POLL_TIMEOUT_S)
         deadline = time.monotonic() + BATCH_WINDOW_S
-        while (messages and len(messages) < BATCH_MAX_RECORDS and time.monotonic() < deadline
-               and self._generation == generation):
+        while (
+            messages
+            and len(messages) < BATCH_MAX_RECORDS
+            and time.monotonic() < deadline
+            and self._generation == generation
+        ):
             more = self._consume(max(0.0, deadline - time.monotonic()))
             if not more:
                 break
@@ -254,8 +271,12 @@ class ReplayBuffer:
         """A rebalance ran during the polls: drop the batch; the partitions still owned go
         on from where their folds stand."""
         for part, fold in self.partitions.items():
-            with translate_kafka_errors("seeking back after a rebalance", topic=self.topics.turns,
-                                        partition=part, offset=fold.next_offset):
+            with translate_kafka_errors(
+                "seeking back after a rebalance",
+                topic=self.topics.turns,
+                partition=part,
+                offset=fold.next_offset,
+            ):
                 self._consumer.seek(TopicPartition(self.topics.turns, part, fold.next_offset))
 
     # -- folding ---------------------------------------------------------------------------
@@ -269,8 +290,13 @@ class ReplayBuffer:
             event = decode_turn_event(msg.value() or b"")  # a null value is dead-lettered too
         except (ValidationError, RolloutBusError) as exc:
             fold.next_offset = offset + 1
-            outgoing.append(self._dead_letter(
-                msg, f"turn event does not match its schema: {short_error(exc, LETTER_REASON_CHARS)}"))
+            outgoing.append(
+                self._dead_letter(
+                    msg,
+                    "turn event does not match its schema: "
+                    f"{short_error(exc, LETTER_REASON_CHARS)}",
+                )
+            )
             return
         self.metrics.events.labels(type=event.type).inc()
         ignored_before = fold.ignored
@@ -299,18 +325,29 @@ class ReplayBuffer:
         # a letter about one trajectory names its key; one about the group, the event that
         # released it
         group_source = f"{self.topics.turns}[{part}]@{released.last_offset} uid {uid}"
-        out = [self._letter(letter.original, letter.reason, key=letter.key,
-                            source=group_source if letter.key == uid
-                            else f"{self.topics.trajectories} key {letter.key}")
-               for letter in done.letters]
+        out = [
+            self._letter(
+                letter.original,
+                letter.reason,
+                key=letter.key,
+                source=group_source
+                if letter.key == uid
+                else f"{self.topics.trajectories} key {letter.key}",
+            )
+            for letter in done.letters
+        ]
         for t, value in zip(done.trajectories, done.records, strict=True):
             self.metrics.trajectories.labels(status=t.status.value).inc()
             out.append(Outgoing(self.topics.trajectories, t.key, value, part))
         record = released_record(
-            uid, part, trajectories=len(done.trajectories),
+            uid,
+            part,
+            trajectories=len(done.trajectories),
             failed=sum(t.status == TrajectoryStatus.FAILED for t in done.trajectories),
             kind=released.kind,
-            turns_first_offset=released.first_offset, turns_last_offset=released.last_offset)
+            turns_first_offset=released.first_offset,
+            turns_last_offset=released.last_offset,
+        )
         out.append(Outgoing(self.topics.released, uid, record.encode(), part))
         return out
 
@@ -322,14 +359,23 @@ class ReplayBuffer:
         """A dead letter that fits the topic: an original too large to carry in base64 is
         cut, and the reason says so (a record over the limit would abort every retry)."""
         self.metrics.dead_letters.inc()
-        letter = dead_letter_record(self.topics.dlq, original, stage="replay_buffer",
-                                    reason=reason, source=source, key=key)
+        letter = dead_letter_record(
+            self.topics.dlq, original, stage="replay_buffer", reason=reason, source=source, key=key
+        )
         if len(letter.value) > self.max_record_bytes:
-            keep = max(0, (self.max_record_bytes - len(letter.value) + len(original) * 4 // 3) * 3 // 4
-                       - RECORD_HEADROOM_BYTES)
+            keep = max(
+                0,
+                (self.max_record_bytes - len(letter.value) + len(original) * 4 // 3) * 3 // 4
+                - RECORD_HEADROOM_BYTES,
+            )
             letter = dead_letter_record(
-                self.topics.dlq, original[:keep], stage="replay_buffer", source=source, key=key,
-                reason=f"{reason} (original cut to its first {keep} of {len(original)} bytes)")
+                self.topics.dlq,
+                original[:keep],
+                stage="replay_buffer",
+                source=source,
+                key=key,
+                reason=f"{reason} (original cut to its first {keep} of {len(original)} bytes)",
+            )
         return Outgoing(letter.topic, letter.key or "", letter.value, ANY_PARTITION)
 
     # -- the transaction -------------------------------------------------------------------
@@ -341,10 +387,16 @@ class ReplayBuffer:
             offsets = self._offsets()  # 3.
             with translate_kafka_errors("reading the consumer group metadata"):
                 group_metadata = self._consumer.consumer_group_metadata()
-            self._call("sending offsets to the transaction", lambda: self._producer.send_offsets_to_transaction(
-                offsets, group_metadata, TXN_TIMEOUT_S))
-            self._call("committing the transaction",  # 4.
-                       lambda: self._producer.commit_transaction(TXN_TIMEOUT_S))
+            self._call(
+                "sending offsets to the transaction",
+                lambda: self._producer.send_offsets_to_transaction(
+                    offsets, group_metadata, TXN_TIMEOUT_S
+                ),
+            )
+            self._call(
+                "committing the transaction",  # 4.
+                lambda: self._producer.commit_transaction(TXN_TIMEOUT_S),
+            )
         except TransactionFailed as failure:
             self._abort_and_rewind(failure)
             return
@@ -353,7 +405,9 @@ class ReplayBuffer:
         self._failing_since = None
 
     def _produce(self, record: Outgoing) -> None:
-        kwargs: dict[str, Any] = {} if record.partition == ANY_PARTITION else {"partition": record.partition}
+        kwargs: dict[str, Any] = (
+            {} if record.partition == ANY_PARTITION else {"partition": record.partition}
+        )
         while True:
             try:
                 self._producer.produce(record.topic, key=record.key, value=record.value, **kwargs)
@@ -362,11 +416,15 @@ class ReplayBuffer:
                 self._producer.poll(0.1)  # local queue full: let deliveries drain
             except KafkaException as exc:
                 self._raise_if_fatal("producing", exc)
-                raise TransactionFailed("abortable", f"producing to {record.topic}", str(exc)) from exc
+                raise TransactionFailed(
+                    "abortable", f"producing to {record.topic}", str(exc)
+                ) from exc
 
     def _offsets(self) -> list[TopicPartition]:
-        return [TopicPartition(self.topics.turns, part, fold.low_watermark())
-                for part, fold in self.partitions.items()]
+        return [
+            TopicPartition(self.topics.turns, part, fold.low_watermark())
+            for part, fold in self.partitions.items()
+        ]
 
     def _call(self, action: str, call: Callable[[], Any]) -> Any:
         """One transactional call: retriable errors retried with backoff for up to
@@ -386,7 +444,9 @@ class ReplayBuffer:
                     raise TransactionFailed("abortable", action, _describe(exc)) from exc
                 if time.monotonic() > give_up or self._stop.is_set():
                     raise TransactionFailed("retries_exhausted", action, _describe(exc)) from exc
-                log.warning("replay buffer: %s: %s; retrying in %.1f s", action, _describe(exc), backoff)
+                log.warning(
+                    "replay buffer: %s: %s; retrying in %.1f s", action, _describe(exc), backoff
+                )
                 self._stop.wait(backoff)
                 backoff = min(2 * backoff, RETRY_BACKOFF_MAX_S)
 
@@ -405,8 +465,9 @@ class ReplayBuffer:
         helper.start()
         helper.join(TXN_TIMEOUT_S + CALL_GRACE_S)
         if helper.is_alive():
-            raise TransactionFailed("wedged", action,
-                                    f"no answer within {TXN_TIMEOUT_S + CALL_GRACE_S:.0f} s")
+            raise TransactionFailed(
+                "wedged", action, f"no answer within {TXN_TIMEOUT_S + CALL_GRACE_S:.0f} s"
+            )
         if "error" in box:
             raise box["error"]
         return box.get("result")
@@ -414,23 +475,35 @@ class ReplayBuffer:
     def _raise_if_fatal(self, action: str, exc: KafkaException) -> None:
         err = exc.args[0] if exc.args and isinstance(exc.args[0], KafkaError) else None
         if err is not None and err.fatal():
-            fenced = err.code() in (KafkaError._FENCED, KafkaError.PRODUCER_FENCED,
-                                    KafkaError.INVALID_PRODUCER_EPOCH)
-            raise broker_error(exc, f"replay buffer {self.transactional_id}: {action} (fatal)",
-                               hint=FENCED_HINT if fenced else "restart the worker") from exc
+            fenced = err.code() in (
+                KafkaError._FENCED,
+                KafkaError.PRODUCER_FENCED,
+                KafkaError.INVALID_PRODUCER_EPOCH,
+            )
+            raise broker_error(
+                exc,
+                f"replay buffer {self.transactional_id}: {action} (fatal)",
+                hint=FENCED_HINT if fenced else "restart the worker",
+            ) from exc
 
     def _abort_and_rewind(self, failure: TransactionFailed) -> None:
         """Abort (or, for a wedged producer, replace it), then re-read every partition from
         its committed offset: the fold state of the aborted batch is discarded."""
         self.metrics.transaction_aborts.labels(cause=failure.cause).inc()
-        log.warning("replay buffer: %s (%s): aborting; every partition is re-read from its "
-                    "committed offset", failure, failure.cause)
+        log.warning(
+            "replay buffer: %s (%s): aborting; every partition is re-read from its "
+            "committed offset",
+            failure,
+            failure.cause,
+        )
         if failure.cause == "wedged":
             self._replace_producer()
         else:
             try:
-                self._call("aborting the transaction",
-                           lambda: self._producer.abort_transaction(TXN_TIMEOUT_S))
+                self._call(
+                    "aborting the transaction",
+                    lambda: self._producer.abort_transaction(TXN_TIMEOUT_S),
+                )
             except TransactionFailed as again:
                 log.warning("replay buffer: %s; replacing the producer", again)
                 self._replace_producer()
@@ -442,14 +515,22 @@ class ReplayBuffer:
         self._dirty = False  # the recovered folds are what was committed
         self._failing_since = self._failing_since or now
         if now - self._failing_since > BROKER_RETRY_S:
-            raise BrokerError(f"replay buffer {self.transactional_id}: no transaction committed for "
-                              f"{BROKER_RETRY_S:.0f} s; the last one failed: {failure}")
+            raise BrokerError(
+                f"replay buffer {self.transactional_id}: no transaction committed for "
+                f"{BROKER_RETRY_S:.0f} s; the last one failed: {failure}"
+            )
         self._stop.wait(RETRY_BACKOFF_S)
 
     def _new_producer(self) -> Producer:
-        return transactional_producer(self.cfg.kafka, self.transactional_id, {
-            "linger.ms": LINGER_MS, "compression.type": "lz4",
-            "transaction.timeout.ms": TRANSACTION_TIMEOUT_MS})
+        return transactional_producer(
+            self.cfg.kafka,
+            self.transactional_id,
+            {
+                "linger.ms": LINGER_MS,
+                "compression.type": "lz4",
+                "transaction.timeout.ms": TRANSACTION_TIMEOUT_MS,
+            },
+        )
 
     def _replace_producer(self) -> None:
         """A new producer with the same transactional id: its init_transactions fences the
@@ -462,8 +543,10 @@ class ReplayBuffer:
         give_up = time.monotonic() + BROKER_RETRY_S
         while True:
             try:
-                self._call(f"init_transactions for {self.transactional_id!r}",
-                           lambda: self._producer.init_transactions(TXN_TIMEOUT_S))
+                self._call(
+                    f"init_transactions for {self.transactional_id!r}",
+                    lambda: self._producer.init_transactions(TXN_TIMEOUT_S),
+                )
                 return
             except TransactionFailed as failure:
                 if time.monotonic() > give_up:
@@ -498,8 +581,12 @@ class ReplayBuffer:
             except BrokerError as exc:
                 if time.monotonic() - since > BROKER_RETRY_S:
                     raise
-                log.warning("replay buffer: recovering %s[%d] failed (%s); retrying",
-                            self.topics.turns, part, exc)
+                log.warning(
+                    "replay buffer: recovering %s[%d] failed (%s); retrying",
+                    self.topics.turns,
+                    part,
+                    exc,
+                )
                 self._stop.wait(RETRY_BACKOFF_S)
                 continue
             self.partitions[part] = fold
@@ -515,18 +602,27 @@ class ReplayBuffer:
             [committed] = self._consumer.committed([tp], timeout=TXN_TIMEOUT_S)
             low, _ = self._consumer.get_watermark_offsets(tp, timeout=TXN_TIMEOUT_S, cached=False)
         if committed.error is not None:
-            raise broker_error(committed.error, "reading the committed offset", topic=tp.topic,
-                               partition=part)
-        released, read = read_released_uids(self.cfg.kafka, self.topics.released, part,
-                                            self.limits.max_released)
+            raise broker_error(
+                committed.error, "reading the committed offset", topic=tp.topic, partition=part
+            )
+        released, read = read_released_uids(
+            self.cfg.kafka, self.topics.released, part, self.limits.max_released
+        )
         start = max(committed.offset, low) if committed.offset >= 0 else low
         fold = PartitionFold(start, released=released, limits=self.limits)
-        with translate_kafka_errors("seeking to the committed offset", topic=tp.topic,
-                                    partition=part, offset=start):
+        with translate_kafka_errors(
+            "seeking to the committed offset", topic=tp.topic, partition=part, offset=start
+        ):
             self._consumer.seek(TopicPartition(tp.topic, part, start))
             self._consumer.resume([tp])
-        log.info("recovered %s[%d] at offset %d: %d released groups remembered (of %d read)",
-                 tp.topic, part, start, len(released), read)
+        log.info(
+            "recovered %s[%d] at offset %d: %d released groups remembered (of %d read)",
+            tp.topic,
+            part,
+            start,
+            len(released),
+            read,
+        )
         return fold
 
     def _update_gauges(self) -> None:

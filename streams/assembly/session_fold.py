@@ -79,8 +79,10 @@ class SessionFold:
             self.ignored += 1  # held back: the missing events may still come, rewritten
             return False
         if isinstance(event, SessionFinished) and self.error is None:
-            self.error = (f"session {event.uid}_{event.session_id} attempt {event.attempt}: "
-                          f"events with seq {expected}..{event.seq - 1} are not in the turn log")
+            self.error = (
+                f"session {event.uid}_{event.session_id} attempt {event.attempt}: "
+                f"events with seq {expected}..{event.seq - 1} are not in the turn log"
+            )
         self.last_seq = event.seq
         self.terminal = event
         return True
@@ -102,7 +104,9 @@ class SessionFold:
         elif isinstance(event, SegmentStarted):
             self.segments[event.segment] = SegmentStream.start(event.prompt_ids)
         elif isinstance(event, Generation):
-            self._segment(event).add_generation(event.token_ids, event.logprobs, event.policy_version)
+            self._segment(event).add_generation(
+                event.token_ids, event.logprobs, event.policy_version
+            )
         elif isinstance(event, Observation):
             self._segment(event).add_observation(event.token_ids)
         else:

@@ -43,7 +43,14 @@ from rolloutbus.topics import trajectory_key
 # What bad data can raise while a group is built, checked and encoded (pydantic's
 # ValidationError is a ValueError; pyarrow's errors are ArrowException). Anything else is
 # a bug in this code and is not caught.
-DATA_ERRORS = (RolloutBusError, ValueError, TypeError, LookupError, ArithmeticError, pa.ArrowException)
+DATA_ERRORS = (
+    RolloutBusError,
+    ValueError,
+    TypeError,
+    LookupError,
+    ArithmeticError,
+    pa.ArrowException,
+)
 # bytes a record of kafka.max_message_bytes leaves for Kafka's record and batch headers
 RECORD_HEADROOM_BYTES = 1024
 
@@ -67,17 +74,24 @@ class FinalizedGroup(NamedTuple):
     letters: list[Letter]
 
 
-def finalize_group(released: ReleasedGroup, rollout: RolloutConfig, *,
-                   max_record_bytes: int | None = None) -> FinalizedGroup:
+def finalize_group(
+    released: ReleasedGroup, rollout: RolloutConfig, *, max_record_bytes: int | None = None
+) -> FinalizedGroup:
     """Build, check and encode a released group's trajectories; never raises on bad data."""
     group = released.group
     if released.rejected:
-        return FinalizedGroup([], [], [Letter(group.uid, released.reason or "rejected",
-                                              _original(released))])
+        return FinalizedGroup(
+            [], [], [Letter(group.uid, released.reason or "rejected", _original(released))]
+        )
     letters = []
     if released.reason is not None:
-        letters.append(Letter(group.uid, f"group {group.uid} released unfinished: {released.reason}",
-                              _original(released)))
+        letters.append(
+            Letter(
+                group.uid,
+                f"group {group.uid} released unfinished: {released.reason}",
+                _original(released),
+            )
+        )
     try:
         trajectories = _build(released, rollout, letters)
         records = _encode(trajectories, max_record_bytes, letters)
@@ -89,14 +103,21 @@ def finalize_group(released: ReleasedGroup, rollout: RolloutConfig, *,
     return FinalizedGroup(trajectories, records, letters)
 
 
-def _build(released: ReleasedGroup, rollout: RolloutConfig, letters: list[Letter]) -> list[Trajectory]:
+def _build(
+    released: ReleasedGroup, rollout: RolloutConfig, letters: list[Letter]
+) -> list[Trajectory]:
     group = released.group
     columns, problem = _checked_prompt_columns(group)
     reason = ""
     if problem is not None:
         reason = f"the group's row cannot be carried into trajectories: {problem}"
-        letters.append(Letter(group.uid, f"group {group.uid}: {reason}; its sessions are released "
-                              "as failed", _original(released)))
+        letters.append(
+            Letter(
+                group.uid,
+                f"group {group.uid}: {reason}; its sessions are released as failed",
+                _original(released),
+            )
+        )
     per_session = []
     for fold in sorted(released.sessions, key=lambda s: s.session_id):
         failure = reason if problem is not None else released.failed.get(fold.session_id)
@@ -108,43 +129,67 @@ def _build(released: ReleasedGroup, rollout: RolloutConfig, letters: list[Letter
             t = t.model_copy(update={"group_size": group_size})
             problems = violations(t, rollout)
             if problems:
-                letters.append(Letter(t.key, f"trajectory {t.key} released as failed: "
-                                      + "; ".join(problems), _encoded_or_empty(t)))
+                letters.append(
+                    Letter(
+                        t.key,
+                        f"trajectory {t.key} released as failed: " + "; ".join(problems),
+                        _encoded_or_empty(t),
+                    )
+                )
                 t = as_failed(t, problems)
             out.append(t)
     return out
 
 
-def _session_trajectories(group: GroupStarted, fold: SessionFold, columns: dict[str, Any],
-                          failure: str | None, rollout: RolloutConfig,
-                          letters: list[Letter]) -> list[Trajectory]:
+def _session_trajectories(
+    group: GroupStarted,
+    fold: SessionFold,
+    columns: dict[str, Any],
+    failure: str | None,
+    rollout: RolloutConfig,
+    letters: list[Letter],
+) -> list[Trajectory]:
     """The records of one session, group_size 0 (set once every session is built)."""
     if failure is None and fold.error is not None:
         failure = f"turn log of the session cannot be folded: {fold.error}"
-        letters.append(Letter(trajectory_key(group.uid, fold.session_id, 0),
-                              f"session {group.uid}_{fold.session_id} released as failed: {failure}",
-                              _event_or_empty(fold.terminal)))
+        letters.append(
+            Letter(
+                trajectory_key(group.uid, fold.session_id, 0),
+                f"session {group.uid}_{fold.session_id} released as failed: {failure}",
+                _event_or_empty(fold.terminal),
+            )
+        )
     if failure is not None:
         return [_failed(group, fold, failure, columns)]
     if isinstance(fold.terminal, SessionFailed):
-        return [_failed(group, fold, fold.terminal.error, columns, agent_name=fold.terminal.agent_name)]
+        return [
+            _failed(group, fold, fold.terminal.error, columns, agent_name=fold.terminal.agent_name)
+        ]
     if not isinstance(fold.terminal, SessionFinished):
         return [_failed(group, fold, "the session has not settled", columns)]
     outputs = fold.terminal.outputs
     try:
-        return [_output_trajectory(group, fold, i, len(outputs), summary, 0, rollout.response_length,
-                                   columns)
-                for i, summary in enumerate(outputs)]
+        return [
+            _output_trajectory(
+                group, fold, i, len(outputs), summary, 0, rollout.response_length, columns
+            )
+            for i, summary in enumerate(outputs)
+        ]
     except DATA_ERRORS as exc:
         failure = f"turn log of the session cannot be folded: {short_error(exc)}"
-        letters.append(Letter(trajectory_key(group.uid, fold.session_id, 0),
-                              f"session {group.uid}_{fold.session_id} released as failed: {failure}",
-                              _event_or_empty(fold.terminal)))
+        letters.append(
+            Letter(
+                trajectory_key(group.uid, fold.session_id, 0),
+                f"session {group.uid}_{fold.session_id} released as failed: {failure}",
+                _event_or_empty(fold.terminal),
+            )
+        )
         return [_failed(group, fold, failure, columns)]
 
 
-def _encode(trajectories: list[Trajectory], max_record_bytes: int | None,
-            letters: list[Letter]) -> list[bytes]:
+def _encode(
+    trajectories: list[Trajectory], max_record_bytes: int | None, letters: list[Letter]
+) -> list[bytes]:
     """One record per trajectory; one that cannot be encoded or is too large for the topic
     becomes a failed record without tokens."""
     try:
@@ -152,19 +197,29 @@ def _encode(trajectories: list[Trajectory], max_record_bytes: int | None,
     except DATA_ERRORS:
         records = [_encoded_or_empty(t) for t in trajectories]  # find the one that fails
     for i, (t, record) in enumerate(zip(trajectories, records, strict=True)):
-        too_large = max_record_bytes is not None and len(record) + len(t.key.encode()) > max_record_bytes
+        too_large = (
+            max_record_bytes is not None and len(record) + len(t.key.encode()) > max_record_bytes
+        )
         if record and not too_large:
             continue
-        reason = (f"its record is {len(record)} bytes, over {max_record_bytes} (kafka.max_message_bytes "
-                  "less headers)") if too_large else "its record cannot be encoded"
+        reason = (
+            (
+                f"its record is {len(record)} bytes, over {max_record_bytes} "
+                "(kafka.max_message_bytes "
+                "less headers)"
+            )
+            if too_large
+            else "its record cannot be encoded"
+        )
         letters.append(Letter(t.key, f"trajectory {t.key} released as failed: {reason}", b""))
         trajectories[i] = _stripped_failure(t, reason)
         records[i] = encode_trajectories([trajectories[i]])[0]
     return records
 
 
-def build_group_trajectories(group: GroupStarted, sessions: list[SessionFold],
-                             response_length: int | None = None) -> list[Trajectory]:
+def build_group_trajectories(
+    group: GroupStarted, sessions: list[SessionFold], response_length: int | None = None
+) -> list[Trajectory]:
     """Every trajectory of a settled group, ordered by session then output index.
 
     Strict (raises SchemaError where the log cannot be built); :func:`finalize_group` is the
@@ -179,11 +234,21 @@ def build_group_trajectories(group: GroupStarted, sessions: list[SessionFold],
         if isinstance(fold.terminal, SessionFinished):
             outputs = fold.terminal.outputs
             for i, summary in enumerate(outputs):
-                out.append(_output_trajectory(group, fold, i, len(outputs), summary, group_size,
-                                              response_length, columns))
+                out.append(
+                    _output_trajectory(
+                        group, fold, i, len(outputs), summary, group_size, response_length, columns
+                    )
+                )
         elif isinstance(fold.terminal, SessionFailed):
-            out.append(failed_trajectory(group, fold, fold.terminal.error, group_size,
-                                         agent_name=fold.terminal.agent_name))
+            out.append(
+                failed_trajectory(
+                    group,
+                    fold,
+                    fold.terminal.error,
+                    group_size,
+                    agent_name=fold.terminal.agent_name,
+                )
+            )
         else:
             raise SchemaError(f"session {group.uid}_{fold.session_id} has not settled")
     return out
@@ -206,12 +271,21 @@ def _checked_prompt_columns(group: GroupStarted) -> tuple[dict[str, Any], str | 
     carry (validate, global_steps) and why."""
     prompt = group.row.get("prompt")
     if prompt is not None and not isinstance(prompt, list):
-        return _scalar_columns(group), (f"row.prompt must be a list of chat messages, got "
-                                        f"{type(prompt).__name__}")
+        return _scalar_columns(group), (
+            f"row.prompt must be a list of chat messages, got {type(prompt).__name__}"
+        )
     try:
         columns = _prompt_columns(group)
-        Trajectory(key="", uid="", session_id=0, output_index=0, num_outputs=1, group_size=0,
-                   status=TrajectoryStatus.FAILED, **columns)
+        Trajectory(
+            key="",
+            uid="",
+            session_id=0,
+            output_index=0,
+            num_outputs=1,
+            group_size=0,
+            status=TrajectoryStatus.FAILED,
+            **columns,
+        )
     except DATA_ERRORS as exc:
         return _scalar_columns(group), short_error(exc)
     return columns, None
@@ -221,18 +295,28 @@ def _scalar_columns(group: GroupStarted) -> dict[str, Any]:
     return {"validate": group.validate_, "global_steps": group.global_steps}
 
 
-def _output_trajectory(group: GroupStarted, fold: SessionFold, index: int, num_outputs: int,
-                       summary: OutputSummary, group_size: int,
-                       response_length: int | None, columns: dict[str, Any] | None = None
-                       ) -> Trajectory:
+def _output_trajectory(
+    group: GroupStarted,
+    fold: SessionFold,
+    index: int,
+    num_outputs: int,
+    summary: OutputSummary,
+    group_size: int,
+    response_length: int | None,
+    columns: dict[str, Any] | None = None,
+) -> Trajectory:
     seg = fold.segments.get(summary.segment)
     if seg is None:
-        raise SchemaError(f"session {group.uid}_{fold.session_id}: output {index} names "
-                          f"segment {summary.segment}, which was never started")
+        raise SchemaError(
+            f"session {group.uid}_{fold.session_id}: output {index} names "
+            f"segment {summary.segment}, which was never started"
+        )
     start, end = summary.prompt_len, summary.prompt_len + summary.response_len
     if end > len(seg.tokens):
-        raise SchemaError(f"session {group.uid}_{fold.session_id}: output {index} ends at "
-                          f"{end} but segment {summary.segment} holds {len(seg.tokens)} tokens")
+        raise SchemaError(
+            f"session {group.uid}_{fold.session_id}: output {index} ends at "
+            f"{end} but segment {summary.segment} holds {len(seg.tokens)} tokens"
+        )
     responses = seg.tokens[start:end]
     mask = list(summary.mask_override) if summary.mask_override is not None else seg.mask[start:end]
     versions = seg.versions_until(end)
@@ -268,15 +352,29 @@ def _output_trajectory(group: GroupStarted, fold: SessionFold, index: int, num_o
     )
 
 
-def failed_trajectory(group: GroupStarted, fold: SessionFold, reason: str, group_size: int,
-                      *, agent_name: str | None = None) -> Trajectory:
+def failed_trajectory(
+    group: GroupStarted,
+    fold: SessionFold,
+    reason: str,
+    group_size: int,
+    *,
+    agent_name: str | None = None,
+) -> Trajectory:
     """The one explicit record a failed session contributes to its group."""
-    return _failed(group, fold, reason, _prompt_columns(group), agent_name=agent_name,
-                   group_size=group_size)
+    return _failed(
+        group, fold, reason, _prompt_columns(group), agent_name=agent_name, group_size=group_size
+    )
 
 
-def _failed(group: GroupStarted, fold: SessionFold, reason: str, columns: dict[str, Any], *,
-            agent_name: str | None = None, group_size: int = 0) -> Trajectory:
+def _failed(
+    group: GroupStarted,
+    fold: SessionFold,
+    reason: str,
+    columns: dict[str, Any],
+    *,
+    agent_name: str | None = None,
+    group_size: int = 0,
+) -> Trajectory:
     return Trajectory(
         key=trajectory_key(group.uid, fold.session_id, 0),
         uid=group.uid,
@@ -294,17 +392,29 @@ def _failed(group: GroupStarted, fold: SessionFold, reason: str, columns: dict[s
 
 def _stripped_failure(t: Trajectory, reason: str) -> Trajectory:
     """``t`` as a failed record that keeps its key and counts but no tokens or row columns."""
-    return Trajectory(key=t.key, uid=t.uid, session_id=t.session_id, output_index=t.output_index,
-                      num_outputs=t.num_outputs, group_size=t.group_size,
-                      status=TrajectoryStatus.FAILED, error=reason, agent_name=t.agent_name,
-                      attempt=t.attempt, validate=t.validate_, global_steps=t.global_steps)
+    return Trajectory(
+        key=t.key,
+        uid=t.uid,
+        session_id=t.session_id,
+        output_index=t.output_index,
+        num_outputs=t.num_outputs,
+        group_size=t.group_size,
+        status=TrajectoryStatus.FAILED,
+        error=reason,
+        agent_name=t.agent_name,
+        attempt=t.attempt,
+        validate=t.validate_,
+        global_steps=t.global_steps,
+    )
 
 
 def _all_failed(released: ReleasedGroup, reason: str) -> list[Trajectory]:
     group = released.group
     sessions = sorted(released.sessions, key=lambda s: s.session_id)
-    return [_failed(group, fold, reason, _scalar_columns(group), group_size=len(sessions))
-            for fold in sessions]
+    return [
+        _failed(group, fold, reason, _scalar_columns(group), group_size=len(sessions))
+        for fold in sessions
+    ]
 
 
 def _original(released: ReleasedGroup) -> bytes:
@@ -332,7 +442,9 @@ def violations(t: Trajectory, rollout: RolloutConfig) -> list[str]:
     if len(t.response_mask) != n:
         found.append(f"response_mask has {len(t.response_mask)} entries for {n} response tokens")
     if t.rollout_log_probs is not None and len(t.rollout_log_probs) != n:
-        found.append(f"rollout_log_probs has {len(t.rollout_log_probs)} entries for {n} response tokens")
+        found.append(
+            f"rollout_log_probs has {len(t.rollout_log_probs)} entries for {n} response tokens"
+        )
     mask = np.asarray(t.response_mask, dtype=np.int64)
     if ((mask != 0) & (mask != 1)).any():
         found.append("response_mask holds values other than 0 and 1")
@@ -342,12 +454,18 @@ def violations(t: Trajectory, rollout: RolloutConfig) -> list[str]:
         if (logprobs[:k][mask[:k] == 0] != 0.0).any():
             found.append("a mask-0 token (observation or boundary) has a non-zero logprob")
     if len(t.prompts) > rollout.prompt_length:
-        found.append(f"prompt has {len(t.prompts)} tokens, over prompt_length {rollout.prompt_length}")
+        found.append(
+            f"prompt has {len(t.prompts)} tokens, over prompt_length {rollout.prompt_length}"
+        )
     if n > rollout.response_length:
         found.append(f"response has {n} tokens, over response_length {rollout.response_length}")
     return found
 
 
 def as_failed(t: Trajectory, problems: list[str]) -> Trajectory:
-    return t.model_copy(update={"status": TrajectoryStatus.FAILED,
-                                "error": "invariant violated: " + "; ".join(problems)})
+    return t.model_copy(
+        update={
+            "status": TrajectoryStatus.FAILED,
+            "error": "invariant violated: " + "; ".join(problems),
+        }
+    )

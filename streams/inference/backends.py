@@ -134,9 +134,14 @@ def _present(**fields: Any) -> dict[str, Any]:
 def _shared_sampling(s: TurnSamplingParams) -> dict[str, Any]:
     """The sampling fields every engine takes under the same name (``SamplingFields``)."""
     return _present(
-        temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
-        repetition_penalty=s.repetition_penalty, presence_penalty=s.presence_penalty,
-        frequency_penalty=s.frequency_penalty, stop_token_ids=s.stop_token_ids,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        min_p=s.min_p,
+        repetition_penalty=s.repetition_penalty,
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        stop_token_ids=s.stop_token_ids,
         ignore_eos=s.ignore_eos,
     )
 
@@ -156,8 +161,11 @@ def _vllm_request_fields(call: EngineCall) -> dict[str, Any]:
     return _present(model=call.model, priority=call.priority or None)
 
 
-def _vllm_token_output(choice: VllmCompletionChoice | VllmGenerateChoice, token_ids: list[int],
-                       log_probs: list[float] | None) -> TokenOutput:
+def _vllm_token_output(
+    choice: VllmCompletionChoice | VllmGenerateChoice,
+    token_ids: list[int],
+    log_probs: list[float] | None,
+) -> TokenOutput:
     """Both vLLM endpoints' choices carry the same fields around the tokens."""
     return TokenOutput(
         token_ids=token_ids,
@@ -165,7 +173,9 @@ def _vllm_token_output(choice: VllmCompletionChoice | VllmGenerateChoice, token_
         routed_experts=_decode_routed_experts(choice.routed_experts),
         stop_reason=map_finish_reason(choice.finish_reason),
         num_preempted=choice.num_preempted,
-        extra_fields=_extra_fields(choice.finish_reason, _last_weight_version(choice.weight_versions)),
+        extra_fields=_extra_fields(
+            choice.finish_reason, _last_weight_version(choice.weight_versions)
+        ),
     )
 
 
@@ -219,7 +229,9 @@ class VllmCompletionsBackend:
             # vLLM < 0.10.2 has no return_token_ids; the logprob tokens carry the ids.
             token_ids = _token_ids_from_logprob_tokens(choice.logprobs.tokens)
         else:
-            raise ValueError("response has no token ids (needs vLLM >= 0.10.2 for return_token_ids)")
+            raise ValueError(
+                "response has no token ids (needs vLLM >= 0.10.2 for return_token_ids)"
+            )
         _check_logprob_count(token_ids, log_probs)
         return _vllm_token_output(choice, token_ids, log_probs)
 

@@ -51,7 +51,23 @@ CONNECT_TIMEOUT_S = 10.0
 
 # seconds; from a millisecond CPU test double to a 32k-token decode on a busy GPU replica.
 LATENCY_BUCKETS_S = (
-    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1,
+    2.5,
+    5,
+    10,
+    20,
+    30,
+    60,
+    120,
+    300,
+    600,
 )
 
 
@@ -59,7 +75,12 @@ class ReplicaRequestError(ReplicaError):
     """One generate call to one replica failed; says which replica and whether to retry."""
 
     def __init__(
-        self, replica: str, message: str, *, outcome: str, retriable: bool,
+        self,
+        replica: str,
+        message: str,
+        *,
+        outcome: str,
+        retriable: bool,
         status_code: int | None = None,
     ) -> None:
         super().__init__(f"replica {replica}: {message}")
@@ -93,26 +114,36 @@ class ClientMetrics(PerRegistry):
     def _init(self, registry: CollectorRegistry) -> None:
         self.registry = registry
         self.in_flight = Gauge(
-            "rolloutbus_client_in_flight", "generate calls in flight from this process",
-            ["replica"], registry=registry,
+            "rolloutbus_client_in_flight",
+            "generate calls in flight from this process",
+            ["replica"],
+            registry=registry,
         )
         self.healthy = Gauge(
-            "rolloutbus_client_replica_healthy", "1 while a replica is routed to, else 0",
-            ["replica"], registry=registry,
+            "rolloutbus_client_replica_healthy",
+            "1 while a replica is routed to, else 0",
+            ["replica"],
+            registry=registry,
         )
         self.requests = Counter(
-            "rolloutbus_client_requests", "generate calls by replica and outcome "
+            "rolloutbus_client_requests",
+            "generate calls by replica and outcome "
             "(completed, aborted, timeout, connection_error, server_error, bad_request, "
-            "bad_response)", ["replica", "outcome"], registry=registry,
+            "bad_response)",
+            ["replica", "outcome"],
+            registry=registry,
         )
         self.retries = Counter(
-            "rolloutbus_client_retries", "turns sent again to another replica",
+            "rolloutbus_client_retries",
+            "turns sent again to another replica",
             registry=registry,
         )
         self.latency = Histogram(
             "rolloutbus_client_request_latency_seconds",
             "seconds from sending a generate call to its parsed answer",
-            ["replica"], buckets=LATENCY_BUCKETS_S, registry=registry,
+            ["replica"],
+            buckets=LATENCY_BUCKETS_S,
+            registry=registry,
         )
 
     def forget(self, replica: str) -> None:
@@ -202,11 +233,20 @@ class LLMClient:
             priority = 0
         out = await self._generate_once(request_id, prompt_ids, params, max_tokens, priority)
         if out.stop_reason == "aborted" and self._config.resume_aborted:
-            out = await self._resume_aborted(request_id, prompt_ids, params, max_tokens, priority, out)
+            out = await self._resume_aborted(
+                request_id, prompt_ids, params, max_tokens, priority, out
+            )
         return out
 
-    async def _resume_aborted(self, request_id: str, prompt_ids: list[int], params: TurnSamplingParams,
-                              max_tokens: int, priority: int, out: TokenOutput) -> TokenOutput:
+    async def _resume_aborted(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: TurnSamplingParams,
+        max_tokens: int,
+        priority: int,
+        out: TokenOutput,
+    ) -> TokenOutput:
         """Partial rollout: continue an aborted turn from prompt + tokens so far.
 
         The pieces are concatenated (tokens, logprobs), preemptions summed, and the
@@ -223,7 +263,9 @@ class LLMClient:
                 break
             await asyncio.sleep(self._config.abort_retry_delay_s)
             resumes += 1
-            out = await self._generate_once(request_id, prompt_ids + tokens, params, remaining, priority)
+            out = await self._generate_once(
+                request_id, prompt_ids + tokens, params, remaining, priority
+            )
             tokens += out.token_ids
             logprobs += out.log_probs or []
             if out.num_preempted is not None:
@@ -231,12 +273,23 @@ class LLMClient:
         extra = {**out.extra_fields, "resumed_after_abort": resumes}
         if first_version is not None:
             extra["first_weight_version"] = first_version
-        return TokenOutput(token_ids=tokens, log_probs=logprobs if out.log_probs is not None else None,
-                           routed_experts=out.routed_experts, stop_reason=out.stop_reason,
-                           num_preempted=preempted, extra_fields=extra)
+        return TokenOutput(
+            token_ids=tokens,
+            log_probs=logprobs if out.log_probs is not None else None,
+            routed_experts=out.routed_experts,
+            stop_reason=out.stop_reason,
+            num_preempted=preempted,
+            extra_fields=extra,
+        )
 
-    async def _generate_once(self, request_id: str, prompt_ids: list[int], params: TurnSamplingParams,
-                             max_tokens: int, priority: int) -> TokenOutput:
+    async def _generate_once(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: TurnSamplingParams,
+        max_tokens: int,
+        priority: int,
+    ) -> TokenOutput:
         """One turn on one replica, retried on others when a replica fails."""
         last_error: ReplicaRequestError | None = None
         for attempt in range(self._config.max_retries + 1):
@@ -300,8 +353,11 @@ class LLMClient:
         except (ValueError, ValidationError) as exc:
             self._count(replica, "bad_response")
             raise ReplicaRequestError(
-                replica, f"unparseable {self._backend.name} response: {exc}",
-                outcome="bad_response", retriable=False, status_code=response.status_code,
+                replica,
+                f"unparseable {self._backend.name} response: {exc}",
+                outcome="bad_response",
+                retriable=False,
+                status_code=response.status_code,
             ) from exc
         self._metrics.latency.labels(replica).observe(time.monotonic() - started)
         self._count(replica, "aborted" if output.stop_reason == "aborted" else "completed")
@@ -317,14 +373,18 @@ class LLMClient:
         except (TimeoutError, httpx.TimeoutException) as exc:
             self._count(replica, "timeout")
             raise ReplicaRequestError(
-                replica, f"POST {self._backend.path} timed out after {timeout_s} s",
-                outcome="timeout", retriable=True,
+                replica,
+                f"POST {self._backend.path} timed out after {timeout_s} s",
+                outcome="timeout",
+                retriable=True,
             ) from exc
         except httpx.TransportError as exc:
             self._count(replica, "connection_error")
             raise ReplicaRequestError(
-                replica, f"POST {self._backend.path} failed: {type(exc).__name__}: {exc}",
-                outcome="connection_error", retriable=True,
+                replica,
+                f"POST {self._backend.path} failed: {type(exc).__name__}: {exc}",
+                outcome="connection_error",
+                retriable=True,
             ) from exc
 
     def _raise_for_status(self, replica: str, response: httpx.Response) -> None:
@@ -335,7 +395,9 @@ class LLMClient:
             replica,
             f"POST {self._backend.path} answered {response.status_code}: "
             f"{error_message(response.text)}",
-            outcome=outcome, retriable=server_side, status_code=response.status_code,
+            outcome=outcome,
+            retriable=server_side,
+            status_code=response.status_code,
         )
 
     def _count(self, replica: str, outcome: str) -> None:

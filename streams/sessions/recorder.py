@@ -38,8 +38,16 @@ LOGPROB_TOLERANCE = 1e-3  # float32 on the wire vs. float64 in the loop
 class RecordingLLMClient:
     """Exposes verl's ``generate`` signature; forwards to ``client`` and logs the turn."""
 
-    def __init__(self, client: Any, emit: Emit, *, uid: str, session_id: int, attempt: str,
-                 replay: Sequence[Any] = ()):
+    def __init__(
+        self,
+        client: Any,
+        emit: Emit,
+        *,
+        uid: str,
+        session_id: int,
+        attempt: str,
+        replay: Sequence[Any] = (),
+    ):
         self._client = client
         self._emit = emit
         self._ids = SessionIds(uid=uid, session_id=session_id, attempt=attempt)
@@ -55,24 +63,40 @@ class RecordingLLMClient:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._client, name)  # extra client API (e.g. add_replica) passes through
 
-    async def generate(self, request_id: str, *, prompt_ids: list[int],
-                       sampling_params: dict[str, Any], **kwargs: Any) -> TokenOutput:
+    async def generate(
+        self,
+        request_id: str,
+        *,
+        prompt_ids: list[int],
+        sampling_params: dict[str, Any],
+        **kwargs: Any,
+    ) -> TokenOutput:
         async with self._lock:
             segment = await self._log_prompt(list(prompt_ids))
             if self._replay:
                 return await self._replay_generation(segment)
             started = time.monotonic()
             out: TokenOutput = await self._client.generate(
-                request_id, prompt_ids=prompt_ids, sampling_params=sampling_params, **kwargs)
+                request_id, prompt_ids=prompt_ids, sampling_params=sampling_params, **kwargs
+            )
             extra = out.extra_fields or {}
             version = _as_version(extra.get("global_steps", extra.get("weight_version")))
-            await self._emit(Generation(
-                **self._ids, segment=segment, turn=self._turn, token_ids=out.token_ids,
-                logprobs=out.log_probs, replica=str(extra.get("replica_id", "")),
-                engine_request_id=str(extra.get("engine_request_id", "")),
-                policy_version=version, stop_reason=out.stop_reason,
-                num_preempted=out.num_preempted, latency_s=time.monotonic() - started,
-                extra_fields=_loggable(extra)))
+            await self._emit(
+                Generation(
+                    **self._ids,
+                    segment=segment,
+                    turn=self._turn,
+                    token_ids=out.token_ids,
+                    logprobs=out.log_probs,
+                    replica=str(extra.get("replica_id", "")),
+                    engine_request_id=str(extra.get("engine_request_id", "")),
+                    policy_version=version,
+                    stop_reason=out.stop_reason,
+                    num_preempted=out.num_preempted,
+                    latency_s=time.monotonic() - started,
+                    extra_fields=_loggable(extra),
+                )
+            )
             self.segments[segment].add_generation(out.token_ids, out.log_probs, version)
             self._turn += 1
             return out
@@ -83,14 +107,18 @@ class RecordingLLMClient:
         if not isinstance(logged, Generation) or logged.segment != segment:
             raise self._diverged(f"a generation on segment {segment}", logged)
         await self._emit(logged.model_copy(update={**self._ids, "turn": self._turn}))
-        self.segments[segment].add_generation(logged.token_ids, logged.logprobs,
-                                              logged.policy_version)
+        self.segments[segment].add_generation(
+            logged.token_ids, logged.logprobs, logged.policy_version
+        )
         self._turn += 1
         self.replayed_generations += 1
-        return TokenOutput(token_ids=list(logged.token_ids),
-                           log_probs=None if logged.logprobs is None else list(logged.logprobs),
-                           stop_reason=logged.stop_reason, num_preempted=logged.num_preempted,
-                           extra_fields=dict(logged.extra_fields))
+        return TokenOutput(
+            token_ids=list(logged.token_ids),
+            log_probs=None if logged.logprobs is None else list(logged.logprobs),
+            stop_reason=logged.stop_reason,
+            num_preempted=logged.num_preempted,
+            extra_fields=dict(logged.extra_fields),
+        )
 
     async def _record(self, event: BaseModel) -> None:
         """Log ``event``; while resuming it must equal the next logged event."""
@@ -105,7 +133,8 @@ class RecordingLLMClient:
         return SessionDivergedError(
             f"session {self._ids['uid']}_{self._ids['session_id']}: the resumed agent loop "
             f"produced {wanted} where its log holds {getattr(logged, 'type', logged)!r}; "
-            "it restarts as a new attempt")
+            "it restarts as a new attempt"
+        )
 
     def check_replayed(self) -> None:
         """A loop that returned before using its whole log did not run as it did before."""
@@ -117,10 +146,11 @@ class RecordingLLMClient:
         extended = [(i, s) for i, s in self.segments.items() if _is_prefix(s.tokens, prompt)]
         if extended:
             index, seg = max(extended, key=lambda item: len(item[1].tokens))
-            suffix = prompt[len(seg.tokens):]
+            suffix = prompt[len(seg.tokens) :]
             if suffix:
-                await self._record(Observation(**self._ids, segment=index, turn=self._turn,
-                                               token_ids=suffix))
+                await self._record(
+                    Observation(**self._ids, segment=index, turn=self._turn, token_ids=suffix)
+                )
                 seg.add_observation(suffix)
             return index
         for index, seg in self.segments.items():
@@ -130,55 +160,76 @@ class RecordingLLMClient:
                 raise TokenDriftError(
                     f"session {self._ids['uid']}_{self._ids['session_id']}: generate() prompt "
                     f"diverges from the logged stream of segment {index} at token {at} "
-                    f"(logged {seg.tokens[at:at + 4]}, got {prompt[at:at + 4]}); the loop "
-                    "re-rendered its history instead of appending to the token stream")
+                    f"(logged {seg.tokens[at : at + 4]}, got {prompt[at : at + 4]}); the loop "
+                    "re-rendered its history instead of appending to the token stream"
+                )
         index = len(self.segments)
         await self._record(SegmentStarted(**self._ids, segment=index, prompt_ids=prompt))
         self.segments[index] = SegmentStream.start(prompt)
         return index
 
-    def summarize(self, outputs: list[AgentLoopOutput], response_length: int) -> list[OutputSummary]:
-        """Locate each output in the logged streams (so the fold of the log equals what run() returned)."""
+    def summarize(
+        self, outputs: list[AgentLoopOutput], response_length: int
+    ) -> list[OutputSummary]:
+        """Locate each output in the logged streams (the fold of the log equals what run()
+        returned)."""
         return [self._summarize_one(i, o) for i, o in enumerate(outputs)]
 
     def _summarize_one(self, index: int, output: AgentLoopOutput) -> OutputSummary:
         prompt, response = list(output.prompt_ids), list(output.response_ids)
         if len(output.response_mask) != len(response):
-            raise AgentLoopError(f"output {index}: response_mask has {len(output.response_mask)} "
-                                 f"entries for {len(response)} response tokens")
+            raise AgentLoopError(
+                f"output {index}: response_mask has {len(output.response_mask)} "
+                f"entries for {len(response)} response tokens"
+            )
         if output.response_logprobs is not None and len(output.response_logprobs) != len(response):
-            raise AgentLoopError(f"output {index}: response_logprobs has "
-                                 f"{len(output.response_logprobs)} entries for {len(response)} tokens")
+            raise AgentLoopError(
+                f"output {index}: response_logprobs has "
+                f"{len(output.response_logprobs)} entries for {len(response)} tokens"
+            )
         for seg_index, seg in self.segments.items():
-            if seg.tokens[: len(prompt)] == prompt and \
-                    seg.tokens[len(prompt): len(prompt) + len(response)] == response:
+            if (
+                seg.tokens[: len(prompt)] == prompt
+                and seg.tokens[len(prompt) : len(prompt) + len(response)] == response
+            ):
                 return self._summary(index, output, seg_index, seg)
         raise AgentLoopError(
             f"output {index} of session {self._ids['uid']}_{self._ids['session_id']} does not "
             "match any logged token stream: the loop returned tokens that were neither "
-            "generated nor passed to generate() as observations")
+            "generated nor passed to generate() as observations"
+        )
 
-    def _summary(self, index: int, output: AgentLoopOutput, seg_index: int,
-                 seg: SegmentStream) -> OutputSummary:
+    def _summary(
+        self, index: int, output: AgentLoopOutput, seg_index: int, seg: SegmentStream
+    ) -> OutputSummary:
         start, end = len(output.prompt_ids), len(output.prompt_ids) + len(output.response_ids)
         logged_mask = seg.mask[start:end]
         mask = list(output.response_mask)
         if any(m == 1 and lm == 0 for m, lm in zip(mask, logged_mask, strict=True)):
-            raise AgentLoopError(f"output {index}: response_mask is 1 on tokens the policy did "
-                                 "not sample (observation or boundary tokens)")
+            raise AgentLoopError(
+                f"output {index}: response_mask is 1 on tokens the policy did "
+                "not sample (observation or boundary tokens)"
+            )
         if output.response_logprobs is not None:
-            for pos, (got, logged, m) in enumerate(zip(output.response_logprobs,
-                                                       seg.logprobs[start:end], logged_mask,
-                                                       strict=True)):
+            for pos, (got, logged, m) in enumerate(
+                zip(output.response_logprobs, seg.logprobs[start:end], logged_mask, strict=True)
+            ):
                 if m and not math.isclose(got, logged, abs_tol=LOGPROB_TOLERANCE):
-                    raise AgentLoopError(f"output {index}: logprob at response position {pos} "
-                                         f"is {got}, but the replica returned {logged}")
+                    raise AgentLoopError(
+                        f"output {index}: logprob at response position {pos} "
+                        f"is {got}, but the replica returned {logged}"
+                    )
         return OutputSummary(
-            segment=seg_index, prompt_len=start, response_len=end - start,
+            segment=seg_index,
+            prompt_len=start,
+            response_len=end - start,
             mask_override=None if mask == logged_mask else mask,
             has_logprobs=output.response_logprobs is not None,
-            reward_score=output.reward_score, num_turns=output.num_turns,
-            metrics=output.metrics, extra_fields=output.extra_fields)
+            reward_score=output.reward_score,
+            num_turns=output.num_turns,
+            metrics=output.metrics,
+            extra_fields=output.extra_fields,
+        )
 
 
 def _content(event: Any) -> dict[str, Any]:

@@ -111,7 +111,8 @@ class TurnLogScan:
         for g in sorted(self._groups.values(), key=lambda g: g.first_offset):
             if g.started is None:
                 continue
-            sessions = {sid: g.latest.get(sid) for sid in range(g.started.n)
-                        if sid not in g.settled}
+            sessions = {
+                sid: g.latest.get(sid) for sid in range(g.started.n) if sid not in g.settled
+            }
             out.append(UnfinishedGroup(g.started, g.first_offset, sessions))
         return out

@@ -80,17 +80,29 @@ class SessionStats:
 
 def group_started(group: PromptGroup) -> GroupStarted:
     """The first event of a group in the turn log; once written, the group belongs to the log."""
-    return GroupStarted(uid=group.uid, attempt=new_attempt_id(), n=group.n, row=group.row,
-                        validate=group.validate_, global_steps=group.global_steps,
-                        policy_version=group.policy_version,
-                        sampling_params=group.sampling_params.model_dump())
+    return GroupStarted(
+        uid=group.uid,
+        attempt=new_attempt_id(),
+        n=group.n,
+        row=group.row,
+        validate=group.validate_,
+        global_steps=group.global_steps,
+        policy_version=group.policy_version,
+        sampling_params=group.sampling_params.model_dump(),
+    )
 
 
 def prompt_group_of(started: GroupStarted) -> PromptGroup:
     """The prompt group a logged ``group_started`` describes (to resume it from the log)."""
-    return PromptGroup(uid=started.uid, row=started.row, n=started.n, validate=started.validate_,
-                       sampling_params=GroupSamplingParams(**started.sampling_params),
-                       global_steps=started.global_steps, policy_version=started.policy_version)
+    return PromptGroup(
+        uid=started.uid,
+        row=started.row,
+        n=started.n,
+        validate=started.validate_,
+        sampling_params=GroupSamplingParams(**started.sampling_params),
+        global_steps=started.global_steps,
+        policy_version=started.policy_version,
+    )
 
 
 async def run_group(ctx: SessionContext, group: PromptGroup, emit: Emit) -> list[BaseModel]:
@@ -100,9 +112,13 @@ async def run_group(ctx: SessionContext, group: PromptGroup, emit: Emit) -> list
     return await run_sessions(ctx, group, started.attempt, emit)
 
 
-async def run_sessions(ctx: SessionContext, group: PromptGroup, attempt: str, emit: Emit,
-                       resume: Mapping[int, LoggedAttempt | None] | None = None
-                       ) -> list[BaseModel]:
+async def run_sessions(
+    ctx: SessionContext,
+    group: PromptGroup,
+    attempt: str,
+    emit: Emit,
+    resume: Mapping[int, LoggedAttempt | None] | None = None,
+) -> list[BaseModel]:
     """Run the group's sessions (all n, or the unsettled ones of ``resume``) concurrently.
 
     ``resume`` maps a session id to the logged attempt to continue, or to None for a
@@ -111,8 +127,10 @@ async def run_sessions(ctx: SessionContext, group: PromptGroup, attempt: str, em
     if resume is None:
         runs = [run_session(ctx, group, sid, attempt, emit) for sid in range(group.n)]
     else:
-        runs = [run_session(ctx, group, sid, new_attempt_id(), emit, resume=logged)
-                for sid, logged in sorted(resume.items())]
+        runs = [
+            run_session(ctx, group, sid, new_attempt_id(), emit, resume=logged)
+            for sid, logged in sorted(resume.items())
+        ]
     results = await asyncio.gather(*runs, return_exceptions=True)
     terminals: list[BaseModel] = []
     for result in results:
@@ -122,8 +140,15 @@ async def run_sessions(ctx: SessionContext, group: PromptGroup, attempt: str, em
     return terminals
 
 
-async def run_session(ctx: SessionContext, group: PromptGroup, session_id: int, attempt: str,
-                      emit: Emit, *, resume: LoggedAttempt | None = None) -> BaseModel:
+async def run_session(
+    ctx: SessionContext,
+    group: PromptGroup,
+    session_id: int,
+    attempt: str,
+    emit: Emit,
+    *,
+    resume: LoggedAttempt | None = None,
+) -> BaseModel:
     """One session; with ``resume``, it first replays that attempt's logged turns."""
     if resume is not None:
         ctx.stats.resumed_sessions += 1
@@ -136,8 +161,14 @@ async def run_session(ctx: SessionContext, group: PromptGroup, session_id: int, 
     return await _run_attempt(ctx, group, session_id, attempt, emit, None)
 
 
-async def _run_attempt(ctx: SessionContext, group: PromptGroup, session_id: int, attempt: str,
-                       emit: Emit, resume: LoggedAttempt | None) -> BaseModel:
+async def _run_attempt(
+    ctx: SessionContext,
+    group: PromptGroup,
+    session_id: int,
+    attempt: str,
+    emit: Emit,
+    resume: LoggedAttempt | None,
+) -> BaseModel:
     ids = SessionIds(uid=group.uid, session_id=session_id, attempt=attempt)
     agent_name: str | None = None
     seq = itertools.count()  # this attempt's event sequence numbers
@@ -148,20 +179,27 @@ async def _run_attempt(ctx: SessionContext, group: PromptGroup, session_id: int,
         except SchemaError:
             raise  # this event can never be logged (too large): the session fails, not the log
         except Exception as exc:  # a broken turn log is fatal for the worker
-            raise EmitError(f"could not log {type(event).__name__} of "
-                            f"{group.uid}_{session_id}: {exc}") from exc
+            raise EmitError(
+                f"could not log {type(event).__name__} of {group.uid}_{session_id}: {exc}"
+            ) from exc
 
     try:
         agent_name = registry.resolve_agent_name(
-            group.row, ctx.config.rollout.agent.default_agent_loop)
-        await checked_emit(SessionStarted(**ids, agent_name=agent_name,
-                                          resumed_from=resume.attempt if resume else None))
-        recorder = RecordingLLMClient(ctx.llm_client, checked_emit, **ids,
-                                      replay=resume.events if resume else ())
+            group.row, ctx.config.rollout.agent.default_agent_loop
+        )
+        await checked_emit(
+            SessionStarted(
+                **ids, agent_name=agent_name, resumed_from=resume.attempt if resume else None
+            )
+        )
+        recorder = RecordingLLMClient(
+            ctx.llm_client, checked_emit, **ids, replay=resume.events if resume else ()
+        )
         try:
             outputs = await _within_deadline(
                 _run_agent_loop(ctx, group, session_id, agent_name, recorder),
-                ctx.config.deadlines.session_s)
+                ctx.config.deadlines.session_s,
+            )
             recorder.check_replayed()
         finally:
             ctx.stats.replayed_generations += recorder.replayed_generations
@@ -170,28 +208,49 @@ async def _run_attempt(ctx: SessionContext, group: PromptGroup, session_id: int,
     except (EmitError, SessionDivergedError):
         raise
     except Exception as exc:  # the loop failed: an explicit record, siblings go on
-        log.warning("session %s_%s (agent %r) failed: %s", group.uid, session_id, agent_name,
-                    exc, exc_info=not isinstance(exc, RolloutBusError))
-        terminal = SessionFailed(**ids, agent_name=agent_name, error=_describe(exc),
-                                 retriable=not isinstance(exc, AgentLoopError | ValueError))
+        log.warning(
+            "session %s_%s (agent %r) failed: %s",
+            group.uid,
+            session_id,
+            agent_name,
+            exc,
+            exc_info=not isinstance(exc, RolloutBusError),
+        )
+        terminal = SessionFailed(
+            **ids,
+            agent_name=agent_name,
+            error=_describe(exc),
+            retriable=not isinstance(exc, AgentLoopError | ValueError),
+        )
         if isinstance(exc, UnknownAgentLoopError) and ctx.dead_letter is not None:
-            ctx.dead_letter(group.model_dump_json(by_alias=True).encode(),
-                            f"session {group.uid}_{session_id}: {exc}")
+            ctx.dead_letter(
+                group.model_dump_json(by_alias=True).encode(),
+                f"session {group.uid}_{session_id}: {exc}",
+            )
     try:
         await checked_emit(terminal)
     except SchemaError as exc:
-        terminal = SessionFailed(**ids, agent_name=agent_name,
-                                 error=f"the session's result cannot be logged: {exc}")
+        terminal = SessionFailed(
+            **ids, agent_name=agent_name, error=f"the session's result cannot be logged: {exc}"
+        )
         await checked_emit(terminal)
     return terminal
 
 
-async def _run_agent_loop(ctx: SessionContext, group: PromptGroup, session_id: int,
-                          agent_name: str | None, recorder: RecordingLLMClient
-                          ) -> list[AgentLoopOutput]:
+async def _run_agent_loop(
+    ctx: SessionContext,
+    group: PromptGroup,
+    session_id: int,
+    agent_name: str | None,
+    recorder: RecordingLLMClient,
+) -> list[AgentLoopOutput]:
     loop = registry.create_agent_loop(
-        agent_name, trainer_config=DictConfigWrap(ctx.config), server_manager=recorder,
-        tokenizer=ctx.tokenizer, processor=ctx.processor)
+        agent_name,
+        trainer_config=DictConfigWrap(ctx.config),
+        server_manager=recorder,
+        tokenizer=ctx.tokenizer,
+        processor=ctx.processor,
+    )
     result = await loop.run(group.sampling_params.model_dump(), **_loop_kwargs(group, session_id))
     outputs = result if isinstance(result, list) else [result]
     if not outputs:
@@ -201,8 +260,9 @@ async def _run_agent_loop(ctx: SessionContext, group: PromptGroup, session_id: i
     return outputs
 
 
-async def _within_deadline(run: Awaitable[list[AgentLoopOutput]], seconds: float
-                           ) -> list[AgentLoopOutput]:
+async def _within_deadline(
+    run: Awaitable[list[AgentLoopOutput]], seconds: float
+) -> list[AgentLoopOutput]:
     try:
         return await asyncio.wait_for(run, seconds)
     except TimeoutError:
@@ -219,8 +279,12 @@ def _loop_kwargs(group: PromptGroup, session_id: int) -> dict[str, Any]:
     extra_info = row.get("extra_info") or {}
     kwargs.setdefault("tools_kwargs", extra_info.get("tools_kwargs", {}))
     kwargs.setdefault("index", extra_info.get("index", 0))
-    kwargs.update(uid=group.uid, session_id=session_id, global_steps=group.global_steps,
-                  validate=group.validate_)
+    kwargs.update(
+        uid=group.uid,
+        session_id=session_id,
+        global_steps=group.global_steps,
+        validate=group.validate_,
+    )
     return kwargs
 
 

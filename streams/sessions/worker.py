@@ -111,9 +111,11 @@ class TurnLog:
         if len(value) > self.max_bytes:
             raise RecordTooLargeError(
                 f"{getattr(event, 'type', 'event')} of {key} is {len(value)} bytes, over "
-                f"kafka.max_message_bytes ({self.max_bytes})")
-        await self._producer.send(self.topic, key=key.encode(), value=value,
-                                  partition=partition_for(uid, self.partitions))
+                f"kafka.max_message_bytes ({self.max_bytes})"
+            )
+        await self._producer.send(
+            self.topic, key=key.encode(), value=value, partition=partition_for(uid, self.partitions)
+        )
         self._metrics.count_event(event)
 
 
@@ -160,8 +162,12 @@ class SessionWorker:
         for uid in scan.started_uids:
             state.remember(uid)
         unfinished = scan.unfinished()
-        log.info("turns[%d]: %d events scanned, %d groups to resume", partition, scan.events,
-                 len(unfinished))
+        log.info(
+            "turns[%d]: %d events scanned, %d groups to resume",
+            partition,
+            scan.events,
+            len(unfinished),
+        )
         for group in unfinished:
             await self._slots.acquire()
             self._spawn(state, self._resume_group(group))
@@ -182,10 +188,12 @@ class SessionWorker:
         """The replay buffer's committed offset: every group before it was released."""
         consumer = read_committed_consumer(self.cfg.kafka, self.cfg.replay_buffer.group_id)
         try:
-            with translate_kafka_errors("reading committed offsets", topic=self.topics.turns,
-                                        partition=partition):
-                [tp] = consumer.committed([TopicPartition(self.topics.turns, partition)],
-                                          timeout=OFFSET_QUERY_TIMEOUT_S)
+            with translate_kafka_errors(
+                "reading committed offsets", topic=self.topics.turns, partition=partition
+            ):
+                [tp] = consumer.committed(
+                    [TopicPartition(self.topics.turns, partition)], timeout=OFFSET_QUERY_TIMEOUT_S
+                )
         finally:
             consumer.close()
         return max(tp.offset, 0)  # never committed: the whole retained log
@@ -220,14 +228,18 @@ class SessionWorker:
 
     def _parse(self, event: Any) -> PromptGroup | None:
         if event.value is None:  # a tombstone: nothing to run, but never silently dropped
-            self.dlq.write(b"", "a record without a value (tombstone) on the prompts topic",
-                           source=_source(event))
+            self.dlq.write(
+                b"",
+                "a record without a value (tombstone) on the prompts topic",
+                source=_source(event),
+            )
             return None
         try:
             return PromptGroup.model_validate_json(event.value)
         except ValidationError as exc:
-            self.dlq.write(event.value, f"prompt group does not match its schema: {exc}",
-                           source=_source(event))
+            self.dlq.write(
+                event.value, f"prompt group does not match its schema: {exc}", source=_source(event)
+            )
             return None
 
     # -- running -----------------------------------------------------------------------
@@ -272,8 +284,9 @@ def _source(event: Any) -> str:
 
 def _exit_unwritable(exc: BaseException) -> None:
     """The turn log cannot be written: stop before anything more is acknowledged."""
-    log.critical("cannot write the turn log (%s); exiting so a restarted worker resumes "
-                 "from the log", exc)
+    log.critical(
+        "cannot write the turn log (%s); exiting so a restarted worker resumes from the log", exc
+    )
     logging.shutdown()
     os._exit(EXIT_TURN_LOG_UNWRITABLE)
 
@@ -281,9 +294,12 @@ def _exit_unwritable(exc: BaseException) -> None:
 def _build_context(cfg: Config, dlq: DeadLetterWriter) -> SessionContext:
     if cfg.rollout.agent.agent_loop_config_path:
         registry.load_agent_loop_config(cfg.rollout.agent.agent_loop_config_path)
-    return SessionContext(config=cfg, tokenizer=load_tokenizer(cfg.model),
-                          llm_client=LLMClient(cfg.replicas, cfg.rollout),
-                          dead_letter=lambda original, reason: dlq.write(original, reason))
+    return SessionContext(
+        config=cfg,
+        tokenizer=load_tokenizer(cfg.model),
+        llm_client=LLMClient(cfg.replicas, cfg.rollout),
+        dead_letter=lambda original, reason: dlq.write(original, reason),
+    )
 
 
 def _broker_url(cfg: Config) -> str:
@@ -302,8 +318,12 @@ def _broker_credentials(cfg: Config) -> Any:
     if protocol == "SSL":
         return faust.SSLCredentials(context)
     password = kafka.sasl_password.get_secret_value() if kafka.sasl_password else None
-    return faust.SASLCredentials(username=kafka.sasl_username, password=password,
-                                 mechanism=kafka.sasl_mechanism or "PLAIN", ssl_context=context)
+    return faust.SASLCredentials(
+        username=kafka.sasl_username,
+        password=password,
+        mechanism=kafka.sasl_mechanism or "PLAIN",
+        ssl_context=context,
+    )
 
 
 def build_app(cfg: Config) -> faust.App:
@@ -322,8 +342,9 @@ def build_app(cfg: Config) -> faust.App:
         broker_commit_interval=1.0,  # seconds; bounds how much a restart reads again
         stream_wait_empty=False,
     )
-    prompts = app.topic(topics.prompts, key_type=bytes, value_type=bytes,
-                        partitions=cfg.kafka.partitions)
+    prompts = app.topic(
+        topics.prompts, key_type=bytes, value_type=bytes, partitions=cfg.kafka.partitions
+    )
     worker = SessionWorker(cfg)
 
     @app.task

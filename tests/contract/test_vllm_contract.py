@@ -37,8 +37,12 @@ def contract_site() -> str:
 def test_requests_and_responses_match_vllm_protocol(contract_site: str, tmp_path: Path):
     env = {**os.environ, "PYTHONPATH": contract_site}
     result = subprocess.run(
-        [sys.executable, str(CHECK)], capture_output=True, text=True, env=env,
-        cwd=tmp_path, timeout=300,
+        [sys.executable, str(CHECK)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=300,
     )
     report = result.stdout + result.stderr[-4000:]
     assert result.returncode == 0, report
