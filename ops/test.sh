@@ -8,5 +8,5 @@ bash ops/install.sh
 if [ -f ops/contract/setup_vllm_env.sh ]; then
   bash ops/contract/setup_vllm_env.sh
 fi
-ruff check schemas streams producers consumers rolloutbus tests benchmarks
+bash ops/check.sh   # the quality gate: ruff format --check, ruff check, mypy
 exec python -m pytest -p no:cacheprovider -ra "$@"

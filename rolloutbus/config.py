@@ -199,6 +199,10 @@ class ReplicasConfig(_Section):
     sticky_cache_size: int = 10_000
     request_timeout_s: float = 600.0  # seconds; a long decode on a busy replica
     health_interval_s: float = 5.0
+    # seconds a turn waits, probing every health_interval_s (at most every 1 s), for a
+    # replica to be healthy again when none is (a replica restarting, weights loading)
+    # before the session fails; 0: fail at once
+    unavailable_wait_s: float = Field(default=120.0, ge=0)
     max_retries: int = 3  # per turn, each on another replica
     # a turn the engine aborted (weights being updated) is resumed with prompt + tokens so
     # far and the remaining budget, as verl's fully-async client does
@@ -212,6 +216,9 @@ class SessionsConfig(_Section):
     concurrency: int = Field(default=16, ge=1)  # prompt groups in flight per worker
     metrics_port: int | None = None
     metrics_host: str = LOOPBACK  # where metrics_port binds
+    # seconds without a heartbeat before the group gives a dead worker's partitions to the
+    # others (Faust's default is 60): how long a crashed worker's groups wait to be resumed
+    broker_session_timeout_s: float = Field(default=20.0, gt=0)
 
 
 class ReplayBufferConfig(_Section):

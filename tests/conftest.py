@@ -81,7 +81,9 @@ def _embedded_config(tmp_path_factory: pytest.TempPathFactory) -> Config:
     while controller_port == port:  # the OS may hand out a just-released port again
         controller_port = free_port()
     broker = BrokerConfig(
-        data_dir=tmp_path_factory.mktemp("kafka"), port=port, controller_port=controller_port,
+        data_dir=tmp_path_factory.mktemp("kafka"),
+        port=port,
+        controller_port=controller_port,
         start_timeout_s=120.0,  # seconds; two cores shared with other test sessions
     )
     return Config(broker=broker, kafka=KafkaConfig(bootstrap_servers=f"127.0.0.1:{port}"))
@@ -115,7 +117,9 @@ def _watch_for_killed_session(jvm_pid: int | None) -> None:
         return
     watchdog = subprocess.Popen(
         [sys.executable, "-c", _WATCHDOG, str(os.getpid()), str(jvm_pid)],
-        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
         start_new_session=True,
     )
     _watchdogs.append(watchdog)
@@ -130,8 +134,9 @@ def kafka_bootstrap(embedded_broker: Config | None) -> str:
 
 @pytest.fixture
 def kafka_config(kafka_bootstrap: str) -> Iterator[KafkaConfig]:
-    kafka = KafkaConfig(bootstrap_servers=kafka_bootstrap, topic_prefix=unique_name("t"),
-                        partitions=TEST_PARTITIONS)
+    kafka = KafkaConfig(
+        bootstrap_servers=kafka_bootstrap, topic_prefix=unique_name("t"), partitions=TEST_PARTITIONS
+    )
     ensure_topics(kafka)
     yield kafka
     delete_topics(kafka, Topics.from_config(kafka).all())
@@ -148,7 +153,11 @@ def make_producer(kafka_bootstrap: str) -> Iterator[Callable[..., Producer]]:
 
     def make(extra: dict[str, Any] | None = None, kafka: KafkaConfig | None = None) -> Producer:
         kafka = kafka or KafkaConfig(bootstrap_servers=kafka_bootstrap)
-        conf = {**kafka.client_settings(), "message.max.bytes": kafka.max_message_bytes, **(extra or {})}
+        conf = {
+            **kafka.client_settings(),
+            "message.max.bytes": kafka.max_message_bytes,
+            **(extra or {}),
+        }
         producer = Producer(conf)
         producers.append(producer)
         return producer
@@ -166,8 +175,11 @@ def make_consumer(kafka_bootstrap: str) -> Iterator[Callable[..., Consumer]]:
     """
     consumers: list[Consumer] = []
 
-    def make(extra: dict[str, Any] | None = None, topics: list[str] | None = None,
-             kafka: KafkaConfig | None = None) -> Consumer:
+    def make(
+        extra: dict[str, Any] | None = None,
+        topics: list[str] | None = None,
+        kafka: KafkaConfig | None = None,
+    ) -> Consumer:
         kafka = kafka or KafkaConfig(bootstrap_servers=kafka_bootstrap)
         conf = {
             **kafka.client_settings(),
@@ -184,3 +196,14 @@ def make_consumer(kafka_bootstrap: str) -> Iterator[Callable[..., Consumer]]:
     yield make
     for consumer in consumers:
         consumer.close()
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """The fault-injection table (tests/faults_harness.py), when fault scenarios ran."""
+    harness = sys.modules.get("faults_harness")
+    rows = getattr(harness, "ROWS", None)
+    if not rows:
+        return
+    terminalreporter.section("fault injection")
+    for line in harness.format_table(rows):
+        terminalreporter.write_line(line)

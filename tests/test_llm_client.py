@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 import uuid
 from typing import Any
 
@@ -472,7 +473,7 @@ async def test_server_error_is_retried_but_bad_request_is_not(make_replicas, mak
 
 async def test_all_replicas_failing_raises_with_the_last_failure(make_replicas, make_client):
     reps = await make_replicas(2)
-    client = make_client(reps, max_retries=3)
+    client = make_client(reps, max_retries=3, unavailable_wait_s=0)
     for rep in reps:
         rep.mode = "error500"
     with pytest.raises(NoReplicaAvailableError, match="engine died") as info:
@@ -550,3 +551,28 @@ async def test_closed_client_refuses_work(make_replicas, make_client):
     await client.close()  # idempotent
     with pytest.raises(Exception, match="closed"):
         await client.generate("t", prompt_ids=[1], sampling_params=SAMPLING)
+
+
+async def test_a_turn_waits_for_a_restarting_replica_instead_of_failing(make_replicas, make_client):
+    [rep] = await make_replicas(1)
+    client = make_client([rep], unavailable_wait_s=30)
+    rep.mode = "error500"  # its /health answers 503 too: down, as while it restarts
+
+    async def come_back() -> None:
+        await asyncio.sleep(1.5)
+        rep.mode = "ok"
+
+    back = asyncio.ensure_future(come_back())
+    out = await client.generate("t", prompt_ids=[1], sampling_params=SAMPLING)
+    await back
+    assert out.token_ids and client.balancer.is_healthy(rep.url)
+
+
+async def test_a_turn_gives_up_when_no_replica_comes_back_in_time(make_replicas, make_client):
+    [rep] = await make_replicas(1)
+    client = make_client([rep], unavailable_wait_s=1.0)
+    rep.mode = "error500"
+    started = time.monotonic()
+    with pytest.raises(NoReplicaAvailableError):
+        await client.generate("t", prompt_ids=[1], sampling_params=SAMPLING)
+    assert time.monotonic() - started >= 1.0

@@ -56,6 +56,10 @@ class AsyncProducer:
                 raise broker_error(exc, "producing", topic=topic, partition=partition) from exc
         return await done
 
+    def flush(self, timeout_s: float = FLUSH_TIMEOUT_S) -> int:
+        """Wait until every queued record is delivered; returns how many are still queued."""
+        return self._producer.flush(timeout_s)
+
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)

@@ -20,6 +20,7 @@ keeps the newest ``replay_buffer.max_released_uids`` of them.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import logging
 import time
@@ -157,7 +158,13 @@ def _high_watermark(kafka: KafkaConfig, tp: TopicPartition) -> int:
         futures = admin.list_offsets(
             request, isolation_level=IsolationLevel.READ_UNCOMMITTED, request_timeout=READ_TIMEOUT_S
         )
-        [result] = [future.result() for future in futures.values()]
+        try:
+            [result] = [future.result(timeout=READ_TIMEOUT_S) for future in futures.values()]
+        except concurrent.futures.TimeoutError:
+            raise BrokerError(
+                f"no answer for the high watermark of {tp.topic}[{tp.partition}] "
+                f"within {READ_TIMEOUT_S:g} s"
+            ) from None
     return result.offset
 
 

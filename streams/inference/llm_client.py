@@ -47,6 +47,7 @@ log = logging.getLogger(__name__)
 
 # seconds; a connection that is not up by then is a dead or unreachable replica, even
 # when the whole request may take many minutes of decoding.
+UNAVAILABLE_PROBE_S = 1.0  # seconds between health probes while no replica is healthy
 CONNECT_TIMEOUT_S = 10.0
 
 # seconds; from a millisecond CPU test double to a 32k-token decode on a busy GPU replica.
@@ -293,7 +294,7 @@ class LLMClient:
         """One turn on one replica, retried on others when a replica fails."""
         last_error: ReplicaRequestError | None = None
         for attempt in range(self._config.max_retries + 1):
-            replica = self._acquire(request_id, last_error)
+            replica = await self._acquire_when_healthy(request_id, last_error)
             call = EngineCall(
                 engine_request_id=self._engine_request_id(request_id),
                 prompt_ids=prompt_ids,
@@ -315,6 +316,21 @@ class LLMClient:
                 self._release(replica)
         assert last_error is not None
         raise last_error
+
+    async def _acquire_when_healthy(
+        self, request_id: str, last_error: ReplicaRequestError | None
+    ) -> str:
+        """A replica for this turn; while none is healthy, probe until one is back or
+        ``replicas.unavailable_wait_s`` has passed (a replica restart is not a failed turn)."""
+        deadline = time.monotonic() + self._config.unavailable_wait_s
+        while True:
+            try:
+                return self._acquire(request_id, last_error)
+            except NoReplicaAvailableError:
+                if time.monotonic() >= deadline:
+                    raise
+            await asyncio.sleep(min(self._config.health_interval_s, UNAVAILABLE_PROBE_S))
+            await self.check_health()
 
     def _acquire(self, request_id: str, last_error: ReplicaRequestError | None) -> str:
         try:

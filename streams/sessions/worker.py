@@ -75,6 +75,9 @@ EXIT_TURN_LOG_UNWRITABLE = 70  # EX_SOFTWARE: restart the worker; it resumes fro
 # buffer's released record keeps it from being released twice
 STARTED_UIDS_MEMORY = 100_000
 OFFSET_QUERY_TIMEOUT_S = 30.0  # seconds for the committed-offset lookup on assignment
+# seconds a revocation waits for stopped sessions and the producer's queue: well inside
+# Faust's rebalance timeout, and a turn-log write takes milliseconds
+REVOKE_DRAIN_S = 10.0
 
 
 class RecordTooLargeError(SchemaError):
@@ -147,14 +150,28 @@ class SessionWorker:
             state = self.partitions[partition] = PartitionState()
             state.tasks.add(asyncio.ensure_future(self._recover(partition, state)))
 
-    def on_revoked(self, revoked: set[Any]) -> None:
-        """Stop the groups of partitions we lost: their new owner resumes them from the log."""
+    async def on_revoked(self, revoked: set[Any]) -> None:
+        """Stop the groups of partitions we lost: their new owner resumes them from the log.
+
+        Faust awaits this before the rebalance goes on, so what the stopped sessions logged
+        is durable before any worker (this one included) scans the log again: otherwise
+        their last turns would land after the scan and be sampled a second time.
+        """
+        stopped: list[asyncio.Task[Any]] = []
         for tp in revoked:
-            if tp.topic != self.topics.prompts:
+            state = (
+                self.partitions.pop(tp.partition, None) if tp.topic == self.topics.prompts else None
+            )
+            if state is None:
                 continue
-            state = self.partitions.pop(tp.partition, None)
-            for task in state.tasks if state else ():
+            state.recovered.set()  # a take() waiting on this partition lets its prompt go
+            for task in state.tasks:
                 task.cancel()
+                stopped.append(task)
+        if stopped:
+            await asyncio.wait(stopped, timeout=REVOKE_DRAIN_S)
+        if self.ready.is_set():
+            await asyncio.to_thread(self.producer.flush, REVOKE_DRAIN_S)
 
     async def _recover(self, partition: int, state: PartitionState) -> None:
         await self.ready.wait()
@@ -207,6 +224,8 @@ class SessionWorker:
             self.on_assigned({event.message.tp})
             state = self.partitions[partition]
         await state.recovered.wait()
+        if self.partitions.get(partition) is not state:
+            return  # revoked meanwhile: its new owner gets the prompt (not committed here)
         group = self._parse(event)
         if group is None:
             return
@@ -340,6 +359,7 @@ def build_app(cfg: Config) -> faust.App:
         consumer_max_fetch_size=cfg.kafka.max_message_bytes,
         consumer_auto_offset_reset="earliest",
         broker_commit_interval=1.0,  # seconds; bounds how much a restart reads again
+        broker_session_timeout=cfg.sessions.broker_session_timeout_s,
         stream_wait_empty=False,
     )
     prompts = app.topic(
@@ -354,8 +374,8 @@ def build_app(cfg: Config) -> faust.App:
     def on_assigned(sender: Any, assigned: Any, **kwargs: Any) -> None:
         worker.on_assigned(set(assigned))  # the new assignment: every topic's partitions
 
-    def on_revoked(sender: Any, revoked: Any, **kwargs: Any) -> None:
-        worker.on_revoked(set(revoked))
+    async def on_revoked(sender: Any, revoked: Any, **kwargs: Any) -> None:
+        await worker.on_revoked(set(revoked))
 
     # cast: mode's typing of Signal.connect does not admit a plain receiver function
     app.on_partitions_assigned.connect(cast(Any, on_assigned))

@@ -1,0 +1,216 @@
+"""Fault scenarios against the whole pipeline of real processes (``tests/faults_harness.py``).
+
+Each scenario runs the same workload as a fault-free reference run (computed once per
+module) and must lose nothing, duplicate nothing, and release trajectories equal, column
+for column except ``attempt``, to the reference's. Every run adds a row to the table
+printed at the end of the test session (``pytest_terminal_summary`` in conftest.py).
+
+Scenarios go through the command line and the topics only, so they keep working as the
+replay buffer and the trainer client are hardened behind them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+
+import pytest
+from faults_harness import (
+    FIXTURES,
+    FaultContext,
+    FaultRow,
+    FaultRun,
+    Workload,
+    dedicated_broker,
+    restart_broker,
+    run_fault_scenario,
+    turn_log_counts,
+)
+
+from rolloutbus.schemas.turns import Generation, GroupStarted, SessionStarted
+
+fault_scenario = pytest.mark.slow  # and kafka, added by conftest: every scenario needs the broker
+
+WORKLOAD = Workload(groups=100, n=4, turns=3, tokens_per_turn=2, tool_delay_s=0.25)
+KILLS = 5
+BROKER_OUTAGE_S = 10.0  # seconds the broker stays down
+
+
+@pytest.fixture(scope="module")
+def reference(kafka_bootstrap, tmp_path_factory) -> dict:
+    run = run_fault_scenario(
+        "no fault (reference)",
+        bootstrap=kafka_bootstrap,
+        workdir=tmp_path_factory.mktemp("reference"),
+        workload=WORKLOAD,
+    )
+    assert (run.row.lost, run.row.duplicated, run.row.failed) == (0, 0, 0), run.explain()
+    return run.trajectories
+
+
+def _assert_exactly_once_and_as_reference(run: FaultRun) -> None:
+    row = run.row
+    assert row.lost == 0, f"{row.lost} trajectories lost\n{run.explain()}"
+    assert row.duplicated == 0, f"{row.duplicated} trajectory keys written twice\n{run.explain()}"
+    assert row.differ == 0, (
+        f"{row.differ} trajectories differ from the fault-free run "
+        f"({row.failed} failed)\n{run.explain()}"
+    )
+
+
+# -- scenarios ---------------------------------------------------------------------------------
+
+
+def sigkill_session_worker(kills: int):
+    """SIGKILL the session worker ``kills`` times at random moments spread over the run (each
+    after the restarted worker released at least one more group), restarted each time."""
+
+    def scenario(ctx: FaultContext) -> None:
+        slot = 0.8 / kills  # fractions of the run: kill i lands somewhere in slot i
+        last = 0
+        for i in range(kills):
+            fraction = 0.05 + i * slot + ctx.rng.uniform(0, 0.8 * slot)
+            ctx.wait_for_released(max(int(fraction * ctx.workload.sessions), last + ctx.workload.n))
+            time.sleep(ctx.rng.uniform(0.0, 2.0))  # seconds: a random moment
+            last = ctx.released()
+            ctx.kill(ctx.pipeline.workers[0])
+
+    return scenario
+
+
+@fault_scenario
+def test_sigkill_sessions_x5(kafka_bootstrap, tmp_path, reference):
+    run = run_fault_scenario(
+        f"sigkill sessions x{KILLS}",
+        bootstrap=kafka_bootstrap,
+        workdir=tmp_path,
+        workload=WORKLOAD,
+        seed=5,
+        scenario=sigkill_session_worker(KILLS),
+        reference=reference,
+    )
+    _assert_exactly_once_and_as_reference(run)
+    assert run.row.resumed > 0, f"no session was resumed from the log\n{run.explain()}"
+
+
+@fault_scenario
+@pytest.mark.kafka  # a broker of its own (the session broker only runs the reference)
+def test_broker_restart(tmp_path, reference):
+    """A broker of its own, stopped and started mid-run; workers that exit meanwhile are
+    restarted by the harness's supervisor (the row counts them)."""
+    with dedicated_broker(tmp_path / "broker") as broker:
+
+        def scenario(ctx: FaultContext) -> None:
+            ctx.wait_for_fraction(0.3)
+            ctx.note("stopping the broker")
+            restart_broker(broker, BROKER_OUTAGE_S)
+            ctx.note(f"broker started again after {BROKER_OUTAGE_S:.0f} s down")
+
+        run = run_fault_scenario(
+            "broker restart",
+            bootstrap=broker.kafka.bootstrap_servers,
+            workdir=tmp_path,
+            workload=WORKLOAD,
+            scenario=scenario,
+            reference=reference,
+            broker=broker,
+        )
+    _assert_exactly_once_and_as_reference(run)
+
+
+@fault_scenario
+def test_replica_restart(kafka_bootstrap, tmp_path, reference):
+    """SIGKILL the replica mid-run; the supervisor starts it again on the same port."""
+
+    def scenario(ctx: FaultContext) -> None:
+        ctx.wait_for_fraction(0.3)
+        ctx.kill(ctx.pipeline.replica)
+
+    run = run_fault_scenario(
+        "replica restart",
+        bootstrap=kafka_bootstrap,
+        workdir=tmp_path,
+        workload=WORKLOAD,
+        scenario=scenario,
+        reference=reference,
+    )
+    _assert_exactly_once_and_as_reference(run)
+
+
+@fault_scenario
+def test_two_buffers_two_workers_rebalance(kafka_bootstrap, tmp_path, reference):
+    """One session worker and one replay buffer on 4 partitions; a second of each joins
+    mid-run (partitions move while groups are open), then the first of each is killed for
+    good, so the newcomers own every partition and resume what the dead ones left."""
+
+    def scenario(ctx: FaultContext) -> None:
+        ctx.wait_for_fraction(0.2)
+        ctx.note("adding a session worker and a replay buffer")
+        ctx.pipeline.add_session_worker()
+        ctx.pipeline.add_replay_buffer()
+        ctx.wait_for_fraction(0.55)
+        ctx.retire(ctx.pipeline.workers[0])
+        ctx.retire(ctx.pipeline.buffers[0])
+
+    run = run_fault_scenario(
+        "2 buffers 2 workers rebalance",
+        bootstrap=kafka_bootstrap,
+        workdir=tmp_path,
+        workload=WORKLOAD,
+        scenario=scenario,
+        partitions=4,
+        reference=reference,
+    )
+    _assert_exactly_once_and_as_reference(run)
+
+
+# -- the harness's own arithmetic (no broker) ---------------------------------------------------
+
+
+def _generation(attempt: str, turn: int, request: str, tokens: list[int], seq: int) -> Generation:
+    return Generation(
+        uid="u",
+        session_id=0,
+        attempt=attempt,
+        segment=0,
+        turn=turn,
+        token_ids=tokens,
+        engine_request_id=request,
+        seq=seq,
+    )
+
+
+def test_turn_log_counts_tell_replayed_turns_from_resampled_ones():
+    events = [
+        GroupStarted(uid="u", attempt="a", n=1, row={"prompt": [{"role": "user", "content": "x"}]}),
+        SessionStarted(uid="u", session_id=0, attempt="a", agent_name="p"),
+        _generation("a", 0, "r0", [1, 2], seq=2),
+        _generation("a", 0, "r0", [1, 2], seq=2),  # a duplicate write: ignored
+        # resumed: turn 0 replayed as logged, turn 1 sampled live
+        SessionStarted(uid="u", session_id=0, attempt="b", agent_name="p", resumed_from="a"),
+        _generation("b", 0, "r0", [1, 2], seq=2),
+        _generation("b", 1, "r1", [3, 4], seq=4),
+        # resumed again, but turn 1 was sampled a second time (another engine request)
+        SessionStarted(uid="u", session_id=0, attempt="c", agent_name="p", resumed_from="b"),
+        _generation("c", 0, "r0", [1, 2], seq=2),
+        _generation("c", 1, "r9", [3, 4], seq=4),
+    ]
+    row = FaultRow("unit", expected=1)
+    turn_log_counts(events, row)
+    assert (row.attempts, row.resumed, row.resampled) == (3, 1, 1)
+    assert row.notes == ["1 resumed sessions did not replay what was logged"]
+
+
+def test_turn_seeds_are_stable_and_distinct():
+    spec = importlib.util.spec_from_file_location(
+        "seeded_paced_loop", FIXTURES / "seeded_paced_loop.py"
+    )
+    assert spec is not None and spec.loader is not None
+    loop = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(loop)
+    turn_seed = loop.turn_seed
+    assert turn_seed("fault00001", 0, 0) == turn_seed("fault00001", 0, 0)
+    seeds = {
+        turn_seed(f"fault{g:05d}", s, t) for g in range(100) for s in range(4) for t in range(3)
+    }
+    assert len(seeds) == 1200 and all(0 <= seed < 2**31 for seed in seeds)
