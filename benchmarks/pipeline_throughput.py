@@ -77,7 +77,8 @@ def run_pipeline(kafka: KafkaConfig, events, groups: int) -> float:
 
 
 def run_baseline(kafka: KafkaConfig, events) -> float:
-    topic = Topics.from_config(kafka).control + "-baseline"
+    # a fresh topic per round: re-creating a just-deleted name races its deletion
+    topic = f"{Topics.from_config(kafka).control}-baseline-{uuid.uuid4().hex[:6]}"
     from confluent_kafka.admin import NewTopic
 
     admin = admin_client(kafka)
@@ -95,6 +96,7 @@ def run_baseline(kafka: KafkaConfig, events) -> float:
     c = read_committed_consumer(
         kafka, f"bench-base-{uuid.uuid4().hex[:6]}", overrides={"auto.offset.reset": "earliest"}
     )
+    _wait_until_visible(c, topic)  # a consumer errors on a topic its broker does not know yet
     c.subscribe([topic])
     started = time.perf_counter()
     produce_all(kafka, topic, events)
@@ -105,6 +107,17 @@ def run_baseline(kafka: KafkaConfig, events) -> float:
     c.close()
     admin.delete_topics([topic])
     return elapsed
+
+
+def _wait_until_visible(consumer, topic: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        meta = consumer.list_topics(topic, timeout=5).topics.get(topic)
+        if meta is not None and meta.error is None and meta.partitions:
+            if all(p.leader >= 0 for p in meta.partitions.values()):
+                return
+        time.sleep(0.1)
+    raise RuntimeError(f"topic {topic} did not become visible in {timeout_s} s")
 
 
 def main() -> int:
