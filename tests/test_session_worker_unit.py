@@ -121,3 +121,10 @@ async def test_a_prompt_of_a_revoked_partition_is_left_for_its_new_owner(monkeyp
     await worker.on_revoked({TP(worker.topics.prompts, 0)})
     await waiting  # returns without writing: the new owner reads the prompt again
     assert worker.turn_log.attempts == 0
+
+
+async def test_a_prompt_whose_group_is_already_in_the_turn_log_is_not_started_again(monkeypatch):
+    worker = _worker(monkeypatch)
+    worker.partitions[0].remember("g1")  # the recovery scan found its group_started
+    await worker.take(_event(_group()))  # a re-published or redelivered prompt
+    assert worker.turn_log.attempts == 0
