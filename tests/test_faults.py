@@ -201,13 +201,9 @@ def test_turn_log_counts_tell_replayed_turns_from_resampled_ones():
     assert row.notes == ["1 resumed sessions did not replay what was logged"]
 
 
-def test_turn_seeds_are_stable_and_distinct():
-    spec = importlib.util.spec_from_file_location(
-        "seeded_paced_loop", FIXTURES / "seeded_paced_loop.py"
-    )
-    assert spec is not None and spec.loader is not None
-    loop = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(loop)
+def test_turn_seeds_are_stable_and_distinct(monkeypatch):
+    monkeypatch.syspath_prepend(str(FIXTURES))  # as the workers' PYTHONPATH has it
+    loop = importlib.import_module("seeded_paced_loop")
     turn_seed = loop.turn_seed
     assert turn_seed("fault00001", 0, 0) == turn_seed("fault00001", 0, 0)
     seeds = {
