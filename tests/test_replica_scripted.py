@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
 import pytest
 
@@ -120,3 +122,34 @@ async def test_token_delay_slows_the_reply():
     ):
         out = (await client.post("/generate", json={"input_ids": [1]})).json()
         assert out["meta_info"]["e2e_latency"] >= 0.2
+
+
+async def test_scripted_control_surface_pauses_aborts_and_records_reloads(tmp_path):
+    engine = ScriptedEngine(lambda prompt: list(range(10, 30)), token_delay_s=0.05)
+    body = {"prompt": [1], "max_tokens": 20, "return_token_ids": True}
+    async with (
+        await start_replica(_config(), engine) as replica,
+        httpx.AsyncClient(base_url=replica.url) as client,
+    ):
+        refused = await client.post(
+            "/collective_rpc",
+            json={"method": "reload_weights", "kwargs": {"weights_path": str(tmp_path)}},
+        )
+        assert refused.status_code == 409 and "POST /pause" in refused.json()["error"]["message"]
+        running = asyncio.ensure_future(client.post("/v1/completions", json=body))
+        await asyncio.sleep(0.3)  # ~6 of its 20 tokens
+        assert (await client.post("/pause", params={"mode": "abort"})).status_code == 200
+        aborted = (await running).json()["choices"][0]
+        assert aborted["finish_reason"] == "abort" and 0 < len(aborted["token_ids"]) < 20
+        reload = await client.post(
+            "/collective_rpc",
+            json={"method": "reload_weights", "kwargs": {"weights_path": str(tmp_path)}},
+        )
+        assert reload.json() == {"results": [None]} and engine.reloads == [str(tmp_path)]
+        await client.post("/update_weight_version", json={"new_version": 2})
+        held = asyncio.ensure_future(client.post("/v1/completions", json=body))
+        await asyncio.sleep(0.1)
+        assert not held.done()  # waits for /resume
+        await client.post("/resume")
+        later = (await held).json()["choices"][0]
+        assert later["finish_reason"] == "length" and len(later["token_ids"]) == 20

@@ -3,44 +3,59 @@
 One thread runs the decode loop. Each iteration:
 
 1. admit waiting requests while the batch has room (``max_batch_size``);
-2. prefill them together (left-padded), sample their first token, then merge their KV
-   cache into the running batch's (left-padding the shorter cache, so every row's
-   tokens end at the same column);
-3. run one decode step for the whole batch and sample one token per row;
-4. hand finished (or aborted) rows back to their callers and drop them from the batch.
+2. prefill them together (right-padded, causal) into the KV-cache slots after the running
+   rows, and sample their first token;
+3. run one decode step for the whole batch, each row at its own position, and sample one
+   token per row;
+4. hand finished (or aborted) rows back to their callers; the last rows' slots move into
+   the holes they leave, so the batch stays rows ``0..B-1`` (``kv_cache.SlotKVCache``).
 
-Each row keeps a *pending* token: sampled but not yet in the KV cache. Positions come
-from the attention mask (real tokens so far), so left padding never shifts them.
+Each row keeps a *pending* token: sampled but not yet in the KV cache. Nothing is padded
+or copied per step: the cache is preallocated per slot, and attention reads a view of it.
 
-Sampling is done in float32 with inverse-CDF draws from each request's own
-``torch.Generator`` (``torch.multinomial`` over a 152k vocabulary costs ~80 ms a step on
-CPU; cumsum + searchsorted ~2 ms), and the logprob of each sampled token is taken in the
-loop, never by keeping logits (B x vocab floats a step adds up to gigabytes).
+Between iterations (never during a forward pass) the loop obeys the control surface:
+``pause(mode)`` stops admitting and aborts (``abort``), drains (``wait``) or freezes
+(``keep``) the running rows; ``reload_weights`` copies new weights into the model only
+while paused; ``resume()`` carries on. Each sampled token is stamped with the
+``weight_version`` current when it was sampled.
+
+Sampling is done in float32 (also for a bfloat16 model: its logits are cast first, and the
+logprob returned is that of the float32 distribution the token was drawn from) with
+inverse-CDF draws from each request's own ``torch.Generator`` (``torch.multinomial`` over a
+152k vocabulary costs ~80 ms a step on CPU; cumsum + searchsorted ~2 ms), and the logprob of
+each sampled token is taken in the loop, never by keeping logits.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import secrets
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from rolloutbus.config import Config
 from rolloutbus.errors import ReplicaError
 from rolloutbus.replica.generation import (
+    PAUSE_MODES,
+    EngineNotPausedError,
     EngineStats,
+    FinishReason,
     GenerationRequest,
     GenerationResult,
+    PauseMode,
     RequestRejectedError,
     Timings,
+    version_spans,
 )
+from rolloutbus.replica.kv_cache import SlotKVCache, check_supported, use_slot_attention
 
 __all__ = ["DecodeEngine"]
 
@@ -64,19 +79,21 @@ class _Sequence:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[dict[int, float]] | None = None
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     stop_reason: int | None = None
     aborted: bool = False  # set from the caller's thread when it gives up
+    # (weight version, index of the first token it sampled), one entry per version change
+    version_starts: list[tuple[int | str, int]] = field(default_factory=list)
 
 
 @dataclass
 class _Batch:
-    """The running rows, their shared KV cache and what each row feeds next."""
+    """The running rows (row i in KV-cache slot i) and what each row feeds next."""
 
     rows: list[_Sequence]
-    cache: Any  # transformers DynamicCache, [B, heads, T, head_dim] per layer
-    mask: torch.Tensor  # [B, T] long, 1 = real token in the cache, 0 = left padding
     pending: torch.Tensor  # [B] long, the last sampled token (not yet in the cache)
+    positions: torch.Tensor  # [B] long, tokens of each row in the cache = next position
+    lengths: list[int]  # the same, as ints: the width a step attends to, without a sync
 
 
 class DecodeEngine:
@@ -102,10 +119,19 @@ class DecodeEngine:
         self.torch_threads = torch_threads
         self.vocab_size = int(model.get_input_embeddings().weight.shape[0])
         self.eos_token_ids = _eos_token_ids(model, tokenizer)
+        check_supported(model)
+        use_slot_attention(model)
+        self._cache = SlotKVCache(model.config, max_batch_size, max_model_len, model.dtype)
+        self._columns = torch.arange(max_model_len)
         self.stats = EngineStats()
+        self.weight_version: int | str = 0  # set by POST /update_weight_version
         self._waiting: deque[_Sequence] = deque()
         self._cond = threading.Condition()
         self._stopping = False
+        self._pause_mode: PauseMode | None = None
+        self._quiescent = False  # the loop has done what the pause mode asks
+        # Work the loop runs between steps: (function, future for the caller), e.g. a reload.
+        self._control: deque[tuple[Callable[[], None], concurrent.futures.Future[None]]] = deque()
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
 
@@ -147,6 +173,63 @@ class DecodeEngine:
             self._cond.notify_all()
         if self._thread is not None:
             self._thread.join(STOP_JOIN_TIMEOUT_S)
+
+    # -- control surface (vLLM's RL API; any thread) ------------------------------------
+
+    @property
+    def is_paused(self) -> bool:
+        return self._pause_mode is not None
+
+    async def pause(self, mode: PauseMode = "abort") -> None:
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
+        await asyncio.to_thread(self._pause_and_wait, mode)
+
+    async def resume(self) -> None:
+        with self._cond:
+            self._pause_mode = None
+            self._cond.notify_all()
+
+    async def reload_weights(self, weights_path: str) -> None:
+        from rolloutbus.replica.weights import read_weight_update
+
+        self._require_paused(weights_path)
+        # Reading and checking the files touches no model tensor: do it off the loop.
+        update = await asyncio.to_thread(read_weight_update, self.model, weights_path)
+        self._require_paused(weights_path)
+        await asyncio.wrap_future(self._run_in_loop(update.apply))
+        log.info("%s: reloaded weights from %s", self.model_name, weights_path)
+
+    def _require_paused(self, weights_path: str) -> None:
+        if not self.is_paused:
+            raise EngineNotPausedError(
+                f"refusing to reload weights from {weights_path!r}: the engine is not paused; "
+                "POST /pause (mode abort, wait or keep) first, then /resume after the reload"
+            )
+
+    def _pause_and_wait(self, mode: PauseMode) -> None:
+        with self._cond:
+            if not self.healthy:
+                raise ReplicaError(f"engine for {self.model_name} is not running: {self._error!r}")
+            self._pause_mode, self._quiescent = mode, False
+            if mode == "abort":  # queued requests are in flight too, as in vLLM: end them now
+                for seq in self._waiting:
+                    self._finish(seq, "abort")
+                self._waiting.clear()
+                self.stats.waiting = 0
+            self._cond.notify_all()
+            while not self._quiescent and self.healthy and not self._stopping:
+                self._cond.wait(timeout=1.0)  # seconds; re-check health if the loop dies
+
+    def _run_in_loop(self, work: Callable[[], None]) -> concurrent.futures.Future[None]:
+        """Run ``work`` in the decode thread between two steps; its future says how it went."""
+        future: concurrent.futures.Future[None] = concurrent.futures.Future()
+        with self._cond:
+            if not self.healthy:
+                raise ReplicaError(f"engine for {self.model_name} is not running: {self._error!r}")
+            self._control.append((work, future))
+            self._cond.notify_all()
+        return future
 
     async def submit(self, request: GenerationRequest) -> GenerationResult:
         self._validate(request)
@@ -197,13 +280,19 @@ class DecodeEngine:
         try:
             with torch.inference_mode():
                 while True:
-                    admitted = self._admit(batch)
+                    admitted = self._next_work(batch)
                     if admitted is None:
                         break  # stopping
+                    self._run_control()
+                    mode = self._pause_mode
+                    if mode == "abort" and batch is not None:
+                        for seq in batch.rows:
+                            seq.aborted = True  # released below with the tokens sampled so far
+                        batch = self._release_finished(batch)
                     if admitted:
-                        batch = _merge(batch, self._prefill(admitted))
+                        batch = self._prefill(batch, admitted)
                         batch = self._release_finished(batch)  # e.g. eos as first token
-                    if batch is not None:
+                    if batch is not None and mode in (None, "wait"):
                         self._decode_step(batch)
                         batch = self._release_finished(batch)
         except Exception as exc:  # the loop must not die silently: fail every caller
@@ -211,14 +300,26 @@ class DecodeEngine:
             self._error = exc
         self._abort_all(batch)
 
-    def _admit(self, batch: _Batch | None) -> list[_Sequence] | None:
-        """Waiting requests that fit in the batch; blocks while there is nothing to do."""
+    def _next_work(self, batch: _Batch | None) -> list[_Sequence] | None:
+        """Block until there is work; return the requests admitted to the batch (maybe
+        none), or None when stopping. While paused nothing is admitted: the loop only
+        runs control work, aborts (``abort``) or drains (``wait``) the running rows."""
         running = len(batch.rows) if batch else 0
         with self._cond:
-            while not self._stopping and running == 0 and not self._waiting:
+            while True:
+                if self._stopping:
+                    return None
+                mode = self._pause_mode
+                if mode is not None and (mode == "keep" or running == 0) and not self._quiescent:
+                    self._quiescent = True  # at a step boundary, with what the mode asks done
+                    self._cond.notify_all()
+                if self._control:
+                    return []
+                if mode is None and (running or self._waiting):
+                    break
+                if mode in ("abort", "wait") and running:
+                    return []
                 self._cond.wait()
-            if self._stopping:
-                return None
             admitted: list[_Sequence] = []
             while self._waiting and running + len(admitted) < self.max_batch_size:
                 seq = self._waiting.popleft()
@@ -229,62 +330,75 @@ class DecodeEngine:
             self.stats.waiting = len(self._waiting)
         return admitted
 
-    def _prefill(self, seqs: list[_Sequence]) -> _Batch:
-        from transformers import DynamicCache
-
+    def _prefill(self, batch: _Batch | None, seqs: list[_Sequence]) -> _Batch:
+        """Prefill ``seqs`` into the slots after the running rows; sample their first token."""
         now = time.monotonic()
         for seq in seqs:
             seq.started = now
-        width = max(len(s.request.prompt_ids) for s in seqs)
+        first_slot = len(batch.rows) if batch else 0
+        lengths = [len(s.request.prompt_ids) for s in seqs]
+        width = max(lengths)
         input_ids = torch.zeros((len(seqs), width), dtype=torch.long)
-        mask = torch.zeros((len(seqs), width), dtype=torch.long)
-        for i, seq in enumerate(seqs):
-            ids = seq.request.prompt_ids
-            input_ids[i, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
-            mask[i, width - len(ids) :] = 1
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        cache = DynamicCache(config=self.model.config)
-        out = self.model(
+        for i, seq in enumerate(seqs):  # right padding: causal attention never looks at it
+            input_ids[i, : lengths[i]] = torch.tensor(seq.request.prompt_ids, dtype=torch.long)
+        self._cache.ensure_capacity(width)
+        self._cache.begin_prefill(first_slot)
+        hidden = self.model.model(
             input_ids=input_ids,
-            attention_mask=mask,
-            position_ids=positions,
-            past_key_values=cache,
+            position_ids=self._columns[:width].expand(len(seqs), width),
+            past_key_values=self._cache,
             use_cache=True,
-            logits_to_keep=1,
-        )
-        self.stats.prompt_tokens += int(mask.sum())
-        _zero_padding(out.past_key_values, mask)
-        pending = self._sample(seqs, out.logits[:, -1, :])
+        ).last_hidden_state
+        last = torch.tensor(lengths) - 1
+        logits = self.model.lm_head(hidden[torch.arange(len(seqs)), last])
+        self.stats.prompt_tokens += sum(lengths)
+        pending = self._sample(seqs, logits)
         first = time.monotonic()
         for seq in seqs:
             seq.first_token = first
-        return _Batch(rows=seqs, cache=out.past_key_values, mask=mask, pending=pending)
+        joining = _Batch(
+            rows=seqs, pending=pending, positions=torch.tensor(lengths), lengths=lengths
+        )
+        return joining if batch is None else _join(batch, joining)
 
     def _decode_step(self, batch: _Batch) -> None:
-        positions = batch.mask.sum(-1, keepdim=True)  # real tokens already cached
-        batch.mask = torch.cat([batch.mask, torch.ones_like(positions)], dim=-1)
-        out = self.model(
+        rows = len(batch.rows)
+        width = max(batch.lengths) + 1  # the pending tokens go in at their positions
+        self._cache.ensure_capacity(width)
+        self._cache.begin_decode(batch.positions, width)
+        # mask[i, j]: row i attends to column j, i.e. its own tokens up to its position;
+        # none when every row is as long as the widest (SDPA then skips the masking).
+        mask = None
+        if min(batch.lengths) + 1 < width:
+            mask = (self._columns[:width] <= batch.positions[:, None]).view(rows, 1, 1, width)
+        hidden = self.model.model(
             input_ids=batch.pending[:, None],
-            attention_mask=batch.mask,
-            position_ids=positions,
-            past_key_values=batch.cache,
+            attention_mask=mask,
+            position_ids=batch.positions[:, None],
+            past_key_values=self._cache,
             use_cache=True,
-            logits_to_keep=1,
-        )
-        batch.cache = out.past_key_values
+        ).last_hidden_state
+        batch.positions = batch.positions + 1
+        batch.lengths = [n + 1 for n in batch.lengths]
         self.stats.steps += 1
-        self.stats.batch_sizes[len(batch.rows)] += 1
-        batch.pending = self._sample(batch.rows, out.logits[:, -1, :])
+        self.stats.batch_sizes[rows] += 1
+        batch.pending = self._sample(batch.rows, self.model.lm_head(hidden[:, -1]))
 
     def _sample(self, rows: list[_Sequence], logits: torch.Tensor) -> torch.Tensor:
         """Sample one token per row, record it and its logprob, mark finished rows."""
         tokens, logprobs, tops = sample_tokens(
             logits.float(), [s.request for s in rows], [s.generator for s in rows]
         )
-        for i, seq in enumerate(rows):
+        version = self.weight_version  # read once: one step, one version
+        # tolist(): one conversion for the batch, not one tensor read per row
+        for i, (seq, token, logprob) in enumerate(
+            zip(rows, tokens.tolist(), logprobs.tolist(), strict=True)
+        ):
             if seq.finish_reason is not None:
                 continue
-            self._append(seq, int(tokens[i]), float(logprobs[i]), tops[i] if tops else None)
+            if not seq.version_starts or seq.version_starts[-1][0] != version:
+                seq.version_starts.append((version, len(seq.token_ids)))
+            self._append(seq, token, logprob, tops[i] if tops else None)
         self.stats.generation_tokens += len(rows)
         return tokens
 
@@ -304,20 +418,37 @@ class DecodeEngine:
     def _release_finished(self, batch: _Batch | None) -> _Batch | None:
         if batch is None:
             return None
-        keep, done = [], []
+        keep: list[int] = []
+        done: list[int] = []
         for i, seq in enumerate(batch.rows):
             if seq.aborted and seq.finish_reason is None:
                 seq.finish_reason = "abort"
             (keep if seq.finish_reason is None else done).append(i)
         finished = [batch.rows[i] for i in done]
         if done:
-            _select_rows(batch, keep)
+            self._compact(batch, keep, done)
         self.stats.running = len(batch.rows)  # before callers hear back: they may read it
         for seq in finished:
-            self._finish(seq, seq.finish_reason)
+            self._finish(seq, seq.finish_reason or "abort")  # never None here: it is in done
         return batch if batch.rows else None
 
-    def _finish(self, seq: _Sequence, reason: str) -> None:
+    def _compact(self, batch: _Batch, keep: list[int], done: list[int]) -> None:
+        """Drop rows ``done``: the last kept rows move (with their cache slots) into the
+        holes below ``len(keep)``, so the batch stays slots ``0..len(keep)-1``."""
+        holes = [i for i in done if i < len(keep)]
+        movers = [i for i in keep if i >= len(keep)]
+        order = list(range(len(batch.rows)))
+        for hole, mover in zip(holes, movers, strict=True):
+            self._cache.move(mover, hole, batch.lengths[mover])
+            order[hole] = mover
+        index = order[: len(keep)]
+        batch.rows = [batch.rows[i] for i in index]
+        batch.lengths = [batch.lengths[i] for i in index]
+        selector = torch.tensor(index, dtype=torch.long)
+        batch.pending = batch.pending[selector]
+        batch.positions = batch.positions[selector]
+
+    def _finish(self, seq: _Sequence, reason: FinishReason) -> None:
         now = time.monotonic()
         result = GenerationResult(
             request_id=seq.request.request_id,
@@ -327,6 +458,7 @@ class DecodeEngine:
             top_logprobs=seq.top_logprobs,
             finish_reason=reason,
             stop_reason=seq.stop_reason,
+            weight_versions=version_spans(seq.version_starts, len(seq.token_ids)),
             timings=Timings(
                 queue_s=(seq.started or now) - seq.submitted,
                 ttft_s=(seq.first_token or now) - seq.submitted,
@@ -335,9 +467,27 @@ class DecodeEngine:
         )
         _resolve(seq, result)
 
+    def _run_control(self) -> None:
+        while True:
+            with self._cond:
+                if not self._control:
+                    return
+                work, future = self._control.popleft()
+            try:
+                work()
+            except Exception as exc:  # reported to the caller that asked for the work
+                future.set_exception(exc)
+            else:
+                future.set_result(None)
+
     def _abort_all(self, batch: _Batch | None) -> None:
         with self._cond:
             waiting, self._waiting = list(self._waiting), deque()
+            control, self._control = list(self._control), deque()
+            self._quiescent = True
+            self._cond.notify_all()
+        for _, future in control:
+            future.set_exception(ReplicaError(f"engine for {self.model_name} stopped"))
         for seq in (batch.rows if batch else []) + waiting:
             if self._error is not None:
                 _reject(
@@ -454,62 +604,14 @@ def _top_logprobs(
     return tops
 
 
-# -- KV cache surgery -----------------------------------------------------------------
-
-
-def _merge(running: _Batch | None, joining: _Batch) -> _Batch:
-    """Append ``joining``'s rows to ``running``'s, left-padding the shorter cache."""
-    if running is None or not running.rows:
-        return joining
-    width = max(running.mask.shape[1], joining.mask.shape[1])
-    for mine, theirs in zip(running.cache.layers, joining.cache.layers, strict=True):
-        mine.keys = torch.cat([_pad_left(mine.keys, width, -2), _pad_left(theirs.keys, width, -2)])
-        mine.values = torch.cat(
-            [_pad_left(mine.values, width, -2), _pad_left(theirs.values, width, -2)]
-        )
-    running.mask = torch.cat(
-        [_pad_left(running.mask, width, -1), _pad_left(joining.mask, width, -1)]
+def _join(running: _Batch, joining: _Batch) -> _Batch:
+    """``joining``'s rows (prefilled into the slots after ``running``'s) appended to it."""
+    return _Batch(
+        rows=running.rows + joining.rows,
+        pending=torch.cat([running.pending, joining.pending]),
+        positions=torch.cat([running.positions, joining.positions]),
+        lengths=running.lengths + joining.lengths,
     )
-    running.pending = torch.cat([running.pending, joining.pending])
-    running.rows = running.rows + joining.rows
-    return running
-
-
-def _select_rows(batch: _Batch, keep: list[int]) -> None:
-    """Keep only rows ``keep`` and drop cache columns that are padding for every row."""
-    batch.rows = [batch.rows[i] for i in keep]
-    if not keep:
-        return
-    index = torch.tensor(keep, dtype=torch.long)
-    mask = batch.mask[index]
-    first = int(mask.any(dim=0).nonzero()[0]) if bool(mask.any()) else 0
-    batch.mask = mask[:, first:]
-    batch.pending = batch.pending[index]
-    for layer in batch.cache.layers:
-        layer.keys = layer.keys[index, :, first:]
-        layer.values = layer.values[index, :, first:]
-
-
-def _pad_left(tensor: torch.Tensor, width: int, dim: int) -> torch.Tensor:
-    missing = width - tensor.shape[dim]
-    if missing == 0:
-        return tensor
-    pad = [0, 0] * (-dim - 1) + [missing, 0]
-    return F.pad(tensor, pad)
-
-
-def _zero_padding(cache: Any, mask: torch.Tensor) -> None:
-    """Zero the cache at padded positions: whatever the model computed there stays inert."""
-    if bool(mask.all()):
-        return
-    keep = mask.bool()[:, None, :, None]
-    for layer in cache.layers:
-        if type(layer).__name__ != "DynamicLayer":
-            raise ReplicaError(
-                f"unsupported KV cache layer {type(layer).__name__} (sliding window?)"
-            )
-        layer.keys = torch.where(keep, layer.keys, 0.0)
-        layer.values = torch.where(keep, layer.values, 0.0)
 
 
 # -- small helpers --------------------------------------------------------------------

@@ -17,21 +17,37 @@ from rolloutbus.errors import ReplicaError
 
 __all__ = [
     "Engine",
+    "EngineNotPausedError",
     "EngineSampling",
     "EngineStats",
     "FinishReason",
     "GenerationRequest",
     "GenerationResult",
+    "PauseMode",
     "RequestRejectedError",
     "Timings",
+    "VersionSpan",
+    "WeightsRejectedError",
 ]
 
 FinishReason = Literal["stop", "length", "abort"]
+# vLLM's PauseMode: abort in-flight requests (default), wait for them, or keep them frozen.
+PauseMode = Literal["abort", "wait", "keep"]
+PAUSE_MODES: tuple[PauseMode, ...] = ("abort", "wait", "keep")
 MAX_TOP_LOGPROBS = 20  # vLLM's --max-logprobs default
 
 
 class RequestRejectedError(ReplicaError, ValueError):
     """The request itself is wrong (too long, bad token id): the client's mistake, an HTTP 400."""
+
+
+class WeightsRejectedError(ReplicaError, ValueError):
+    """A weight folder that cannot be loaded into the running model (missing, wrong names or
+    shapes): the caller's mistake, an HTTP 400; the served weights are left unchanged."""
+
+
+class EngineNotPausedError(ReplicaError):
+    """A weight reload was asked of an engine that is not paused: an HTTP 409."""
 
 
 class EngineSampling(BaseModel):
@@ -69,6 +85,16 @@ class Timings(BaseModel):
     e2e_s: float = 0.0  # submit -> finished
 
 
+class VersionSpan(BaseModel):
+    """Output tokens ``[start, end)`` were sampled by the weights labelled ``version``."""
+
+    model_config = ConfigDict(frozen=True)
+
+    version: int | str
+    start: int
+    end: int
+
+
 class GenerationResult(BaseModel):
     request_id: str
     prompt_ids: list[int]
@@ -81,6 +107,9 @@ class GenerationResult(BaseModel):
     finish_reason: FinishReason
     stop_reason: int | None = None  # the stop token that ended it, when not the eos
     timings: Timings = Field(default_factory=Timings)
+    # Which weight version sampled which tokens, as vLLM's weight_versions: one span per
+    # version in order; a version change while the request ran (pause mode "keep") splits it.
+    weight_versions: list[VersionSpan] = Field(default_factory=list)
 
 
 @dataclass
@@ -100,14 +129,40 @@ class EngineStats:
         return max(self.batch_sizes, default=0)
 
 
+def version_spans(starts: list[tuple[int | str, int]], num_tokens: int) -> list[VersionSpan]:
+    """Spans from (version, first token index) pairs, as vLLM's ``_weight_version_spans``."""
+    ends = [start for _, start in starts[1:]] + [num_tokens]
+    return [VersionSpan(version=v, start=s, end=e) for (v, s), e in zip(starts, ends, strict=True)]
+
+
 @runtime_checkable
 class Engine(Protocol):
-    """What the HTTP server needs from an engine."""
+    """What the HTTP server needs from an engine.
+
+    The control surface mirrors vLLM's RL API (dev mode): ``pause``/``resume``/``is_paused``,
+    ``reload_weights`` (``POST /collective_rpc {"method": "reload_weights"}``) and the weight
+    version stamped on every sampled token (``POST /update_weight_version``).
+    """
 
     model_name: str
     owned_by: str
     max_model_len: int
     stats: EngineStats
+    weight_version: int | str  # stamped on tokens sampled from now on
+
+    @property
+    def is_paused(self) -> bool: ...
+
+    async def pause(self, mode: PauseMode = "abort") -> None:
+        """Stop admitting requests; abort, drain or freeze running ones (per ``mode``);
+        return once that is done. Requests submitted meanwhile wait for ``resume()``."""
+        ...
+
+    async def resume(self) -> None: ...
+
+    async def reload_weights(self, weights_path: str) -> None:
+        """Load a folder of safetensors into the running model (paused engines only)."""
+        ...
 
     @property
     def tokenizer(self): ...  # may be None: the server then returns empty text

@@ -4,22 +4,33 @@ Served by the same HTTP server as the real engine, so an LLM client cannot tell 
 apart except by ``GET /v1/models`` (``owned_by: "scripted-test-double"``). Tests of
 tool-calling agents use it because the small real models cannot emit tool calls; fault
 tests use ``hang()`` and ``fail()``.
+
+Its control surface is scripted too: ``pause``/``resume`` hold and abort calls as the real
+engine does, but ``reload_weights`` only checks that the folder exists and records it in
+``reloads`` (there are no weights to load).
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from rolloutbus.errors import ReplicaError
 from rolloutbus.replica.generation import (
+    PAUSE_MODES,
+    EngineNotPausedError,
     EngineStats,
     GenerationRequest,
     GenerationResult,
+    PauseMode,
     RequestRejectedError,
     Timings,
+    VersionSpan,
+    WeightsRejectedError,
 )
 
 __all__ = ["ScriptedEngine", "ScriptedTurn"]
@@ -54,6 +65,8 @@ class ScriptedEngine:
     owned_by: str = SCRIPTED_OWNER
     stats: EngineStats = field(default_factory=EngineStats)
     calls: list[GenerationRequest] = field(default_factory=list)  # every request, in order
+    weight_version: int | str = 0
+    reloads: list[str] = field(default_factory=list)  # weights_path of each reload_weights
 
     def __post_init__(self) -> None:
         self._turns = None if callable(self.script) else iter(list(self.script))
@@ -61,6 +74,44 @@ class ScriptedEngine:
         self._fault_message = ""
         self._release = asyncio.Event()
         self._running = False
+        self._pause_mode: PauseMode | None = None
+        self._resumed: asyncio.Event | None = None  # created in the server's loop on pause
+        self._abort: asyncio.Event | None = None
+        self._decoding = 0  # calls inside their token delay
+
+    # -- control surface (as the real engine's, without weights) -----------------------
+
+    @property
+    def is_paused(self) -> bool:
+        return self._pause_mode is not None
+
+    async def pause(self, mode: PauseMode = "abort") -> None:
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
+        self._pause_mode = mode
+        self._resumed = self._resumed or asyncio.Event()
+        if mode == "abort" and self._abort is not None:
+            self._abort.set()  # calls in their token delay end now with the tokens so far
+        while mode == "wait" and self._decoding:
+            await asyncio.sleep(0.005)  # seconds; a scripted call ends within its delay
+
+    async def resume(self) -> None:
+        self._pause_mode = None
+        if self._resumed is not None:
+            self._resumed.set()
+            self._resumed = None
+
+    async def reload_weights(self, weights_path: str) -> None:
+        if not self.is_paused:
+            raise EngineNotPausedError(
+                f"refusing to reload weights from {weights_path!r}: the engine is not paused; "
+                "POST /pause first"
+            )
+        if not Path(weights_path).is_dir():
+            raise WeightsRejectedError(
+                f"weights_path {weights_path!r} is not a folder on the replica"
+            )
+        self.reloads.append(weights_path)
 
     # -- faults for tests ---------------------------------------------------------------
 
@@ -100,16 +151,36 @@ class ScriptedEngine:
         self.calls.append(request)
         start = asyncio.get_running_loop().time()
         await self._apply_fault()
+        while self._resumed is not None and self.is_paused:  # held until /resume, as vLLM
+            await self._resumed.wait()
         turn = self._next_turn(request.prompt_ids)
         self.stats.running += 1
         try:
-            if self.token_delay_s:
-                await asyncio.sleep(
-                    self.token_delay_s * min(len(turn.token_ids), request.max_tokens)
-                )
+            turn = await self._decode(turn, request.max_tokens)
         finally:
             self.stats.running -= 1
         return self._result(request, turn, asyncio.get_running_loop().time() - start)
+
+    async def _decode(self, turn: ScriptedTurn, max_tokens: int) -> ScriptedTurn:
+        """Wait the turn's token delay; a pause in mode abort cuts it at the tokens so far."""
+        if not self.token_delay_s:
+            return turn
+        n = min(len(turn.token_ids), max_tokens)
+        loop = asyncio.get_running_loop()
+        self._abort = self._abort or asyncio.Event()
+        abort, started = self._abort, loop.time()
+        self._decoding += 1
+        try:
+            await asyncio.wait_for(abort.wait(), self.token_delay_s * n)
+        except TimeoutError:
+            return turn  # decoded to the end
+        finally:
+            self._decoding -= 1
+            if self._decoding == 0 and abort.is_set():
+                self._abort = None
+        done = min(n, math.floor((loop.time() - started) / self.token_delay_s))
+        logprobs = turn.logprobs[:done] if turn.logprobs else None
+        return ScriptedTurn(list(turn.token_ids[:done]), logprobs, finish_reason="abort")
 
     async def _apply_fault(self) -> None:
         if self._fault == "hang":
@@ -160,4 +231,7 @@ class ScriptedEngine:
             finish_reason=reason,
             stop_reason=last if last in request.stop_token_ids else None,
             timings=Timings(ttft_s=elapsed, e2e_s=elapsed),
+            weight_versions=[VersionSpan(version=self.weight_version, start=0, end=len(token_ids))]
+            if token_ids
+            else [],
         )

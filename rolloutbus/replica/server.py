@@ -5,6 +5,10 @@ Endpoints:
 - ``POST /inference/v1/generate`` (vLLM's token-in/token-out ``GenerateRequest``)
 - ``POST /generate`` (SGLang)
 - ``GET /health``, ``GET /v1/models``, ``GET /metrics`` (Prometheus, ``rolloutbus_replica_*``)
+- vLLM's RL control surface (what ``vllm serve`` offers with ``VLLM_SERVER_DEV_MODE=1``):
+  ``POST /pause?mode=abort|wait|keep``, ``POST /resume``, ``GET /is_paused``,
+  ``POST /collective_rpc {"method": "reload_weights", "kwargs": {"weights_path": DIR}}``
+  and ``POST /update_weight_version {"new_version": ...}``
 
 Requests and responses are the wire models of ``rolloutbus.schemas.inference``, the same
 ones the LLM client builds and reads. A client mistake is an HTTP 400 whose JSON
@@ -32,17 +36,20 @@ from typing import Any, TypeVar
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
-from pydantic import ValidationError
+from pydantic import Field, ValidationError
 
 from rolloutbus.config import Config
 from rolloutbus.errors import ReplicaError
 from rolloutbus.replica.generation import (
     MAX_TOP_LOGPROBS,
+    PAUSE_MODES,
     Engine,
+    EngineNotPausedError,
     EngineSampling,
     GenerationRequest,
     GenerationResult,
     RequestRejectedError,
+    WeightsRejectedError,
 )
 from rolloutbus.schemas.inference import (
     SglangGenerateRequest,
@@ -90,22 +97,17 @@ REGISTRY_KEY = web.AppKey("registry", CollectorRegistry)
 CREATED_KEY = web.AppKey("created", int)
 
 
-@dataclass
-class WeightVersion:
-    """The policy version the served weights belong to (the trainer's global step).
-
-    Set by the trainer after a weight update (``POST /update_weight_version``, as vLLM's
-    RL endpoint) and stamped on every response, so each logged turn records which policy
-    sampled it.
-    """
-
-    value: int | str = 0
-
-    def spans(self, num_tokens: int) -> list[WeightVersionSpan]:
-        return [WeightVersionSpan(version=self.value, start=0, end=num_tokens)]
+# The collective_rpc methods the embedded replica runs (vLLM's worker has many more).
+RPC_METHODS = ("reload_weights",)
 
 
-WEIGHT_VERSION_KEY = web.AppKey("weight_version", WeightVersion)
+class CollectiveRpcRequest(WireModel):
+    """vLLM's dev-mode ``POST /collective_rpc`` body (its ``serve/dev/rpc/api_router``)."""
+
+    method: str
+    args: list[Any] = Field(default_factory=list)
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    timeout: float | None = None  # seconds; accepted, unused: a reload takes well under one
 
 
 # -- errors -----------------------------------------------------------------------------
@@ -119,7 +121,7 @@ class HTTPProblem(Exception):
         self.status, self.message, self.param = status, message, param
 
     def response(self) -> web.Response:
-        kind = {400: "BadRequestError", 404: "NotFoundError"}.get(
+        kind = {400: "BadRequestError", 404: "NotFoundError", 409: "ConflictError"}.get(
             self.status, "InternalServerError"
         )
         body = {
@@ -142,8 +144,10 @@ async def _problems_as_json(request: web.Request, handler: Handler) -> web.Strea
         return await handler(request)
     except HTTPProblem as problem:
         return problem.response()
-    except RequestRejectedError as exc:
+    except (RequestRejectedError, WeightsRejectedError) as exc:
         return HTTPProblem(400, str(exc)).response()
+    except EngineNotPausedError as exc:
+        return HTTPProblem(409, str(exc)).response()
     except ReplicaError as exc:
         log.error("%s %s failed: %s", request.method, request.path, exc)
         return HTTPProblem(500, str(exc)).response()
@@ -424,9 +428,7 @@ async def completions(request: web.Request) -> web.Response:
         body, request_id, prompt_ids, _max_tokens(engine, body.max_tokens, len(prompt_ids))
     )
     result = await _generate(request, gen)
-    return web.json_response(
-        _completion_response(engine, body, request_id, result, request.app[WEIGHT_VERSION_KEY])
-    )
+    return web.json_response(_completion_response(engine, body, request_id, result))
 
 
 def _prompt_ids(engine: Engine, prompt: list[int] | str) -> list[int]:
@@ -461,13 +463,10 @@ def _completion_response(
     body: VllmCompletionRequest,
     request_id: str,
     result: GenerationResult,
-    weight_version: WeightVersion,
 ) -> dict[str, Any]:
     # Left out (not null) unless the request set return_weight_versions.
     versions: dict[str, Any] = (
-        {"weight_versions": weight_version.spans(len(result.token_ids))}
-        if body.return_weight_versions
-        else {}
+        {"weight_versions": _version_spans(result)} if body.return_weight_versions else {}
     )
     choice = VllmCompletionChoice(
         index=0,
@@ -542,7 +541,7 @@ async def vllm_generate(request: web.Request) -> web.Response:
         stop_reason=result.stop_reason,
         token_ids=result.token_ids,
         logprobs=_generate_logprobs(result) if sp.logprobs is not None else None,
-        weight_versions=request.app[WEIGHT_VERSION_KEY].spans(len(result.token_ids)),
+        weight_versions=_version_spans(result),
     )
     return web.json_response(
         VllmGenerateResponse(
@@ -555,6 +554,13 @@ async def vllm_generate(request: web.Request) -> web.Response:
             prompt_logprobs=None,
         ).to_json()
     )
+
+
+def _version_spans(result: GenerationResult) -> list[WeightVersionSpan]:
+    return [
+        WeightVersionSpan(version=span.version, start=span.start, end=span.end)
+        for span in result.weight_versions
+    ]
 
 
 def _generate_logprobs(result: GenerationResult) -> VllmGenerateLogprobs:
@@ -605,7 +611,10 @@ async def sglang_generate(request: web.Request) -> web.Response:
         completion_tokens=len(result.token_ids),
         cached_tokens=0,
         e2e_latency=result.timings.e2e_s,
-        weight_version=request.app[WEIGHT_VERSION_KEY].value,
+        # SGLang reports one version per request: the one that sampled the last token.
+        weight_version=(
+            result.weight_versions[-1].version if result.weight_versions else engine.weight_version
+        ),
         **logprobs,
     )
     response = SglangGenerateResponse(
@@ -646,10 +655,79 @@ async def models(request: web.Request) -> web.Response:
     return web.json_response({"object": "list", "data": [entry]})
 
 
+# -- RL control surface (vLLM dev mode) --------------------------------------------------
+
+
 async def update_weight_version(request: web.Request) -> web.Response:
+    """Label the weights: every token sampled from now on carries ``new_version``."""
     body = await _parse(request, UpdateWeightVersionRequest)
-    request.app[WEIGHT_VERSION_KEY].value = body.new_version
-    return web.json_response({"weight_version": body.new_version})
+    request.app[ENGINE_KEY].weight_version = body.new_version
+    # vLLM answers {"success", "new_version"}; "weight_version" is this replica's older key.
+    return web.json_response(
+        {"success": True, "new_version": body.new_version, "weight_version": body.new_version}
+    )
+
+
+async def pause(request: web.Request) -> web.Response:
+    """vLLM's ``POST /pause?mode=abort|wait|keep``: answers once the mode's work is done."""
+    mode = request.query.get("mode", "abort")
+    if mode not in PAUSE_MODES:
+        raise HTTPProblem(
+            400, f"query 'mode': must be one of {', '.join(PAUSE_MODES)}; got {mode!r}", "mode"
+        )
+    # clear_cache is accepted and ignored: the engine keeps no prefix cache across requests.
+    await request.app[ENGINE_KEY].pause(mode)  # narrowed to PauseMode by the check above
+    return web.json_response({"status": "paused"})
+
+
+async def resume(request: web.Request) -> web.Response:
+    await request.app[ENGINE_KEY].resume()
+    return web.json_response({"status": "resumed"})
+
+
+async def is_paused(request: web.Request) -> web.Response:
+    return web.json_response({"is_paused": request.app[ENGINE_KEY].is_paused})
+
+
+async def collective_rpc(request: web.Request) -> web.Response:
+    """vLLM's dev-mode ``POST /collective_rpc``; only ``reload_weights`` is served.
+
+    The answer has vLLM's shape: one result per worker (one here), ``null`` for a reload.
+    """
+    body = await _parse(request, CollectiveRpcRequest)
+    if body.method not in RPC_METHODS:
+        raise HTTPProblem(
+            400,
+            f"field 'method': {body.method!r} is not a collective_rpc method of the embedded "
+            f"replica; it serves {', '.join(RPC_METHODS)}",
+            "method",
+        )
+    kwargs = dict(body.kwargs)
+    weights_path = kwargs.pop("weights_path", None)
+    if body.args:  # vLLM's positional form: reload_weights(weights_iterator, weights_path)
+        raise HTTPProblem(
+            400, "field 'args': pass weights_path in kwargs, not as a positional arg", "args"
+        )
+    if not isinstance(weights_path, str) or not weights_path:
+        raise HTTPProblem(
+            400,
+            "field 'kwargs.weights_path': reload_weights needs the folder of the new weights",
+            "kwargs.weights_path",
+        )
+    if str(kwargs.pop("is_checkpoint_format", True)).lower() not in ("true", "1"):
+        raise HTTPProblem(
+            400,
+            "field 'kwargs.is_checkpoint_format': only checkpoint-format folders are loaded",
+            "kwargs.is_checkpoint_format",
+        )
+    if kwargs:
+        raise HTTPProblem(
+            400,
+            f"field 'kwargs': reload_weights takes weights_path only; got {sorted(kwargs)}",
+            "kwargs",
+        )
+    await request.app[ENGINE_KEY].reload_weights(weights_path)
+    return web.json_response({"results": [None]})
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -671,8 +749,11 @@ def build_app(engine: Engine) -> web.Application:
     app[METRICS_KEY] = _RequestMetrics(registry, engine.model_name)
     app[REGISTRY_KEY] = registry
     app[CREATED_KEY] = int(time.time())
-    app[WEIGHT_VERSION_KEY] = WeightVersion()
     app.router.add_post("/update_weight_version", update_weight_version)
+    app.router.add_post("/pause", pause)
+    app.router.add_post("/resume", resume)
+    app.router.add_get("/is_paused", is_paused)
+    app.router.add_post("/collective_rpc", collective_rpc)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/inference/v1/generate", vllm_generate)
     app.router.add_post("/generate", sglang_generate)
