@@ -48,9 +48,10 @@ from typing import Any
 
 import pyarrow as pa
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
+from prometheus_client import CollectorRegistry
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from rolloutbus.config import KafkaConfig, TrainerConfig
+from rolloutbus.config import AsyncTrainingConfig, KafkaConfig, TrainerConfig
 from rolloutbus.errors import BrokerError, SchemaError
 from rolloutbus.kafka.clients import (
     PartitionEnd,
@@ -62,6 +63,8 @@ from rolloutbus.kafka.clients import (
     record_position,
     translate_kafka_errors,
 )
+from rolloutbus.kafka.control import PolicyVersionFollower, latest_policy_version
+from rolloutbus.metrics import StalenessMetrics
 from rolloutbus.schemas.trajectories import TRAJECTORY_SCHEMA, decode_trajectory_batch
 from rolloutbus.topics import Topics, uid_of_key
 
@@ -131,6 +134,23 @@ class TrajectoryGroup:
     resume: PartitionPosition | None = None
     assignment: int = field(default=0, repr=False)  # which ownership of the partition it came from
     sequence: int = field(default=0, repr=False)  # yield order within the client
+    # the staleness filter's verdict (``async_training``): versions between the trainer's
+    # current policy version and the group's oldest (None: no filter, or no versions), and
+    # the factor for this group's loss (below 1 when down-weighted as stale)
+    staleness: int | None = None
+    loss_weight: float = 1.0
+
+    @property
+    def min_policy_version(self) -> int | None:
+        """The oldest policy version that sampled any token of the group (verl's
+        ``min_global_steps``, over its trajectories)."""
+        return _column_min(self.batch, "min_global_steps")
+
+    @property
+    def max_policy_version(self) -> int | None:
+        column = self.batch.column("max_global_steps").to_pylist()
+        versions = [v for v in column if v is not None]
+        return max(versions) if versions else None
 
     @property
     def keys(self) -> list[str]:
@@ -222,6 +242,75 @@ class PartitionProgress:
             self._forget_passed()
 
 
+# -- the staleness bound --------------------------------------------------------------------
+
+
+@dataclass
+class StaleGroupReport:
+    """What the staleness filter did since the client started (``TrainerClient.stale``)."""
+
+    dropped: int = 0
+    down_weighted: int = 0
+    max_staleness: int = 0  # the largest staleness seen in any group received
+    # the last dropped groups: (uid, min policy version, policy version when dropped)
+    recent_dropped: list[tuple[str, int, int]] = field(default_factory=list)
+
+    RECENT = 32  # dropped groups kept in recent_dropped
+
+    def note_dropped(self, uid: str, min_version: int, current: int) -> None:
+        self.dropped += 1
+        self.recent_dropped = [*self.recent_dropped, (uid, min_version, current)][-self.RECENT :]
+
+
+class StalenessFilter:
+    """AReaL's and verl's bound on the trainer's side: a group whose oldest token was
+    sampled by a version older than ``current - staleness_threshold`` is stale; it is
+    dropped (not yielded: its records count as consumed, so it is never delivered again)
+    or yielded with ``loss_weight = stale_group_weight``, by ``stale_group_policy``.
+
+    The current version is the trainer's: it calls :meth:`TrainerClient.set_policy_version`
+    when it publishes one, or the client follows ``rollout.control`` (``follow_control``).
+    A group without versions (an engine that reports none) is never stale.
+    """
+
+    def __init__(self, config: AsyncTrainingConfig, registry: CollectorRegistry | None = None):
+        self.config = config
+        self.policy_version = 0
+        self.report = StaleGroupReport()
+        self._metrics = StalenessMetrics(registry)
+
+    def admit(self, group: TrajectoryGroup) -> bool:
+        """Stamp ``group`` with its staleness and weight; False if it is to be dropped."""
+        oldest = group.min_policy_version
+        if oldest is None:
+            return True
+        group.staleness = max(0, self.policy_version - oldest)
+        self.report.max_staleness = max(self.report.max_staleness, group.staleness)
+        self._metrics.staleness.observe(group.staleness)
+        if group.staleness <= self.config.staleness_threshold:
+            return True
+        if self.config.stale_group_policy == "drop":
+            self.report.note_dropped(group.uid, oldest, self.policy_version)
+            self._metrics.stale_groups.labels("dropped").inc()
+            log.info(
+                "dropped stale group %s: min policy version %d, current %d, staleness_threshold %d",
+                group.uid,
+                oldest,
+                self.policy_version,
+                self.config.staleness_threshold,
+            )
+            return False
+        group.loss_weight = self.config.stale_group_weight
+        self.report.down_weighted += 1
+        self._metrics.stale_groups.labels("down_weighted").inc()
+        return True
+
+
+def _column_min(batch: pa.RecordBatch, name: str) -> int | None:
+    versions = [v for v in batch.column(name).to_pylist() if v is not None]
+    return min(versions) if versions else None
+
+
 # -- the client ----------------------------------------------------------------------------
 
 
@@ -243,8 +332,21 @@ class TrainerClient:
         resume_from: TrainerPosition | Mapping[str, Any] | None = None,
         config: TrainerConfig | None = None,
         consumer_overrides: Mapping[str, Any] | None = None,
+        async_training: AsyncTrainingConfig | None = None,
+        follow_control: bool = False,
+        registry: CollectorRegistry | None = None,
     ):
         self.topic = Topics.from_config(kafka).trajectories
+        # the staleness bound: off unless the async_training section is given
+        self.staleness = (
+            StalenessFilter(async_training, registry) if async_training is not None else None
+        )
+        self._control: PolicyVersionFollower | None = None
+        if follow_control and self.staleness is not None:
+            # the current version read to the end first, so the first group is judged by it
+            latest = latest_policy_version(kafka)
+            self.staleness.policy_version = latest.policy_version if latest else 0
+            self._control = PolicyVersionFollower(kafka)
         self.config = config or TrainerConfig()
         self._from_beginning = from_beginning
         self._resume = (
@@ -286,7 +388,7 @@ class TrainerClient:
         yielded = 0
         for msg in self._records(poll_s, timeout_s):
             group = self._accept(msg)
-            if group is None:
+            if group is None or not self._admit(group):
                 continue
             yielded += 1
             yield group
@@ -303,6 +405,24 @@ class TrainerClient:
                 chunk = []
         if chunk:
             yield chunk
+
+    def set_policy_version(self, version: int) -> None:
+        """The trainer's current policy version, for the staleness bound."""
+        if self.staleness is not None:
+            self.staleness.policy_version = version
+
+    @property
+    def stale(self) -> StaleGroupReport:
+        """What the staleness filter dropped or down-weighted (all zero without one)."""
+        return self.staleness.report if self.staleness is not None else StaleGroupReport()
+
+    def _admit(self, group: TrajectoryGroup) -> bool:
+        if self.staleness is None:
+            return True
+        if self._control is not None and (event := self._control.poll(0)) is not None:
+            # only forward: the follower reads the topic from its start
+            self.staleness.policy_version = max(self.staleness.policy_version, event.policy_version)
+        return self.staleness.admit(group)
 
     def position(self) -> TrainerPosition:
         """Where the groups yielded so far end, for every partition this client owns: store
@@ -349,6 +469,8 @@ class TrainerClient:
             return
         self._closing = True
         try:
+            if self._control is not None:
+                self._control.close()
             with translate_kafka_errors("closing the trainer consumer", topic=self.topic):
                 self._consumer.close()
         finally:

@@ -8,6 +8,9 @@ logprobs and policy versions by construction.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
+
+from rolloutbus.schemas.control import as_policy_version
 
 
 @dataclass
@@ -26,8 +29,17 @@ class SegmentStream:
         return cls(prompt_len=n, tokens=list(prompt_ids), mask=[0] * n, logprobs=[0.0] * n)
 
     def add_generation(
-        self, token_ids: list[int], logprobs: list[float] | None, version: int | None
+        self,
+        token_ids: list[int],
+        logprobs: list[float] | None,
+        version: int | None,
+        first_version: int | None = None,
     ) -> None:
+        """``version`` sampled the turn's last token; ``first_version``, when another, its
+        first (the weights changed mid-turn): recorded as a span ending at the first token,
+        so any output holding the turn counts both in its min/max policy version."""
+        if first_version is not None and first_version != version and token_ids:
+            self.versions.append((len(self.tokens) + 1, first_version))
         self.tokens.extend(token_ids)
         self.mask.extend([1] * len(token_ids))
         self.logprobs.extend(logprobs if logprobs is not None else [0.0] * len(token_ids))
@@ -40,3 +52,21 @@ class SegmentStream:
 
     def versions_until(self, end: int) -> list[int]:
         return [v for stop, v in self.versions if v is not None and stop - 1 < end]
+
+
+def generation_versions(
+    policy_version: int | None, extra_fields: dict[str, Any]
+) -> tuple[int | None, int | None]:
+    """``(first, last)`` policy version of one logged generation: ``last`` is the event's
+    ``policy_version``; ``first`` is verl's ``min_global_steps`` of the turn when the engine
+    reported spans (None otherwise: the turn had one version)."""
+    return as_policy_version(extra_fields.get("min_global_steps")), policy_version
+
+
+def turn_version(extra_fields: dict[str, Any]) -> int | None:
+    """The version that sampled a turn's last token, from a TokenOutput's extra_fields:
+    verl's ``max_global_steps``, else ``global_steps``, else the engine's ``weight_version``."""
+    for key in ("max_global_steps", "global_steps", "weight_version"):
+        if extra_fields.get(key) is not None:
+            return as_policy_version(extra_fields[key])
+    return None

@@ -94,6 +94,7 @@ def test_ensure_topics_is_idempotent(kafka_config: KafkaConfig) -> None:
 
 def test_topics_carry_size_retention_and_cleanup(kafka_config: KafkaConfig) -> None:
     released = Topics.from_config(kafka_config).released
+    control = Topics.from_config(kafka_config).control
     for name in Topics.from_config(kafka_config).all():
         configs = _describe_topic_configs(kafka_config, name)
         assert configs["max.message.bytes"] == str(kafka_config.max_message_bytes), name
@@ -102,7 +103,8 @@ def test_topics_carry_size_retention_and_cleanup(kafka_config: KafkaConfig) -> N
             assert int(configs["retention.ms"]) > kafka_config.retention_ms
         else:
             assert configs["retention.ms"] == str(kafka_config.retention_ms), name
-            assert configs["cleanup.policy"] == "delete", name
+            # control: one record per event type, the latest policy version kept forever
+            assert configs["cleanup.policy"] == ("compact" if name == control else "delete"), name
 
 
 def test_partition_count_mismatch_names_topic(kafka_config: KafkaConfig) -> None:

@@ -127,7 +127,13 @@ def test_completions_routed_experts_and_weight_version():
         )
     )
     np.testing.assert_array_equal(out.routed_experts, experts)
-    assert out.extra_fields == {"finish_reason": "stop", "weight_version": "4"}
+    # the turn's last token's version, and verl's min/max over its spans (weights changed)
+    assert out.extra_fields == {
+        "finish_reason": "stop",
+        "weight_version": "4",
+        "min_global_steps": 3,
+        "max_global_steps": 4,
+    }
 
 
 def test_completions_reported_preemptions_pass_through():

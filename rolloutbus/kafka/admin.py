@@ -69,6 +69,15 @@ RELEASED_RETENTION_FACTOR = 2
 
 def topic_configs(kafka: KafkaConfig, name: str | None = None) -> dict[str, str]:
     """Topic-level settings of the rollout topic ``name`` (None: those most topics share)."""
+    if name is not None and name == Topics.from_config(kafka).control:
+        # keyed by event type (topics.control_key): compaction keeps the latest policy
+        # version forever, so a replica or dispatcher started months later still finds it
+        # (retention.ms is kept for uniformity; a compact-only topic does not delete by age)
+        return {
+            "cleanup.policy": "compact",
+            "retention.ms": str(kafka.retention_ms),
+            "max.message.bytes": str(kafka.max_message_bytes),
+        }
     if name is not None and name == Topics.from_config(kafka).released:
         return {
             "cleanup.policy": "compact,delete",

@@ -35,7 +35,7 @@ from rolloutbus.schemas.turns import (
     SessionFinished,
     SessionStarted,
 )
-from rolloutbus.streams.token_stream import SegmentStream
+from rolloutbus.streams.token_stream import SegmentStream, generation_versions
 
 ERROR_CHARS = 1000  # characters of an error kept in a failed record (pydantic echoes inputs)
 
@@ -104,9 +104,8 @@ class SessionFold:
         elif isinstance(event, SegmentStarted):
             self.segments[event.segment] = SegmentStream.start(event.prompt_ids)
         elif isinstance(event, Generation):
-            self._segment(event).add_generation(
-                event.token_ids, event.logprobs, event.policy_version
-            )
+            first, last = generation_versions(event.policy_version, event.extra_fields)
+            self._segment(event).add_generation(event.token_ids, event.logprobs, last, first)
         elif isinstance(event, Observation):
             self._segment(event).add_observation(event.token_ids)
         else:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
 from rolloutbus.schemas.agent_loop import TokenOutput
+from rolloutbus.schemas.control import as_policy_version
 from rolloutbus.schemas.inference import (
     SglangGenerateRequest,
     SglangGenerateResponse,
@@ -114,10 +115,21 @@ def _decode_routed_experts(encoded: str | None) -> Any:
         raise ValueError(f"routed_experts is not base64 .npy data: {exc}") from exc
 
 
-def _extra_fields(finish_reason: str | None, weight_version: Any) -> dict[str, Any]:
+def _extra_fields(
+    finish_reason: str | None, weight_version: Any, span_versions: list[Any] | None = None
+) -> dict[str, Any]:
+    """``weight_version``: the version that sampled the last token; verl's
+    ``min_global_steps``/``max_global_steps``: the oldest and newest version that sampled
+    any token of the turn (they differ when the weights changed mid-turn, under a
+    ``pause?mode=keep`` weight sync)."""
     extra: dict[str, Any] = {"finish_reason": finish_reason}
     if weight_version is not None:
         extra["weight_version"] = weight_version
+    versions = [
+        v for v in map(as_policy_version, span_versions or [weight_version]) if v is not None
+    ]
+    if versions:
+        extra["min_global_steps"], extra["max_global_steps"] = min(versions), max(versions)
     return extra
 
 
@@ -174,7 +186,9 @@ def _vllm_token_output(
         stop_reason=map_finish_reason(choice.finish_reason),
         num_preempted=choice.num_preempted,
         extra_fields=_extra_fields(
-            choice.finish_reason, _last_weight_version(choice.weight_versions)
+            choice.finish_reason,
+            _last_weight_version(choice.weight_versions),
+            [span.version for span in choice.weight_versions or []],
         ),
     )
 

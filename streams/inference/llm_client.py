@@ -256,6 +256,7 @@ class LLMClient:
         tokens, logprobs = list(out.token_ids), list(out.log_probs or [])
         preempted, resumes = out.num_preempted, 0
         first_version = out.extra_fields.get("weight_version")
+        pieces = [out.extra_fields]  # each piece's min/max_global_steps make the turn's
         while out.stop_reason == "aborted" and resumes < self._config.max_abort_resumes:
             remaining = max_tokens - len(tokens)
             if remaining <= 0:
@@ -269,11 +270,13 @@ class LLMClient:
             )
             tokens += out.token_ids
             logprobs += out.log_probs or []
+            pieces.append(out.extra_fields)
             if out.num_preempted is not None:
                 preempted = (preempted or 0) + out.num_preempted
         extra = {**out.extra_fields, "resumed_after_abort": resumes}
         if first_version is not None:
             extra["first_weight_version"] = first_version
+        extra.update(_version_range(pieces))
         return TokenOutput(
             token_ids=tokens,
             log_probs=logprobs if out.log_probs is not None else None,
@@ -515,3 +518,13 @@ class LLMClient:
 
 def _normalize(url: str) -> str:
     return url.rstrip("/")
+
+
+def _version_range(pieces: list[dict[str, Any]]) -> dict[str, int]:
+    """verl's ``min_global_steps``/``max_global_steps`` of a turn resumed after aborts:
+    the oldest and newest version over all its pieces (a weight sync came in between)."""
+    lows = [p["min_global_steps"] for p in pieces if p.get("min_global_steps") is not None]
+    highs = [p["max_global_steps"] for p in pieces if p.get("max_global_steps") is not None]
+    if not lows or not highs:
+        return {}
+    return {"min_global_steps": min(lows), "max_global_steps": max(highs)}

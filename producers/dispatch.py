@@ -1,0 +1,270 @@
+"""The dispatcher: feed prompt groups from a dataset, epoch after epoch, within the
+staleness bound.
+
+AReaL's bound, with verl's names (``async_training``, see ``AsyncTrainingConfig``): while
+the trainer's current policy version is ``v``, at most
+
+    (v + staleness_threshold + 1) * groups_per_version
+
+groups have ever been started (published to ``rollout.prompts``), where
+``groups_per_version = ppo_mini_batch_size * require_batches * trigger_parameter_sync_step``
+is what the trainer consumes between two versions. So a group started under version ``v``
+is trained at the latest by version ``v + staleness_threshold``. The version is read from
+``rollout.control`` (the last ``PolicyVersionPublished``); before the trainer publishes any,
+the version is 0 (the initial weights).
+
+Group ``k`` of a run is row ``k % N`` of epoch ``k // N`` (N rows), and its uid is derived
+from (dataset identity, row, epoch) as ``rolloutbus publish --epoch`` derives it. That makes
+the dispatcher restartable without memory: on start it reads the uids on the prompt topic
+and counts how many of its own groups are already there, then goes on after them; nothing
+is published twice (a group published but not yet acknowledged when the process died is
+found on the topic too, or re-sent with the same uid, which the replay buffer folds into
+one group).
+
+A row's own ``uid`` column is not used: each epoch needs new uids.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from confluent_kafka import OFFSET_BEGINNING, TopicPartition
+from pydantic import ValidationError
+
+from rolloutbus.config import Config
+from rolloutbus.errors import BrokerError, ConfigError
+from rolloutbus.kafka.clients import (
+    PartitionEnd,
+    poll_record,
+    read_committed_consumer,
+    translate_kafka_errors,
+)
+from rolloutbus.kafka.control import PolicyVersionFollower, latest_policy_version
+from rolloutbus.producers.datasets import BadRow, read_rows
+from rolloutbus.producers.publish import (
+    PromptPublisher,
+    build_group,
+    dataset_identity,
+    derive_uid,
+)
+from rolloutbus.topics import Topics
+
+__all__ = ["DispatchReport", "Dispatcher", "started_uids"]
+
+log = logging.getLogger(__name__)
+VERSION_POLL_S = 0.5  # seconds one wait for a new version lasts: the stop latency
+# seconds without a record or partition end before the start-up read of the prompt topic
+# counts as stalled (it reads ~18k uids/s here, so a large topic takes long but moves)
+STALL_TIMEOUT_S = 60.0
+DISPATCH_READER_GROUP = "rolloutbus-dispatch-reader"  # never commits: librdkafka wants an id
+
+
+@dataclass
+class DispatchReport:
+    started: int = 0  # groups of this run on the prompt topic (found there + published now)
+    found_on_topic: int = 0  # of those, already there when this process started
+    published: int = 0  # by this process
+    dead_lettered: int = 0  # bad rows (written once per process start)
+    policy_version: int = 0  # the trainer's version when the dispatcher stopped
+    bound: int = 0  # groups the bound allowed at that version
+    finished: bool = False  # every requested epoch was dispatched
+
+
+class Dispatcher:
+    """Publishes groups ``k = 0, 1, ...`` of a dataset while the bound allows."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        dataset: str | Path,
+        *,
+        epochs: int | None = 1,
+        run_name: str = "",
+        progress: bool = True,
+    ):
+        if epochs is not None and epochs < 1:
+            raise ConfigError(f"--epochs must be at least 1 (or omitted: forever), got {epochs}")
+        self.cfg = cfg
+        self.epochs = epochs
+        self.progress = progress
+        # the run's identity: the file's content plus an optional name, so the same file can
+        # be dispatched again as a new run (new uids) by naming it
+        identity = dataset_identity(dataset)
+        self.identity = f"{identity}:{run_name}" if run_name else identity
+        self.rows, self.bad_rows = _load(cfg, dataset)
+        if not self.rows:
+            raise ConfigError(f"{dataset} has no valid rows to dispatch")
+        self._publisher = PromptPublisher(cfg)
+        # set while the bound holds the dispatcher back (every allowed group is on the
+        # topic): for tests and callers that want to know it is waiting for the trainer
+        self.waiting = threading.Event()
+
+    @property
+    def total(self) -> int | None:
+        """Groups this run dispatches in all; None: forever."""
+        return None if self.epochs is None else self.epochs * len(self.rows)
+
+    def uid(self, k: int) -> str:
+        row, epoch = k % len(self.rows), k // len(self.rows)
+        return derive_uid(self.identity, row, epoch=epoch)
+
+    def run(self, stop: threading.Event | None = None) -> DispatchReport:
+        """Dispatch until every epoch is out or ``stop`` is set."""
+        stop = stop or threading.Event()
+        report = DispatchReport()
+        self._dead_letter_bad_rows(report)
+        follower = PolicyVersionFollower(self.cfg)
+        try:
+            self._dispatch(follower, stop, report)
+        finally:
+            self._publisher.flush()
+            follower.close()
+        return report
+
+    def _dispatch(
+        self, follower: PolicyVersionFollower, stop: threading.Event, report: DispatchReport
+    ) -> None:
+        on_topic = started_uids(self.cfg)
+        version, global_step = self._current_version(follower)
+        k, already = self._resume_point(on_topic, version)
+        report.found_on_topic = k + len(already)
+        self._say(f"{report.found_on_topic} groups of this run already on the prompt topic")
+        while not stop.is_set() and (self.total is None or k < self.total):
+            bound = self.cfg.async_training.max_groups_started(version)
+            stop_at = bound if self.total is None else min(bound, self.total)
+            while k < stop_at and not stop.is_set():
+                if k not in already:
+                    self._publish(k, version, global_step)
+                    report.published += 1
+                k += 1
+            self._publisher.flush()  # a group counts as started once the broker has it
+            report.started, report.policy_version, report.bound = k, version, bound
+            if self.total is not None and k >= self.total:
+                break
+            self._say(f"{k} groups started at version {version} (bound {bound}); waiting")
+            version, global_step = self._wait_for_new_version(follower, version, stop)
+        report.started, report.policy_version = k, version
+        report.bound = self.cfg.async_training.max_groups_started(version)
+        report.finished = self.total is not None and k >= self.total
+        self._say(
+            f"{'done' if report.finished else 'stopped'}: {k} groups started "
+            f"({report.published} by this process), version {version}"
+        )
+
+    def _resume_point(self, on_topic: set[str], version: int) -> tuple[int, set[int]]:
+        """The first group of this run not on the topic, and any later ones that are (a
+        crash can lose an earlier record while a later one, on another partition, landed);
+        they lie within the bound of the current version, so only that range is searched."""
+        k = 0
+        while (self.total is None or k < self.total) and self.uid(k) in on_topic:
+            k += 1
+        horizon = self.cfg.async_training.max_groups_started(version)
+        if self.total is not None:
+            horizon = min(horizon, self.total)
+        later = {j for j in range(k + 1, horizon) if self.uid(j) in on_topic}
+        return k, later
+
+    def _publish(self, k: int, version: int, global_step: int) -> None:
+        row = self.rows[k % len(self.rows)]  # without its own uid column (see above)
+        group = build_group(
+            self.cfg, row, uid=self.uid(k), global_steps=global_step, policy_version=version
+        )
+        self._publisher.publish_group(group)
+
+    def _current_version(self, follower: PolicyVersionFollower) -> tuple[int, int]:
+        """Read to the end of the control topic (a follower's first poll may return before
+        it has fetched the newest record)."""
+        event = latest_policy_version(self.cfg)
+        if event is None:
+            return 0, 0  # nothing published yet: the initial weights
+        return event.policy_version, event.global_step
+
+    def _wait_for_new_version(
+        self, follower: PolicyVersionFollower, version: int, stop: threading.Event
+    ) -> tuple[int, int]:
+        self.waiting.set()
+        try:
+            while not stop.is_set():
+                event = follower.poll(VERSION_POLL_S)
+                # only forward: the follower reads from the topic's start, so it may first
+                # return versions older than the one read at start
+                if event is not None and event.policy_version > version:
+                    self._say(f"trainer published version {event.policy_version}")
+                    return event.policy_version, event.global_step
+            return version, 0
+        finally:
+            self.waiting.clear()
+
+    def _dead_letter_bad_rows(self, report: DispatchReport) -> None:
+        for bad in self.bad_rows:
+            self._publisher.dlq.write(bad.original, bad.reason, source=bad.source)
+            report.dead_lettered += 1
+
+    def _say(self, message: str) -> None:
+        if self.progress:
+            print(f"dispatch: {message}", file=sys.stderr, flush=True)
+        log.debug("dispatch: %s", message)
+
+
+def started_uids(cfg: Config) -> set[str]:
+    """Every uid on the prompt topic now (its keys), all partitions read to their end.
+
+    A consumer assigned to every partition, not ``read_partition``'s watermark query: the
+    consumer waits out a partition that has no leader yet (a topic created a moment ago)
+    where a watermark query fails at once.
+    """
+    kafka = cfg.kafka
+    topic = Topics.from_config(kafka).prompts
+    consumer = read_committed_consumer(kafka, DISPATCH_READER_GROUP, partition_eof=True)
+    uids: set[str] = set()
+    ended: set[int] = set()
+    try:
+        with translate_kafka_errors("assigning", topic=topic):
+            consumer.assign(
+                [TopicPartition(topic, p, OFFSET_BEGINNING) for p in range(kafka.partitions)]
+            )
+        last_progress = time.monotonic()
+        while len(ended) < kafka.partitions:
+            if time.monotonic() - last_progress > STALL_TIMEOUT_S:
+                raise BrokerError(
+                    f"reading the uids on {topic} stalled for {STALL_TIMEOUT_S} s "
+                    f"(partitions read to the end: {sorted(ended)})"
+                )
+            msg = poll_record(consumer, VERSION_POLL_S)
+            if msg is not None:
+                last_progress = time.monotonic()
+            if isinstance(msg, PartitionEnd):
+                ended.add(msg.partition)
+            elif msg is not None and (key := msg.key()) is not None:
+                uids.add(key.decode() if isinstance(key, bytes) else str(key))
+    finally:
+        consumer.close()
+    return uids
+
+
+def _load(cfg: Config, dataset: str | Path) -> tuple[list[dict[str, Any]], list[BadRow]]:
+    """The rows that make a group, in file order; the rest (unreadable, or not a verl row
+    within the limits) kept aside for the dead-letter topic. Checked once, up front, so a
+    bad row cannot stop the run in a later epoch."""
+    rows: list[dict[str, Any]] = []
+    bad: list[BadRow] = []
+    for item in read_rows(dataset):
+        if isinstance(item, BadRow):
+            bad.append(item)
+            continue
+        data = {k: v for k, v in item.data.items() if k != "uid"}
+        try:
+            build_group(cfg, data, uid="check")
+        except (ValidationError, ValueError) as exc:
+            original = json.dumps(item.data, ensure_ascii=False, default=str).encode()
+            bad.append(BadRow(item.source, original, f"row {item.source}: {exc}"))
+            continue
+        rows.append(data)
+    return rows, bad

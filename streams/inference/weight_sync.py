@@ -1,0 +1,367 @@
+"""Weight sync: apply each policy version published on ``rollout.control`` to every replica.
+
+The trainer never talks to a replica. It writes a checkpoint folder and publishes
+``PolicyVersionPublished``; this loop follows the control topic and, for each new version,
+runs on every replica in ``replicas.urls`` (all replicas at once, so the fleet changes
+version together):
+
+    vLLM (dev mode, 0.32/0.33)                    SGLang
+    1. POST /pause?mode=keep|abort                POST /pause_generation {"mode": retract|abort}
+    2. POST /collective_rpc reload_weights DIR    POST /update_weights_from_disk {"model_path": DIR}
+    3. POST /update_weight_version {new_version}  POST /update_weight_version {new_version}
+    4. POST /resume                               POST /continue_generation
+
+``async_training.partial_rollout`` picks the pause mode, as in verl: true keeps in-flight
+turns (vLLM ``keep``; SGLang ``retract``, which re-queues them and recomputes their cache on
+the new weights); they finish on the new weights and their ``weight_versions`` spans record
+where the version changed. False aborts them; the LLM client resumes each aborted turn with
+its tokens so far (``replicas.resume_aborted``). Either way each token's version is logged.
+
+Version 0 with no ``weights_path`` is the initial weights: only the label is set.
+
+A replica that goes down is re-synced when it is healthy again (a restarted replica serves
+its initial weights): the loop probes ``GET /health`` (and, on vLLM, ``GET /weight_info``,
+which names the version served: a replica restarted between two probes says "default")
+every ``replicas.health_interval_s`` and applies the current version to any replica that
+has not got it. A step that fails
+leaves the replica resumed on its old weights (never paused forever) and is retried on the
+next probe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import httpx
+from prometheus_client import CollectorRegistry
+
+from rolloutbus.config import Config
+from rolloutbus.errors import ReplicaError
+from rolloutbus.kafka.control import PolicyVersionFollower, latest_policy_version
+from rolloutbus.metrics import WeightSyncMetrics
+from rolloutbus.schemas.control import PolicyVersionPublished, as_policy_version
+
+__all__ = [
+    "ReplicaSyncState",
+    "SyncOutcome",
+    "WeightSync",
+    "check_weights_folder",
+    "sync_steps",
+]
+
+log = logging.getLogger(__name__)
+# seconds per control call; a reload of a large checkpoint from local disk takes minutes
+CONTROL_TIMEOUT_S = 600.0
+HEALTH_TIMEOUT_S = 5.0  # seconds; a live replica answers /health at once
+FOLLOW_POLL_S = 0.5  # seconds one control-topic poll waits: the stop latency of run()
+
+Outcome = Literal["applied", "labelled", "failed"]  # labelled: version 0, no weights to load
+HISTORY = 1000  # sync outcomes kept in SyncReport.history (a forever process)
+
+
+@dataclass(frozen=True)
+class SyncStep:
+    """One HTTP call of the sync protocol."""
+
+    name: str  # pause, reload, version, resume
+    path: str
+    json: dict[str, Any] | None = None
+    params: dict[str, str] | None = None
+
+
+def sync_steps(
+    backend: str, event: PolicyVersionPublished, *, partial_rollout: bool
+) -> list[SyncStep]:
+    """The calls that move one replica to ``event``'s version, in order."""
+    # a JSON string: vLLM 0.32 answers 400 to an integer new_version; SGLang takes a string
+    label = SyncStep(
+        "version", "/update_weight_version", {"new_version": str(event.policy_version)}
+    )
+    if event.weights_path is None:
+        return [label]
+    if backend == "sglang":
+        return [
+            SyncStep(
+                "pause", "/pause_generation", {"mode": "retract" if partial_rollout else "abort"}
+            ),
+            SyncStep("reload", "/update_weights_from_disk", {"model_path": event.weights_path}),
+            label,
+            SyncStep("resume", "/continue_generation", {}),
+        ]
+    return [
+        SyncStep("pause", "/pause", params={"mode": "keep" if partial_rollout else "abort"}),
+        SyncStep(
+            "reload",
+            "/collective_rpc",
+            {"method": "reload_weights", "kwargs": {"weights_path": event.weights_path}},
+        ),
+        label,
+        SyncStep("resume", "/resume"),
+    ]
+
+
+@dataclass
+class ReplicaSyncState:
+    url: str
+    applied: int | None = None  # the version this replica is known to serve; None: unknown
+    healthy: bool = True
+    failures: int = 0
+    last_error: str = ""
+
+
+@dataclass(frozen=True)
+class SyncOutcome:
+    url: str
+    policy_version: int
+    outcome: Outcome
+    seconds: float = 0.0
+    error: str = ""
+
+
+@dataclass
+class SyncReport:
+    """What the loop did: counts by outcome, and the last ``HISTORY`` outcomes."""
+
+    outcomes: dict[str, int] = field(default_factory=dict)
+    history: list[SyncOutcome] = field(default_factory=list)
+
+    def add(self, outcome: SyncOutcome) -> None:
+        self.outcomes[outcome.outcome] = self.outcomes.get(outcome.outcome, 0) + 1
+        self.history = [*self.history[-(HISTORY - 1) :], outcome]
+
+
+class WeightSync:
+    """Applies policy versions to the replicas; use :meth:`run` as a process, or
+    :meth:`apply` / :meth:`sync_once` in-process (tests, the trainer, the demo)."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        *,
+        transport: httpx.AsyncBaseTransport | None = None,
+        on_outcome: Callable[[SyncOutcome], None] | None = None,
+        registry: CollectorRegistry | None = None,
+    ):
+        self.cfg = cfg
+        self.backend = cfg.replicas.backend
+        self.partial_rollout = cfg.async_training.partial_rollout
+        self.replicas = {
+            url.rstrip("/"): ReplicaSyncState(url.rstrip("/")) for url in cfg.replicas.urls
+        }
+        self.current: PolicyVersionPublished | None = None
+        self.report = SyncReport()
+        self._on_outcome = on_outcome
+        self._metrics = WeightSyncMetrics(registry)
+        self._http = httpx.AsyncClient(timeout=CONTROL_TIMEOUT_S, transport=transport)
+        self._lock = asyncio.Lock()  # one sync at a time: a probe never interleaves an apply
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> WeightSync:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    # -- applying a version ------------------------------------------------------------
+
+    async def apply(self, event: PolicyVersionPublished) -> list[SyncOutcome]:
+        """Make ``event`` the current version and move every healthy replica to it."""
+        async with self._lock:
+            if self.current is not None and self.current.policy_version == event.policy_version:
+                if self.current.weights_path != event.weights_path:  # republished elsewhere
+                    for replica in self.replicas.values():
+                        replica.applied = None
+            self.current = event
+            # a replica known to be down gets it from sync_once when it is back
+            targets = [
+                r for r in self.replicas.values() if r.healthy and r.applied != event.policy_version
+            ]
+            return list(await asyncio.gather(*(self._apply_to(r, event) for r in targets)))
+
+    async def sync_once(self) -> list[SyncOutcome]:
+        """Probe every replica; give the current version to those that lack it (a replica
+        that was down, maybe restarted on its initial weights, or one whose sync failed)."""
+        await asyncio.gather(*(self._probe(r) for r in self.replicas.values()))
+        if self.current is None:
+            return []
+        async with self._lock:
+            event = self.current
+            behind = [
+                r for r in self.replicas.values() if r.healthy and r.applied != event.policy_version
+            ]
+            return list(await asyncio.gather(*(self._apply_to(r, event) for r in behind)))
+
+    async def _apply_to(
+        self, replica: ReplicaSyncState, event: PolicyVersionPublished
+    ) -> SyncOutcome:
+        started = time.monotonic()
+        steps = sync_steps(self.backend, event, partial_rollout=self.partial_rollout)
+        try:
+            check_weights_folder(event.weights_path)
+            await self._run_steps(replica.url, steps)
+        except ReplicaError as exc:
+            replica.applied = None  # unknown: a half-done sync may have loaded the weights
+            replica.failures += 1
+            replica.last_error = str(exc)
+            log.error("weight sync of version %d failed: %s", event.policy_version, exc)
+            return self._record(replica, event, "failed", started, str(exc))
+        replica.applied, replica.healthy, replica.last_error = event.policy_version, True, ""
+        outcome: Outcome = "applied" if event.weights_path is not None else "labelled"
+        log.info(
+            "replica %s serves policy version %d (%s) after %.2f s",
+            replica.url,
+            event.policy_version,
+            event.weights_path or "initial weights",
+            time.monotonic() - started,
+        )
+        return self._record(replica, event, outcome, started)
+
+    async def _run_steps(self, url: str, steps: list[SyncStep]) -> None:
+        """Each step in order; if one after the pause fails, resume the replica (on its
+        old weights) before raising, so a failed sync never leaves it paused."""
+        paused = False
+        try:
+            for step in steps:
+                await self._call(url, step)
+                paused = paused or step.name == "pause"
+                if step.name == "resume":
+                    paused = False
+        finally:
+            if paused:
+                await self._resume_after_failure(url, steps)
+
+    async def _resume_after_failure(self, url: str, steps: list[SyncStep]) -> None:
+        resume = next(s for s in steps if s.name == "resume")
+        try:
+            await self._call(url, resume)
+        except ReplicaError as exc:  # the original error is what the caller must see
+            log.error("could not resume %s after a failed weight sync: %s", url, exc)
+
+    async def _call(self, url: str, step: SyncStep) -> None:
+        where = f"{step.name}: POST {url}{step.path}"
+        try:
+            response = await self._http.post(url + step.path, json=step.json, params=step.params)
+        except httpx.HTTPError as exc:
+            raise ReplicaError(f"{where} failed: {type(exc).__name__}: {exc}") from exc
+        if response.status_code >= 400:
+            raise ReplicaError(f"{where} answered {response.status_code}: {response.text[:500]}")
+        if step.path == "/update_weights_from_disk":
+            # SGLang answers 200 with success false when the load failed
+            try:
+                body = response.json()
+            except ValueError:
+                body = {}
+            if isinstance(body, dict) and body.get("success") is False:
+                raise ReplicaError(f"{where} did not load: {body.get('message', '')}")
+
+    # -- health ------------------------------------------------------------------------
+
+    async def _probe(self, replica: ReplicaSyncState) -> None:
+        try:
+            response = await self._http.get(replica.url + "/health", timeout=HEALTH_TIMEOUT_S)
+            up = response.status_code == 200
+        except httpx.HTTPError:
+            up = False
+        if not up and replica.healthy:
+            log.warning("replica %s is down; it gets the current version when back", replica.url)
+        if not up:
+            # it may come back restarted, serving its initial weights: re-apply when it does
+            replica.applied = None
+        elif replica.applied is not None and self.backend != "sglang":
+            await self._check_label(replica)
+        replica.healthy = up
+
+    async def _check_label(self, replica: ReplicaSyncState) -> None:
+        """vLLM's ``GET /weight_info`` names the version the replica serves: a replica that
+        restarted between two probes answers ``"default"`` and is synced again. A replica
+        without the route (404) is judged by its health alone."""
+        try:
+            response = await self._http.get(replica.url + "/weight_info", timeout=HEALTH_TIMEOUT_S)
+        except httpx.HTTPError:
+            return
+        if response.status_code != 200:
+            return
+        served = as_policy_version(response.json().get("weight_version"))
+        if served != replica.applied:
+            log.warning(
+                "replica %s serves version %s, not %s (restarted?): syncing it again",
+                replica.url,
+                served,
+                replica.applied,
+            )
+            replica.applied = None
+
+    def _record(
+        self,
+        replica: ReplicaSyncState,
+        event: PolicyVersionPublished,
+        outcome: Outcome,
+        started: float,
+        error: str = "",
+    ) -> SyncOutcome:
+        result = SyncOutcome(
+            replica.url, event.policy_version, outcome, time.monotonic() - started, error
+        )
+        self.report.add(result)
+        self._metrics.syncs.labels(outcome).inc()
+        if outcome != "failed":
+            self._metrics.replica_version.labels(replica.url).set(event.policy_version)
+            self._metrics.sync_seconds.observe(result.seconds)
+        if self._on_outcome is not None:
+            self._on_outcome(result)
+        return result
+
+    # -- the process -------------------------------------------------------------------
+
+    async def run(self, stop: asyncio.Event) -> SyncReport:
+        """Follow the control topic until ``stop`` is set: apply each new version, and
+        re-sync replicas that come back, every ``replicas.health_interval_s``."""
+        latest = await asyncio.to_thread(latest_policy_version, self.cfg)
+        if latest is not None and _is_new(self.current, latest):
+            await self.apply(latest)  # the current version first, not the log's history
+        follower = PolicyVersionFollower(self.cfg)
+        next_probe = 0.0
+        try:
+            while not stop.is_set():
+                event = await asyncio.to_thread(follower.poll, FOLLOW_POLL_S)
+                if event is not None and _is_new(self.current, event):
+                    await self.apply(event)
+                if time.monotonic() >= next_probe:
+                    await self.sync_once()
+                    next_probe = time.monotonic() + self.cfg.replicas.health_interval_s
+        finally:
+            await asyncio.to_thread(follower.close)
+        return self.report
+
+
+def check_weights_folder(weights_path: str | None) -> None:
+    """Refuse a folder that cannot be a checkpoint before any replica is touched: vLLM 0.32's
+    engine dies on a failed reload_weights (the next request gets EngineDeadError) instead
+    of answering an error. The folder must be at the same path for this process and the
+    replicas (one machine, or a shared filesystem)."""
+    if weights_path is None:
+        return
+    folder = Path(weights_path)
+    if not folder.is_dir():
+        raise ReplicaError(f"weights_path {weights_path}: no such folder here")
+    if not any(folder.glob("*.safetensors")):
+        raise ReplicaError(f"weights_path {weights_path}: no *.safetensors file in it")
+
+
+def _is_new(current: PolicyVersionPublished | None, event: PolicyVersionPublished) -> bool:
+    """Versions only move forward: the follower reads the topic from its start, so older
+    records come before the current one; a republished event (same version and folder) is
+    not applied again."""
+    if current is None:
+        return True
+    if event.policy_version != current.policy_version:
+        return event.policy_version > current.policy_version
+    return event.weights_path != current.weights_path
