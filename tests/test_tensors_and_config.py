@@ -9,7 +9,7 @@ import torch
 from pydantic import ValidationError
 
 from rolloutbus.config import VERL_KEYS_ACCEPTED_NOT_USED, load_config, with_overrides
-from rolloutbus.consumers.tensors import to_jagged, to_padded
+from rolloutbus.consumers.tensors import PaddedBuffers, to_jagged, to_padded
 from rolloutbus.errors import ConfigError
 from rolloutbus.schemas.trajectories import Trajectory, trajectories_to_batch
 
@@ -65,6 +65,22 @@ def test_v0_padding_truncates_to_the_budgets(batch):
     out = to_padded(batch, prompt_length=2, response_length=2, pad_token_id=PAD)
     assert out["prompts"].tolist() == [[12, 13], [0, 14]]  # keeps the prompt's end
     assert out["responses"].tolist() == [[21, 31], [23, 24]]
+
+
+def test_reused_buffers_hold_only_the_latest_batch(batch):
+    """A second, shorter batch written into the first one's memory leaves nothing behind."""
+    buffers = PaddedBuffers()
+    widths = dict(prompt_length=4, response_length=4, pad_token_id=PAD)
+    written = to_padded(batch, **widths, buffers=buffers)
+    memory = written["input_ids"].data_ptr()
+    first = {k: v.clone() for k, v in written.items()}
+    assert all(torch.equal(first[k], v) for k, v in to_padded(batch, **widths).items())
+    short = trajectories_to_batch([_traj(5, [7], [8], [1], [-0.3]), _traj(6, [9], [], [], [])])
+    again = to_padded(short, **widths, buffers=buffers)
+    fresh = to_padded(short, **widths)
+    assert again.keys() == fresh.keys()
+    assert all(torch.equal(again[k], fresh[k]) for k in fresh), "stale values in a reused buffer"
+    assert again["input_ids"].data_ptr() == memory  # same shape: the memory was reused
 
 
 def test_jagged_keeps_true_lengths(batch):
@@ -141,6 +157,7 @@ def test_verl_keys_with_no_meaning_here_are_accepted_with_a_warning(tmp_path, ca
     assert set(VERL_KEYS_ACCEPTED_NOT_USED) == {
         "rollout.agent.num_workers",
         "rollout.multi_turn.enable",
+        "rollout.val_kwargs.do_sample",
     }
 
 
