@@ -94,6 +94,7 @@ def test_schema_fields_and_defaults():
         "metrics",
         "extra_fields",
         "mm_processor_kwargs",
+        "mm_processor_output",  # verl 0.9.1 (tests/test_verl_parity.py checks them all)
     ]
 
 
@@ -304,3 +305,185 @@ async def test_single_turn_deterministic_request_id(tok):
     loop = SingleTurnAgentLoop(**loop_kwargs(tok, server, full_determinism=True))
     await loop.run({}, raw_prompt=ROW["prompt"], priority=7)
     assert server.calls[0].request_id == "det-7" and server.calls[0].kwargs == {"priority": 7}
+
+
+# ---- verl's current AgentLoopBase surface (Continuous Token API) --------------------------
+
+
+class CurrentVerlLoop(AgentLoopBase):
+    """Written the way a loop for current verl is: CT helpers, self.loop, data_config, tools."""
+
+    def __init__(self, *args, tools=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.tool_list = tools.tools if tools else []
+
+    async def run(self, sampling_params, **kwargs):
+        messages = list(kwargs["raw_prompt"])
+        media = await self.process_multi_modal_info(messages)
+        self._assert_mm_supported(bool(media))
+        prompt_ids = await self.ct_build_initial_tokens(messages)
+        out = await self.server_manager.generate(
+            "r", prompt_ids=prompt_ids, sampling_params=sampling_params
+        )
+        merge, mask, logprobs = await self.ct_merge_assistant_token(
+            prompt_ids, out.token_ids, [], [], assistant_logprobs=out.log_probs
+        )
+        previous = list(messages)
+        messages += [
+            {"role": "assistant", "content": "x"},
+            {"role": "user", "content": "Check it."},
+        ]
+        # older verl's name, the same merge
+        merge, mask, logprobs = await self.ct_merge_non_assistant_msg(
+            previous + [messages[-2]], messages, merge.token_ids, mask, logprobs
+        )
+        final = await self.server_manager.generate(
+            "r", prompt_ids=merge.token_ids, sampling_params=sampling_params
+        )
+        merge, mask, logprobs = await self.ct_merge_assistant_token(
+            merge.token_ids, final.token_ids, mask, logprobs, assistant_logprobs=final.log_probs
+        )
+        token_ids = merge.token_ids
+        await self.loop.run_in_executor(None, lambda: None)  # verl's loops use self.loop
+        return AgentLoopOutput(
+            prompt_ids=token_ids[: len(token_ids) - len(mask)],
+            response_ids=token_ids[len(token_ids) - len(mask) :],
+            response_mask=mask,
+            response_logprobs=logprobs,
+            num_turns=4,
+            metrics=AgentLoopMetrics(),
+        )
+
+
+async def test_a_loop_written_for_current_verl_runs(tok):
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    first = tok.encode("It is 120.", add_special_tokens=False) + [im_end]
+    second = tok.encode("It is 126.", add_special_tokens=False) + [im_end]
+    server = ScriptedServerManager([scripted_turn(first), scripted_turn(second)])
+    from rolloutbus.streams.agent_loop import ToolListWrap
+
+    loop = CurrentVerlLoop(
+        **loop_kwargs(tok, server),
+        dataset_cls=None,
+        data_config=DictConfigWrap({"apply_chat_template_kwargs": {"enable_thinking": False}}),
+        tools=ToolListWrap(["t"]),
+    )
+    assert loop.data_config == {"apply_chat_template_kwargs": {"enable_thinking": False}}
+    assert loop.apply_chat_template_kwargs == {"enable_thinking": False}
+    assert loop.tool_list == ["t"]
+    assert loop.continuous_token_builder.chat_template_kwargs == {"enable_thinking": False}
+    out = await loop.run({}, raw_prompt=ROW["prompt"])
+    n_obs = len(out.response_ids) - len(first) - len(second)
+    assert out.response_mask == [1] * len(first) + [0] * n_obs + [1] * len(second)
+    assert out.response_logprobs == [-0.5] * len(first) + [0.0] * n_obs + [-0.5] * len(second)
+    obs = tok.decode(out.response_ids[len(first) : len(first) + n_obs])
+    assert obs.startswith("\n<|im_start|>user\nCheck it.<|im_end|>\n<|im_start|>assistant\n")
+    assert server.calls[1].prompt_ids == out.prompt_ids + out.response_ids[: len(first) + n_obs]
+
+
+async def test_ct_merge_rejects_edited_history(tok):
+    loop = EchoLoop(**loop_kwargs(tok, None))
+    history = [{"role": "user", "content": "a"}]
+    with pytest.raises(ValueError, match="append-only"):
+        await loop.ct_merge_context_msg(
+            history, [{"role": "user", "content": "b"}, {"role": "tool", "content": "c"}], [], []
+        )
+    with pytest.raises(ValueError, match="roles"):
+        await loop.ct_merge_context_msg(
+            history, [*history, {"role": "assistant", "content": "x"}], [], []
+        )
+
+
+async def test_multimodal_info_without_processor_is_empty_and_media_raise(tok):
+    loop = EchoLoop(**loop_kwargs(tok, None))
+    image_message = [{"role": "user", "content": [{"type": "image", "image": "a.png"}]}]
+    assert await loop.process_multi_modal_info(image_message) == {}  # verl: no processor, {}
+    with pytest.raises(ValueError, match="no processor"):
+        loop._assert_mm_supported(True)
+    with_processor = EchoLoop(**{**loop_kwargs(tok, None), "processor": FakeProcessor()})
+    assert await with_processor.process_vision_info(image_message) == {"images": ["a.png"]}
+
+
+class CompressingLoop(AgentLoopBase):
+    """Answers, then compresses its context (the first answer replaced by a summary) and
+    answers again: the second prompt is a re-render, as a context manager produces it."""
+
+    async def run(self, sampling_params, **kwargs):
+        messages = list(kwargs["raw_prompt"])
+        prompt = await self.ct_build_initial_tokens(messages)
+        first = await self.server_manager.generate(
+            "r", prompt_ids=prompt, sampling_params=sampling_params
+        )
+        summary = [*messages, {"role": "assistant", "content": "(summary)"}]
+        summary.append({"role": "user", "content": "Go on."})
+        compressed = await self.ct_build_initial_tokens(summary)
+        second = await self.server_manager.generate(
+            "r", prompt_ids=compressed, sampling_params=sampling_params
+        )
+        metrics = AgentLoopMetrics()
+        one = len(first.token_ids)
+        return [
+            AgentLoopOutput(
+                prompt_ids=prompt,
+                response_ids=first.token_ids,
+                response_mask=[1] * one,
+                response_logprobs=first.log_probs,
+                num_turns=2,
+                metrics=metrics,
+            ),
+            AgentLoopOutput(
+                prompt_ids=compressed,
+                response_ids=second.token_ids,
+                response_mask=[1] * len(second.token_ids),
+                response_logprobs=second.log_probs,
+                num_turns=4,
+                metrics=metrics,
+            ),
+        ]
+
+
+async def test_a_context_compressing_loop_runs_and_is_recorded_as_returned(tok):
+    """verl does not stop a loop that edits its history; its outputs are recorded as it
+    returns them, each in its own logged segment."""
+    from rolloutbus.config import Config
+    from rolloutbus.schemas.prompts import GroupSamplingParams, PromptGroup
+    from rolloutbus.schemas.turns import SessionFinished
+    from rolloutbus.streams.sessions.runner import SessionContext, run_session
+
+    register("compressing_test")(CompressingLoop)
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    answer = tok.encode("It is 126.", add_special_tokens=False) + [im_end]
+    client = ScriptedServerManager([scripted_turn(answer), scripted_turn(answer)])
+    row = {**ROW, "agent_name": "compressing_test"}
+    group = PromptGroup(uid="c1", row=row, n=1, sampling_params=GroupSamplingParams())
+    events = []
+
+    async def emit(event):
+        events.append(event)
+
+    ctx = SessionContext(config=Config(), tokenizer=tok, llm_client=client)
+    terminal = await run_session(ctx, group, 0, "a1", emit)
+    assert isinstance(terminal, SessionFinished), terminal
+    assert [e.type for e in events].count("segment_started") == 2
+    assert [o.segment for o in terminal.outputs] == [0, 1]
+
+
+async def test_a_retokenized_history_is_still_token_drift(tok):
+    """The same text in other tokens rewrites sampled tokens: that stays an error."""
+    from rolloutbus.errors import TokenDriftError
+    from rolloutbus.streams.sessions.recorder import RecordingLLMClient
+
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    prompt = tok.encode("<|im_start|>user\nhi<|im_end|>\n", add_special_tokens=False)
+    sampled = tok.encode(" ab", add_special_tokens=False)  # one token, " ab"
+    client = ScriptedServerManager([scripted_turn(sampled + [im_end]), scripted_turn([1])])
+
+    async def emit(event):
+        pass
+
+    rec = RecordingLLMClient(client, emit, uid="u", session_id=0, attempt="a", tokenizer=tok)
+    await rec.generate("r", prompt_ids=prompt, sampling_params={})
+    split = tok.encode(" a", add_special_tokens=False) + tok.encode("b", add_special_tokens=False)
+    assert split != sampled and tok.decode(split) == tok.decode(sampled)
+    with pytest.raises(TokenDriftError, match="re-rendered"):
+        await rec.generate("r", prompt_ids=prompt + split + [im_end], sampling_params={})

@@ -16,13 +16,22 @@ from fixtures.scripted_server import (  # noqa: E402
 )
 
 from rolloutbus.schemas.agent_loop import TokenOutput  # noqa: E402
-from rolloutbus.streams.agent_loop import DictConfigWrap, ToolAgentLoop, create_agent_loop  # noqa: E402
+from rolloutbus.streams.agent_loop import (  # noqa: E402
+    DictConfigWrap,
+    ToolAgentLoop,
+    create_agent_loop,
+    tool_agent,  # noqa: E402
+)
 from rolloutbus.streams.agent_loop.tool_agent import (  # noqa: E402
     TRUNCATED_HEAD,
     TRUNCATED_MIDDLE,
     TRUNCATED_TAIL,
 )
-from rolloutbus.streams.agent_loop.tool_parser import HermesToolParser, ToolParser  # noqa: E402
+from rolloutbus.streams.agent_loop.tool_parser import (  # noqa: E402
+    FunctionCall,
+    HermesToolParser,
+    ToolParser,
+)
 from rolloutbus.streams.agent_loop.tools import BaseTool, CalculatorTool, FunctionTool, ToolResponse  # noqa: E402
 
 PROMPT = [{"role": "user", "content": "计算 18 * 7"}]
@@ -175,8 +184,8 @@ async def test_parallel_calls_are_capped(tok):
 @pytest.mark.parametrize(
     "side, expected",
     [
-        ("left", "abcde" + TRUNCATED_TAIL),
-        ("right", TRUNCATED_HEAD + "vwxyz"),
+        ("left", TRUNCATED_HEAD + "vwxyz"),  # verl PR #6313: "left" keeps the tail
+        ("right", "abcde" + TRUNCATED_TAIL),
         ("middle", "ab" + TRUNCATED_MIDDLE + "yz"),
     ],
 )
@@ -217,25 +226,50 @@ async def test_tool_timeout_becomes_error_text(tok):
         multi_turn={"tool_timeout_s": 0.05},
     )
     out = await run(loop)
-    assert "Error when executing tool slow: timed out after 0.05 s" in observation_text(tok, out)
+    assert "Error executing tool 'slow': timed out after 0.05 s" in observation_text(tok, out)
     assert out.extra_fields["tool_rewards"] == [0.0]
 
 
 @pytest.mark.parametrize(
     "text, message",
     [
-        (call_text("nope"), "unknown tool 'nope'"),
-        (call_text(arguments='{"expression": "1+"'), "not valid JSON"),
-        (call_text(arguments={"expression": "1/0"}), "division by zero"),
-        (call_text(arguments={"expression": "__import__('os')"}), "unsupported element"),
+        (call_text("nope"), "Unknown function 'nope'. Available tools: ['calculator']"),
+        (
+            call_text(arguments={"expression": "1/0"}),
+            "Error executing tool 'calculator': division by zero",
+        ),
+        (
+            call_text(arguments={"expression": "__import__('os')"}),
+            "Error executing tool 'calculator': unsupported element",
+        ),
     ],
 )
-async def test_tool_failures_become_error_text_with_zero_reward(tok, text, message):
+async def test_tool_failures_become_verl_error_text_with_zero_reward(tok, text, message):
     loop, _ = make_loop(tok, [turn(tok, text), turn(tok, "ok")])
     out = await run(loop)
-    obs = observation_text(tok, out)
-    assert "Error when executing tool:" in obs and message in obs
+    assert message in observation_text(tok, out)
     assert out.extra_fields["tool_rewards"] == [0.0]
+
+
+async def test_invalid_json_arguments_are_verl_error_text(tok):
+    """gpt-oss passes the arguments through unparsed, so the loop answers bad JSON itself."""
+    loop, _ = make_loop(tok, [])
+    data = tool_agent.AgentData([], None, None, "r", {}, dict(loop.tools))
+    response, reward, _ = await loop._call_tool(
+        FunctionCall(name="calculator", arguments='{"expression": "1+"'), data
+    )
+    assert response.text.startswith("Invalid JSON in arguments for 'calculator': ")
+    assert reward == 0.0
+
+
+async def test_a_malformed_hermes_call_ends_the_trajectory(tok):
+    """verl's Hermes parser drops a call whose JSON does not parse: no tool turn follows."""
+    loop, server = make_loop(
+        tok, [turn(tok, call_text(arguments='{"expression": 18 *}')), turn(tok, "never")]
+    )
+    out = await run(loop)
+    assert len(server.calls) == 1 and out.num_turns == 2
+    assert out.response_mask == [1] * len(out.response_ids)
 
 
 class CountingTool(BaseTool):
@@ -281,10 +315,74 @@ async def test_tool_selection_filters_tools(tok):
         [turn(tok, call_text("other", {})), turn(tok, "ok")],
         tools=[CalculatorTool(), FunctionTool(other)],
     )
-    out = await run(loop, extra_info={"tool_selection": ["calculator"]})
+    out = await run(loop, extra_info={"tool_selection": ["calculator", "no_such_tool"]})
     prompt = tok.decode(out.prompt_ids)
-    assert '"calculator"' in prompt and '"other"' not in prompt
-    assert "unknown tool 'other'" in observation_text(tok, out)
+    assert '"calculator"' in prompt and '"other"' not in prompt  # unknown names: ignored
+    assert "Unknown function 'other'. Available tools: ['calculator']" in observation_text(tok, out)
+
+
+@pytest.mark.parametrize("selection", [[], None])
+async def test_an_empty_tool_selection_keeps_every_tool(tok, selection):
+    def other() -> str:
+        """Another tool."""
+        return "other"
+
+    loop, _ = make_loop(tok, [turn(tok, "ok")], tools=[CalculatorTool(), FunctionTool(other)])
+    out = await run(loop, extra_info={"tool_selection": selection})
+    prompt = tok.decode(out.prompt_ids)
+    assert '"calculator"' in prompt and '"other"' in prompt
+
+
+class SessionTool(BaseTool):
+    """Keeps per-trajectory data where verl's tools keep it: agent_data.extra_fields."""
+
+    def __init__(self):
+        super().__init__(
+            tool_schema={"type": "function", "function": {"name": "note", "parameters": {}}}
+        )
+
+    async def execute(self, instance_id, parameters, agent_data=None, **kwargs):
+        agent_data.extra_fields.setdefault("notes", []).append(agent_data.assistant_turns)
+        return "noted", None, {}
+
+
+async def test_tools_extra_fields_reach_the_output(tok):
+    loop, _ = make_loop(
+        tok,
+        [
+            turn(tok, call_text("note", {}), extra_fields={"global_steps": 4}),
+            turn(tok, call_text("note", {})),
+            turn(tok, "done"),
+        ],
+        tools=[SessionTool()],
+    )
+    out = await run(loop)
+    assert out.extra_fields["notes"] == [1, 2] and out.extra_fields["global_steps"] == 4
+    assert out.extra_fields["tool_rewards"] == []  # a None reward is not recorded
+
+
+async def test_function_tool_tuples_and_default_reward(tok):
+    def triple(x: int):
+        """Triple."""
+        return f"x={x}", None, {"m": 1}
+
+    def plain() -> str:
+        """Plain."""
+        return "plain"
+
+    loop, _ = make_loop(
+        tok,
+        [
+            turn(tok, call_text("triple", {"x": 2})),
+            turn(tok, call_text("plain", {})),
+            turn(tok, "ok"),
+        ],
+        tools=[FunctionTool(triple), FunctionTool(plain)],
+    )
+    out = await run(loop)
+    obs = observation_text(tok, out)
+    assert "x=2" in obs and "plain" in obs
+    assert out.extra_fields["tool_rewards"] == [0.0, 0.0]  # verl: a missing reward is 0.0
 
 
 async def test_preemptions_summed_and_extra_fields_from_the_first_turn(tok):
@@ -293,12 +391,17 @@ async def test_preemptions_summed_and_extra_fields_from_the_first_turn(tok):
             tok,
             call_text(),
             num_preempted=1,
-            extra_fields={"global_steps": 1, "max_global_steps": 1},
+            extra_fields={"global_steps": 1, "max_global_steps": 1, "spec_num_draft_tokens": 3},
         ),
         turn(
             tok,
             call_text(),
-            extra_fields={"global_steps": 9, "max_global_steps": 2, "spec_accepted": 4},
+            extra_fields={
+                "global_steps": 9,
+                "max_global_steps": 2,
+                "spec_num_draft_tokens": 4,
+                "spec_other": 4,
+            },
         ),
         turn(tok, "126", num_preempted=2, extra_fields={"global_steps": 9, "max_global_steps": 3}),
     ]
@@ -306,7 +409,8 @@ async def test_preemptions_summed_and_extra_fields_from_the_first_turn(tok):
     out = await run(loop)
     assert out.metrics.num_preempted == 3
     assert out.extra_fields["global_steps"] == 1 and out.extra_fields["max_global_steps"] == 3
-    assert out.extra_fields["spec_accepted"] == 4
+    assert out.extra_fields["spec_num_draft_tokens"] == 7  # summed, as verl sums them
+    assert "spec_other" not in out.extra_fields  # later turns add no other key
 
 
 async def test_unknown_preemption_is_minus_one(tok):
@@ -355,11 +459,24 @@ async def test_hermes_parser(tok):
     assert parser.stop_token_ids == []
 
 
-async def test_hermes_keeps_raw_arguments_when_json_is_invalid(tok):
+async def test_hermes_drops_a_call_whose_json_is_invalid(tok):
     parser = ToolParser.get_tool_parser("hermes", tok)
-    ids = tok.encode(call_text(arguments='{"expression": 18 *}'), add_special_tokens=False)
-    _, calls = await parser.extract_tool_calls(ids)
-    assert calls[0].name == "calculator" and calls[0].arguments == '{"expression": 18 *}'
+    text = call_text(arguments='{"expression": 18 *}') + call_text("f", {"a": 1})
+    _, calls = await parser.extract_tool_calls(tok.encode(text, add_special_tokens=False))
+    assert [c.name for c in calls] == ["f"]
+
+
+async def test_gpt_oss_parser(tok):
+    parser = ToolParser.get_tool_parser("gpt-oss", tok)
+    text = (
+        "<|start|>assistant<|channel|>analysis<|message|>maybe to=functions.fake "
+        "<|constrain|>json<|message|>{}<|call|><|end|>"
+        "<|start|>assistant<|channel|>commentary to=functions.calculator <|constrain|>json"
+        '<|message|>{"expression": "18 * 7"}<|call|>'
+    )
+    content, calls = await parser.extract_tool_calls(tok.encode(text, add_special_tokens=False))
+    assert [(c.name, c.arguments) for c in calls] == [("calculator", '{"expression": "18 * 7"}')]
+    assert "analysis" not in content and "calculator" not in content
 
 
 async def test_qwen3_coder_parser(tok):
@@ -369,10 +486,43 @@ async def test_qwen3_coder_parser(tok):
         "7\n</parameter>\n"
         "<parameter=precision>\n2\n</parameter>\n</function>\n</tool_call>"
     )
-    content, calls = await parser.extract_tool_calls(tok.encode(text, add_special_tokens=False))
+    ids = tok.encode(text, add_special_tokens=False)
+    schema = {
+        "type": "function",
+        "function": {
+            "name": "calculator",
+            "parameters": {
+                "type": "object",
+                "properties": {"expression": {"type": "string"}, "precision": {"type": "integer"}},
+            },
+        },
+    }
+    content, calls = await parser.extract_tool_calls(ids, [schema])
     assert content == "I will compute."
     assert calls[0].name == "calculator"
     assert json.loads(calls[0].arguments) == {"expression": "18 * 7", "precision": 2}
+    _, untyped = await parser.extract_tool_calls(ids)  # no schema: strings, as in verl
+    assert json.loads(untyped[0].arguments) == {"expression": "18 * 7", "precision": "2"}
+
+
+@pytest.mark.parametrize(
+    "kind, raw, value",
+    [
+        ("integer", "7", 7),
+        ("integer", "x", "x"),
+        ("number", "2.0", 2),
+        ("number", "2.5", 2.5),
+        ("boolean", "True", True),
+        ("boolean", "yes", False),
+        ("object", '{"a": 1}', {"a": 1}),
+        ("array", "[1, 2]", [1, 2]),
+        ("string", "null", None),
+    ],
+)
+def test_qwen3_coder_types_values_from_the_schema(kind, raw, value):
+    from rolloutbus.streams.agent_loop.tool_parser import convert_typed_value
+
+    assert convert_typed_value(raw, "p", {"p": {"type": kind}}, "f") == value
 
 
 def test_unknown_parser_is_an_error(tok):
@@ -383,9 +533,24 @@ def test_unknown_parser_is_an_error(tok):
 
 
 async def test_seed_trajectory_scores_one_with_the_default_reward(tok):
-    from rolloutbus.streams.agent_loop.reward import score_outputs
+    from rolloutbus.streams.reward import ARITHMETIC_SOURCE, score_outputs_async
 
     loop, _ = make_loop(tok, [turn(tok, call_text()), turn(tok, "The answer is 126.")])
     out = await run(loop)
-    score_outputs([out], {"data_source": "my/math", "reward_model": {"ground_truth": "126"}}, tok)
+    row = {"data_source": ARITHMETIC_SOURCE, "reward_model": {"ground_truth": "126"}}
+    await score_outputs_async([out], row, tok)
     assert out.reward_score == 1.0 and out.as_dict()["rm_scores"][-1] == 1.0
+
+
+async def test_logprobs_on_some_turns_only_raise_as_in_verl(tok):
+    """verl raises a ValueError when a later turn comes back without logprobs."""
+    without = TokenOutput(token_ids=tok.encode("ok", add_special_tokens=False))
+    loop, _ = make_loop(tok, [turn(tok, call_text()), without])
+    with pytest.raises(ValueError, match="some turns only"):
+        await run(loop)
+
+
+async def test_assistant_logprobs_must_match_the_tokens(tok):
+    loop, _ = make_loop(tok, [])
+    with pytest.raises(ValueError, match="must match"):
+        await loop.ct_merge_assistant_token([1], [2, 3], [], [], assistant_logprobs=[-0.1])

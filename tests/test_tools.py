@@ -6,6 +6,7 @@ import pytest
 
 from rolloutbus.errors import AgentLoopError
 from rolloutbus.streams.agent_loop.tools import (
+    FUNCTION_TOOL_REGISTRY,
     CalculatorTool,
     FunctionTool,
     ToolResponse,
@@ -13,6 +14,7 @@ from rolloutbus.streams.agent_loop.tools import (
     load_function_tools,
     load_tool_catalog,
     load_tools_from_config,
+    normalize_function_tool_return,
 )
 
 
@@ -99,11 +101,70 @@ async def test_function_tool_call_sync_async_and_reward():
         """Scored."""
         return f"x={x}", 1.0
 
-    assert await FunctionTool(add).call({"a": 1, "b": 2}) == (ToolResponse(text="3"), None, {})
-    assert await FunctionTool(scored).call({"x": 2}) == (ToolResponse(text="x=2"), 1.0, {})
-    assert (await FunctionTool(lambda: {"k": 1}, name="j", description="d").call({}))[
+    # call() returns what the function returned (verl); execute() reads it as verl does
+    assert await FunctionTool(add).call({"a": 1, "b": 2}) == "3"
+    assert await FunctionTool(add).execute("i", {"a": 1, "b": 2}) == (
+        ToolResponse(text="3"),
+        0.0,
+        {},
+    )
+    assert await FunctionTool(scored).execute("i", {"x": 2}) == (ToolResponse(text="x=2"), 1.0, {})
+    assert (await FunctionTool(lambda: {"k": 1}, name="j", description="d").execute("i", {}))[
         0
     ].text == '{"k": 1}'
+
+
+@pytest.mark.parametrize(
+    "ret, expected",
+    [
+        ("t", (ToolResponse(text="t"), 0.0, {})),
+        ({"a": 1}, (ToolResponse(text='{"a": 1}'), 0.0, {})),
+        (("t",), (ToolResponse(text="t"), 0.0, {})),
+        (("t", None), (ToolResponse(text="t"), 0.0, {})),
+        (("t", 1), (ToolResponse(text="t"), 1.0, {})),
+        (("t", 0.5, {"n": 2}), (ToolResponse(text="t"), 0.5, {"n": 2})),
+        ((ToolResponse(text="r"), 0.0, None), (ToolResponse(text="r"), 0.0, {})),
+        (42, (ToolResponse(text="42"), 0.0, {})),
+    ],
+)
+def test_function_tool_returns_read_as_verl_reads_them(ret, expected):
+    assert normalize_function_tool_return(ret) == expected
+
+
+@pytest.mark.parametrize("ret", [(), ("a", 1, {}, "extra")])
+def test_function_tool_tuple_of_a_wrong_length_raises(ret):
+    with pytest.raises(TypeError, match="length 1, 2, or 3"):
+        normalize_function_tool_return(ret)
+
+
+def test_function_tool_decorator_registers_with_verl_schema(tmp_path):
+    path = tmp_path / "decorated_tools.py"
+    path.write_text(
+        "from rolloutbus.streams.agent_loop.tools import function_tool\n\n"
+        "@function_tool\n"
+        "def web_search(query: str, k: int = 3) -> str:\n"
+        '    """Search the web.\n\n    Args:\n        query: what to look for\n'
+        '        k: how many results\n    """\n'
+        "    return query\n\n"
+        "@function_tool('lookup')\n"
+        "def find(key: str) -> str:\n"
+        '    """Look a key up.\n\n    Args:\n        key: the key\n    """\n'
+        "    return key\n\n"
+        "def helper(x: int) -> int:\n"
+        "    return x\n"
+    )
+    tools = load_function_tools(str(path))
+    assert [t.name for t in tools] == ["lookup", "web_search"]  # only decorated ones, as verl
+    search = FUNCTION_TOOL_REGISTRY["web_search"]
+    params = search.tool_schema["function"]["parameters"]
+    assert params["properties"]["query"] == {"type": "string", "description": "what to look for"}
+    assert params["required"] == ["query"]
+
+
+def test_tool_response_media_must_be_lists():
+    with pytest.raises(ValueError, match="must be a list"):
+        ToolResponse(image="one.png")
+    assert ToolResponse(image=["one.png"]).image == ["one.png"]
 
 
 def test_tools_from_verl_yaml(tmp_path):
@@ -148,3 +209,20 @@ def test_function_tools_from_a_file_and_catalog_cache(tmp_path):
     assert [t.name for t in tools] == ["lookup"]
     first = load_tool_catalog(None, str(path))
     assert load_tool_catalog(None, str(path)) is first  # loaded once per process
+
+
+def test_tool_schemas_render_as_verl_renders_them():
+    """verl validates a schema into OpenAIFunctionToolSchema and dumps it: unknown keys
+    (an array's ``items``, get_json_schema's ``return``) never reach the prompt."""
+    from rolloutbus.streams.agent_loop.tool_parser import rendered_tool_schema
+
+    schema = FunctionTool(add).get_openai_tool_schema() | {"extra": 1}
+    schema["function"] = schema["function"] | {"return": {"type": "string"}}
+    shown = rendered_tool_schema(schema)
+    assert "extra" not in shown and "return" not in shown["function"]
+    props = shown["function"]["parameters"]["properties"]
+    assert props["tags"] == {"type": "array"}  # items dropped, as verl drops it
+    assert props["mode"] == {"type": "string", "enum": ["fast", "slow"]}
+    assert shown["function"]["parameters"]["required"] == ["a"]
+    bare = {"type": "function", "function": {"name": "f", "description": "d"}}
+    assert rendered_tool_schema(bare) == bare  # nothing unset is added

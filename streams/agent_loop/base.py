@@ -1,8 +1,21 @@
-"""``AgentLoopBase``: verl's per-trajectory control program, with verl's constructor shape.
+"""``AgentLoopBase``: verl's per-trajectory control program, with verl's constructor and API.
 
-A verl user's loop subclasses it and implements ``async run(sampling_params, **kwargs)``;
-``self.server_manager.generate(...)`` is token-in/token-out and ``self.apply_chat_template``
-builds the initial prompt within ``rollout.prompt_length``.
+A verl user's loop subclasses it and implements ``async run(sampling_params, **kwargs)``.
+What verl 0.9.1's ``AgentLoopBase`` offers is here under the same names:
+
+- ``self.server_manager.generate(request_id, prompt_ids=..., sampling_params=...)``
+  (token-in/token-out);
+- the Continuous Token helpers ``ct_build_initial_tokens``, ``ct_merge_assistant_token``,
+  ``ct_merge_context_msg`` (and its earlier name ``ct_merge_non_assistant_msg``), the
+  builder as ``self.continuous_token_builder``;
+- ``process_multi_modal_info`` (and ``process_vision_info``), ``_assert_mm_supported``,
+  ``_get_mm_processor_kwargs``, ``build_sglang_video_payload``;
+- ``self.loop`` (the running asyncio loop: ``run_in_executor``), ``self.config``,
+  ``self.rollout_config``, ``self.data_config``, ``self.apply_chat_template_kwargs``;
+- the constructor keywords ``dataset_cls``, ``data_config``, ``hf_model_type`` and
+  ``tools`` (a ``ToolListWrap``), which the session runner passes as verl's worker does.
+
+``apply_chat_template`` (the pre-CT API) still works for loops written against older verl.
 """
 
 from __future__ import annotations
@@ -11,6 +24,7 @@ import asyncio
 import logging
 import uuid
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from typing import Any
 
 from rolloutbus.config import Config
@@ -18,6 +32,7 @@ from rolloutbus.errors import AgentLoopError, PromptTooLongError
 from rolloutbus.schemas.agent_loop import AgentLoopOutput
 from rolloutbus.streams.agent_loop.continuous_token import (
     ContinuousTokenBuilder,
+    MergeResult,
     get_builder,
     render_ids,
 )
@@ -25,11 +40,31 @@ from rolloutbus.streams.agent_loop.continuous_token import (
 logger = logging.getLogger(__name__)
 
 
-class DictConfigWrap:
-    """verl's wrapper that carries the trainer config into a loop (``trainer_config.config``)."""
+class MultimodalUnsupportedError(AgentLoopError, ValueError):
+    """Images, videos or audio reached a loop that cannot render them (verl: ValueError)."""
 
-    def __init__(self, config: Config):
+
+class DictConfigWrap:
+    """verl's wrapper that carries a config into a loop (``trainer_config.config``)."""
+
+    def __init__(self, config: Any):
         self.config = config
+
+
+class ToolListWrap:
+    """verl's wrapper for the worker's tool list (``tools.tools``)."""
+
+    def __init__(self, tools: list[Any]):
+        self.tools = tools
+
+
+def config_get(section: Any, key: str, default: Any = None) -> Any:
+    """``section.get(key, default)`` for a dict, an OmegaConf node or a pydantic model."""
+    if section is None:
+        return default
+    if isinstance(section, Mapping) or hasattr(section, "get"):
+        return section.get(key, default)
+    return getattr(section, key, default)
 
 
 class AgentLoopBase(ABC):
@@ -53,12 +88,22 @@ class AgentLoopBase(ABC):
         self.tokenizer = tokenizer
         self.processor = processor
         self.dataset_cls = dataset_cls
-        self.data_config = data_config
+        # verl unwraps ``data_config`` (a DictConfigWrap of ``config.data``)
+        if isinstance(data_config, DictConfigWrap):
+            data_config = data_config.config
+        self.data_config = data_config if data_config is not None else self.config.data
         self.hf_model_type = hf_model_type
-        self.apply_chat_template_kwargs: dict[str, Any] = dict(
-            kwargs.pop("apply_chat_template_kwargs", None) or {}
+        self.apply_chat_template_kwargs: dict[str, Any] = {
+            **dict(config_get(self.data_config, "apply_chat_template_kwargs", None) or {}),
+            **dict(kwargs.pop("apply_chat_template_kwargs", None) or {}),
+        }
+        self.mm_processor_kwargs: dict[str, Any] = dict(
+            config_get(self.data_config, "mm_processor_kwargs", None) or {}
         )
+        kwargs.pop("tools", None)  # the worker's tools; only a tool-using loop keeps them
         self.extra_kwargs = kwargs  # YAML kwargs of a custom loop that a subclass did not take
+        self._continuous_token_builder: ContinuousTokenBuilder | None = None
+        self.loop = _event_loop()
 
     @abstractmethod
     async def run(
@@ -66,7 +111,164 @@ class AgentLoopBase(ABC):
     ) -> AgentLoopOutput | list[AgentLoopOutput]:
         """Run one trajectory; kwargs are the dataset row columns plus uid, session_id, ..."""
 
-    # ---- prompts -------------------------------------------------------------------
+    # ---- Continuous Token (verl's CT API) ------------------------------------------------
+
+    @property
+    def continuous_token_builder(self) -> ContinuousTokenBuilder:
+        """The CT builder of this tokenizer (cached per tokenizer and template kwargs),
+        built on first use; a loop may assign its own, as in verl."""
+        if self._continuous_token_builder is None:
+            self._continuous_token_builder = get_builder(
+                self.tokenizer, self.processor, **self.apply_chat_template_kwargs
+            )
+        return self._continuous_token_builder
+
+    @continuous_token_builder.setter
+    def continuous_token_builder(self, builder: ContinuousTokenBuilder) -> None:
+        self._continuous_token_builder = builder
+
+    @property
+    def ct_builder(self) -> ContinuousTokenBuilder:
+        return self.continuous_token_builder
+
+    async def ct_build_initial_tokens(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        images: list[Any] | None = None,
+        videos: list[Any] | None = None,
+        audios: list[Any] | None = None,
+        mm_inputs_out: dict[str, Any] | None = None,
+    ) -> list[int]:
+        """Prompt token ids with the generation prompt, within ``rollout.prompt_length``.
+
+        A text prompt that is too long keeps its last ``prompt_length`` tokens (left
+        truncation, with a warning); a multimodal prompt that is too long raises
+        ``PromptTooLongError`` (a ValueError, as in verl): cutting tokens would orphan
+        image/video placeholders.
+        """
+        builder = self.continuous_token_builder
+        prompt_ids = await self.loop.run_in_executor(
+            None,
+            lambda: builder.build_initial_tokens(
+                messages,
+                tools=tools,
+                images=images,
+                videos=videos,
+                audios=audios,
+                mm_inputs_out=mm_inputs_out,
+            ),
+        )
+        return self._fit_prompt(prompt_ids, bool(images or videos or audios))
+
+    async def ct_merge_context_msg(
+        self,
+        previous_messages: list[dict[str, Any]],
+        updated_messages: list[dict[str, Any]],
+        runtime_token_ids: list[int],
+        response_mask: list[int],
+        response_logprobs: list[float] | None = None,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> tuple[MergeResult, list[int], list[float] | None]:
+        """Append the new (tool/user/system) messages' tokens; mask 0, logprob 0.0."""
+        builder = self.continuous_token_builder
+        merge = await self.loop.run_in_executor(
+            None,
+            lambda: builder.merge_context_tokens(
+                previous_messages, updated_messages, runtime_token_ids, tools=tools
+            ),
+        )
+        mask, logprobs = builder.align_response_metadata(merge, response_mask, response_logprobs)
+        return merge, mask, logprobs
+
+    # verl's name for it before the context merge also took assistant messages
+    ct_merge_non_assistant_msg = ct_merge_context_msg
+
+    async def ct_merge_assistant_token(
+        self,
+        runtime_token_ids: list[int],
+        assistant_token_ids: list[int],
+        response_mask: list[int],
+        response_logprobs: list[float] | None = None,
+        assistant_logprobs: list[float] | None = None,
+    ) -> tuple[MergeResult, list[int], list[float] | None]:
+        """Append sampled tokens verbatim; mask 1 and their logprobs."""
+        builder = self.continuous_token_builder
+        merge = await self.loop.run_in_executor(
+            None, lambda: builder.merge_assistant_tokens(runtime_token_ids, assistant_token_ids)
+        )
+        mask, logprobs = builder.align_response_metadata(
+            merge, response_mask, response_logprobs, assistant_logprobs=assistant_logprobs
+        )
+        return merge, mask, logprobs
+
+    def _cap_text_prompt_length(self, prompt_ids: list[int]) -> list[int]:
+        return self._fit_prompt(prompt_ids, multimodal=False)
+
+    # ---- multimodal ------------------------------------------------------------------------
+
+    def _assert_mm_supported(self, has_multi_modal: bool) -> None:
+        """verl: multimodal input needs a builder that renders it and a processor."""
+        if has_multi_modal and not (
+            self.continuous_token_builder.supports_multimodal() and self.processor is not None
+        ):
+            raise MultimodalUnsupportedError(
+                "the prompt has images, videos or audio but this loop has no processor "
+                "(use a VL model with its processor, or remove the multimodal inputs)"
+            )
+
+    def _get_mm_processor_kwargs(self, audio_data: list[Any] | None = None) -> dict[str, Any]:
+        kwargs = dict(self.mm_processor_kwargs or {})
+        if audio_data is not None and "sampling_rate" not in kwargs:
+            extractor = getattr(self.processor, "feature_extractor", None)
+            rate = getattr(extractor, "sampling_rate", None)
+            if rate is not None:
+                kwargs["sampling_rate"] = int(rate)
+        return kwargs
+
+    async def process_vision_info(self, messages: list[dict[str, Any]]) -> dict[str, Any]:
+        """verl's backward-compatible name of ``process_multi_modal_info``."""
+        return await self.process_multi_modal_info(messages)
+
+    async def process_multi_modal_info(self, messages: list[dict[str, Any]]) -> dict[str, Any]:
+        """Images, videos and audios of ``messages``: ``{"images": [...], ...}``; ``{}`` when
+        the loop has no processor (as in verl). With a ``dataset_cls`` that extracts them
+        (verl's RLHFDataset), it is asked, as verl asks it; else the content items
+        ``{"type": "image", "image": ...}`` / ``video`` / ``audio`` are collected."""
+        if self.processor is None:
+            return {}
+        patch = getattr(getattr(self.processor, "image_processor", None), "patch_size", 14)
+        if hasattr(self.dataset_cls, "process_multi_modal_info"):
+            images, videos, audios = await self.dataset_cls.process_multi_modal_info(
+                messages, image_patch_size=patch, config=self.data_config
+            )
+        elif hasattr(self.dataset_cls, "process_vision_info"):
+            images, videos = await self.dataset_cls.process_vision_info(
+                messages, image_patch_size=patch, config=self.data_config
+            )
+            audios = None
+        else:
+            images, videos, audios = _content_media(messages)
+        found = {"images": images, "videos": videos, "audios": audios}
+        return {key: value for key, value in found.items() if value is not None}
+
+    @staticmethod
+    def build_sglang_video_payload(
+        videos: Any, mm_inputs: dict[str, Any]
+    ) -> list[dict[str, Any]] | None:
+        """verl's video features for SGLang's ``video_data``; None without a video."""
+        if not videos or "pixel_values_videos" not in mm_inputs:
+            return None
+        payload = {
+            "format": "processor_output",
+            "pixel_values_videos": mm_inputs["pixel_values_videos"],
+            "video_grid_thw": mm_inputs["video_grid_thw"],
+        }
+        if "second_per_grid_ts" in mm_inputs:
+            payload["second_per_grid_ts"] = mm_inputs["second_per_grid_ts"]
+        return [payload]
+
+    # ---- prompts (pre-CT API) ----------------------------------------------------------------
 
     async def apply_chat_template(
         self,
@@ -77,40 +279,17 @@ class AgentLoopBase(ABC):
         remove_system_prompt: bool = False,
         **template_kwargs: Any,
     ) -> list[int]:
-        """Prompt token ids with the generation prompt, within ``rollout.prompt_length``.
-
-        A text prompt that is too long keeps its last ``prompt_length`` tokens (left
-        truncation, with a warning); a multimodal prompt that is too long raises
-        ``PromptTooLongError``: cutting tokens would orphan image/video placeholders.
-        """
+        """verl's pre-CT prompt builder; ``ct_build_initial_tokens`` is the current one."""
         kwargs = {**self.apply_chat_template_kwargs, **template_kwargs}
         multimodal = bool(images) or bool(videos)
         self._assert_mm_supported(multimodal)
-        ids = await asyncio.to_thread(self._render_prompt, messages, tools, images, videos, kwargs)
+        builder = get_builder(self.tokenizer, self.processor, **kwargs)
+        ids = await asyncio.to_thread(
+            builder.build_initial_tokens, messages, tools=tools, images=images, videos=videos
+        )
         if remove_system_prompt:
             ids = self._strip_system_prompt(ids)
         return self._fit_prompt(ids, multimodal)
-
-    def _assert_mm_supported(self, multimodal: bool) -> None:
-        if multimodal and self.processor is None:
-            raise AgentLoopError(
-                "the prompt has images or videos but this loop has no processor (a VL model)"
-            )
-
-    def _render_prompt(self, messages, tools, images, videos, kwargs) -> list[int]:
-        if self.processor is None:
-            return render_ids(
-                self.tokenizer, messages, tools=tools, add_generation_prompt=True, **kwargs
-            )
-        text = self.processor.apply_chat_template(
-            messages, tools=tools or None, add_generation_prompt=True, tokenize=False, **kwargs
-        )
-        inputs = self.processor(
-            text=[text], images=images or None, videos=videos or None, return_tensors="pt"
-        )
-        input_ids = inputs["input_ids"]
-        first = input_ids[0]
-        return first.tolist() if hasattr(first, "tolist") else list(first)
 
     def _strip_system_prompt(self, ids: list[int]) -> list[int]:
         """Drop the default system prefix the template adds to a headless render (pre-CT verl)."""
@@ -144,10 +323,6 @@ class AgentLoopBase(ABC):
 
     # ---- helpers shared by the built-in loops -------------------------------------------
 
-    @property
-    def ct_builder(self) -> ContinuousTokenBuilder:
-        return get_builder(self.tokenizer, **self.apply_chat_template_kwargs)
-
     def trajectory_request_id(self, kwargs: dict[str, Any]) -> str:
         """One id per trajectory (sticky routing); ``det-{priority}`` under full determinism."""
         if self.rollout_config.full_determinism:
@@ -156,6 +331,36 @@ class AgentLoopBase(ABC):
                 priority = f"{kwargs.get('uid', '')}_{kwargs.get('session_id', 0)}"
             return f"det-{priority}"
         return uuid.uuid4().hex
+
+
+def _event_loop() -> asyncio.AbstractEventLoop:
+    """The running loop (loops are built inside the session's coroutine), as verl's
+    ``get_event_loop`` gives; a new one when built outside any loop."""
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        try:
+            return asyncio.get_event_loop_policy().get_event_loop()
+        except RuntimeError:
+            loop = asyncio.new_event_loop()
+            asyncio.set_event_loop(loop)
+            return loop
+
+
+def _content_media(
+    messages: list[dict[str, Any]],
+) -> tuple[list[Any] | None, list[Any] | None, list[Any] | None]:
+    found: dict[str, list[Any]] = {"image": [], "video": [], "audio": []}
+    for message in messages:
+        content = message.get("content")
+        if not isinstance(content, list):
+            continue
+        for item in content:
+            kind = item.get("type") if isinstance(item, Mapping) else None
+            if kind in found and item.get(kind) is not None:
+                found[kind].append(item[kind])
+    images, videos, audios = (found[k] or None for k in ("image", "video", "audio"))
+    return images, videos, audios
 
 
 def multi_modal_inputs(kwargs: dict[str, Any]) -> tuple[list[Any] | None, list[Any] | None]:

@@ -25,16 +25,43 @@ full re-render), see ``tests/test_continuous_token.py``:
 
 The stream is right and the re-render is wrong in each case: the stream is what the
 policy saw and sampled.
+
+verl's runtime API is here too, with its names: ``build_initial_tokens``,
+``merge_assistant_tokens``, ``merge_context_tokens`` (returning a ``MergeResult``) and
+``align_response_metadata``. One builder serves every chat template: verl picks a builder
+per HF ``model_type`` (its Qwen builder inserts ``\\n`` after a sampled ``<|im_end|>``; its
+default builder inserts nothing), this one derives the boundary from the template itself.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from rolloutbus.errors import AgentLoopError
 
 OBSERVATION_ROLES = frozenset({"tool", "user", "system"})
+# verl lets a context append carry an assistant message too, if it is not the last one
+CONTEXT_ROLES = OBSERVATION_ROLES | {"assistant"}
+
+MergeKind = Literal["assistant", "context"]
+
+
+@dataclass(frozen=True)
+class MergeResult:
+    """verl's merge result: the new stream and the edits made at the junction.
+
+    ``inserted_token_ids`` are boundary tokens the builder added (mask 0, logprob 0.0);
+    ``appended_token_count`` counts the appended assistant or context tokens after them;
+    ``removed_prefix_token_count`` is always 0 here (no builder trims the stream).
+    """
+
+    token_ids: list[int]
+    appended_token_count: int
+    kind: MergeKind = "context"
+    inserted_token_ids: list[int] = field(default_factory=list)
+    removed_prefix_token_count: int = 0
+
 
 _NOOP_TOOL = "rolloutbus_noop"
 _SYNTHETIC_PREFIX: list[dict[str, Any]] = [
@@ -89,10 +116,127 @@ class ContinuousTokenBuilder:
     One instance per tokenizer (the end-of-turn tokens are computed once).
     """
 
-    def __init__(self, tokenizer: Any, **template_kwargs: Any):
+    def __init__(self, tokenizer: Any, processor: Any = None, **template_kwargs: Any):
         self.tokenizer = tokenizer
+        self.processor = processor  # renders multimodal prompts (a VL model's processor)
         self.template_kwargs = template_kwargs
+        self.chat_template_kwargs = template_kwargs  # verl's attribute name
         self.end_of_turn_ids = self._end_of_turn_ids()
+
+    # ---- verl's runtime API ------------------------------------------------------------
+
+    def supports_multimodal(self) -> bool:
+        """Images/videos render through the processor, so only with one."""
+        return self.processor is not None
+
+    def build_initial_tokens(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        images: list[Any] | None = None,
+        videos: list[Any] | None = None,
+        audios: list[Any] | None = None,
+        mm_inputs_out: dict[str, Any] | None = None,
+    ) -> list[int]:
+        """The prompt with the generation prompt (no length cap: the loop applies it)."""
+        if audios:
+            raise AgentLoopError("audio inputs are not supported")
+        if self.processor is None:
+            return render_ids(
+                self.tokenizer,
+                messages,
+                tools=tools,
+                add_generation_prompt=True,
+                **self.template_kwargs,
+            )
+        text = self.processor.apply_chat_template(
+            messages,
+            tools=tools or None,
+            add_generation_prompt=True,
+            tokenize=False,
+            **self.template_kwargs,
+        )
+        inputs = self.processor(
+            text=[text], images=images or None, videos=videos or None, return_tensors="pt"
+        )
+        if mm_inputs_out is not None:
+            mm_inputs_out.update({k: v for k, v in inputs.items() if k != "input_ids"})
+        first = inputs["input_ids"][0]
+        return first.tolist() if hasattr(first, "tolist") else list(first)
+
+    def merge_assistant_tokens(
+        self, runtime_token_ids: list[int], assistant_token_ids: list[int]
+    ) -> MergeResult:
+        """Sampled tokens are appended verbatim: never decoded and re-encoded."""
+        return MergeResult(
+            token_ids=list(runtime_token_ids) + list(assistant_token_ids),
+            appended_token_count=len(assistant_token_ids),
+            kind="assistant",
+        )
+
+    def merge_context_tokens(
+        self,
+        previous_messages: list[dict[str, Any]],
+        updated_messages: list[dict[str, Any]],
+        runtime_token_ids: list[int],
+        *,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> MergeResult:
+        """Append the messages ``updated_messages`` adds to ``previous_messages``.
+
+        The history must be append-only (verl raises ValueError otherwise; so does this,
+        as ``ContextNotAppendOnlyError``). ``tools`` does not change the suffix of a chat
+        template that renders tools in the system prompt, so it is not re-rendered.
+        """
+        appended = _appended_messages(previous_messages, updated_messages)
+        observation = self.observation(runtime_token_ids, appended)
+        return MergeResult(
+            token_ids=list(runtime_token_ids) + observation.token_ids,
+            appended_token_count=len(observation.message_ids),
+            kind="context",
+            inserted_token_ids=list(observation.boundary_ids),
+        )
+
+    @staticmethod
+    def align_response_metadata(
+        merge_result: MergeResult,
+        response_mask: list[int],
+        response_logprobs: list[float] | None = None,
+        *,
+        assistant_logprobs: list[float] | None = None,
+    ) -> tuple[list[int], list[float] | None]:
+        """verl's alignment: boundary and context tokens get mask 0 and logprob 0.0,
+        assistant tokens mask 1 and their logprobs (whose count must match)."""
+        mask = list(response_mask)
+        logprobs = list(response_logprobs) if response_logprobs is not None else None
+        if logprobs is None and assistant_logprobs is not None:
+            raise ContinuousTokenError(
+                "response_logprobs is required when assistant_logprobs is provided"
+            )
+        if merge_result.removed_prefix_token_count:
+            mask = mask[: -merge_result.removed_prefix_token_count]
+            if logprobs is not None:
+                logprobs = logprobs[: -merge_result.removed_prefix_token_count]
+        mask += [0] * len(merge_result.inserted_token_ids)
+        if logprobs is not None:
+            logprobs += [0.0] * len(merge_result.inserted_token_ids)
+        count = merge_result.appended_token_count
+        if merge_result.kind == "assistant":
+            mask += [1] * count
+            if logprobs is not None:
+                given = list(assistant_logprobs or [])
+                if len(given) != count:
+                    raise ContinuousTokenError(
+                        "assistant_logprobs length must match appended assistant token count, "
+                        f"got {len(given)} and {count}"
+                    )
+                logprobs += given
+        else:
+            mask += [0] * count
+            if logprobs is not None:
+                logprobs += [0.0] * count
+        return mask, logprobs
 
     def _end_of_turn_ids(self) -> list[int]:
         """What the template writes after an assistant message's content (Qwen: <|im_end|>\\n)."""
@@ -159,11 +303,11 @@ class ContinuousTokenBuilder:
         """Boundary + rendered ``new_messages`` + generation prompt, to append to ``stream_ids``."""
         if not new_messages:
             raise AgentLoopError("an observation needs at least one message")
-        bad = [m.get("role") for m in new_messages if m.get("role") not in OBSERVATION_ROLES]
-        if bad:
-            raise AgentLoopError(
-                "only tool, user or system messages can be appended to a token stream, got "
-                f"roles {bad}"
+        roles = [m.get("role") for m in new_messages]
+        if any(role not in CONTEXT_ROLES for role in roles) or roles[-1] == "assistant":
+            raise ContextNotAppendOnlyError(
+                "only tool, user or system messages (and an assistant message before them) "
+                f"can be appended to a token stream, got roles {roles}"
             )
         message_ids = self._suffix_ids(new_messages)
         return ObservationTokens(
@@ -171,13 +315,41 @@ class ContinuousTokenBuilder:
         )
 
 
-_builders: dict[tuple[int, tuple[tuple[str, Any], ...]], ContinuousTokenBuilder] = {}
+class ContinuousTokenError(AgentLoopError, ValueError):
+    """A Continuous Token merge that cannot be done (verl raises ValueError)."""
 
 
-def get_builder(tokenizer: Any, **template_kwargs: Any) -> ContinuousTokenBuilder:
-    """A cached builder per (tokenizer, template kwargs)."""
-    key = (id(tokenizer), tuple(sorted((k, repr(v)) for k, v in template_kwargs.items())))
+class ContextNotAppendOnlyError(ContinuousTokenError):
+    """The messages are not an append to the history."""
+
+
+def _appended_messages(
+    previous: list[dict[str, Any]], updated: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    if len(updated) < len(previous):
+        raise ContextNotAppendOnlyError(
+            "Continuous Token messages must be append-only; updated_messages is shorter"
+        )
+    if updated[: len(previous)] != previous:
+        raise ContextNotAppendOnlyError(
+            "Continuous Token messages must be append-only; prefix messages changed"
+        )
+    return updated[len(previous) :]
+
+
+_builders: dict[tuple[int, int, tuple[tuple[str, Any], ...]], ContinuousTokenBuilder] = {}
+
+
+def get_builder(
+    tokenizer: Any, processor: Any = None, **template_kwargs: Any
+) -> ContinuousTokenBuilder:
+    """A cached builder per (tokenizer, processor, template kwargs)."""
+    key = (
+        id(tokenizer),
+        id(processor),
+        tuple(sorted((k, repr(v)) for k, v in template_kwargs.items())),
+    )
     builder = _builders.get(key)
-    if builder is None or builder.tokenizer is not tokenizer:
-        builder = _builders[key] = ContinuousTokenBuilder(tokenizer, **template_kwargs)
+    if builder is None or builder.tokenizer is not tokenizer or builder.processor is not processor:
+        builder = _builders[key] = ContinuousTokenBuilder(tokenizer, processor, **template_kwargs)
     return builder

@@ -1,4 +1,9 @@
-"""``single_turn_agent``: one generate() call; every response token is an action."""
+"""``single_turn_agent``: one generate() call; every response token is an action.
+
+verl 0.9.1's ``SingleTurnAgentLoop`` step for step: media from the row (or the messages),
+the CT prompt, one ``generate`` with ``priority``, the sampled tokens merged as assistant
+tokens, and the output capped at ``rollout.response_length``.
+"""
 
 from __future__ import annotations
 
@@ -15,12 +20,16 @@ class SingleTurnAgentLoop(AgentLoopBase):
     async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> AgentLoopOutput:
         messages = list(kwargs["raw_prompt"])
         images, videos = multi_modal_inputs(kwargs)
-        prompt_ids = await self.apply_chat_template(messages, images=images, videos=videos)
+        if images is None and videos is None:
+            media = await self.process_multi_modal_info(messages)
+            images, videos = media.get("images"), media.get("videos")
+        self._assert_mm_supported(bool(images or videos))
+        prompt_ids = await self.ct_build_initial_tokens(messages, images=images, videos=videos)
 
         timings: dict[str, float] = {}
         extra: dict[str, Any] = {}
         if kwargs.get("priority") is not None:
-            extra["priority"] = kwargs["priority"]
+            extra["priority"] = int(kwargs["priority"])  # np.int64 from a dataset: plain int
         with simple_timer("generate_sequences", timings):
             token_output = await self.server_manager.generate(
                 self.trajectory_request_id(kwargs),
@@ -30,13 +39,21 @@ class SingleTurnAgentLoop(AgentLoopBase):
                 video_data=videos,
                 **extra,
             )
+        logprobs_in = list(token_output.log_probs) if token_output.log_probs else None
+        merge, mask, logprobs = await self.ct_merge_assistant_token(
+            prompt_ids,
+            list(token_output.token_ids),
+            [],
+            [] if logprobs_in else None,
+            assistant_logprobs=logprobs_in,
+        )
+        split = len(merge.token_ids) - len(mask)
+        prompt_ids, response_ids = merge.token_ids[:split], merge.token_ids[split:]
 
         limit = self.rollout_config.response_length
-        response_ids = list(token_output.token_ids[:limit])
-        logprobs = token_output.log_probs[: len(response_ids)] if token_output.log_probs else None
         routed = token_output.routed_experts
         if routed is not None:
-            routed = routed[: len(prompt_ids) + len(response_ids)]
+            routed = routed[: len(prompt_ids) + limit]
         metrics = AgentLoopMetrics(
             generate_sequences=timings["generate_sequences"],
             num_preempted=token_output.num_preempted
@@ -48,9 +65,9 @@ class SingleTurnAgentLoop(AgentLoopBase):
         }
         return AgentLoopOutput(
             prompt_ids=prompt_ids,
-            response_ids=response_ids,
-            response_mask=[1] * len(response_ids),
-            response_logprobs=list(logprobs) if logprobs is not None else None,
+            response_ids=response_ids[:limit],
+            response_mask=mask[:limit],
+            response_logprobs=logprobs[:limit] if logprobs else None,
             routed_experts=routed,
             multi_modal_data=multi_modal_data or None,
             num_turns=2,

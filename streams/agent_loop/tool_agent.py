@@ -1,8 +1,22 @@
-"""``tool_agent``: verl's tool-calling state machine over one append-only token stream.
+"""``tool_agent``: verl 0.9.1's tool-calling state machine over one append-only token stream.
 
 PENDING → GENERATING ↔ PROCESSING_TOOLS → TERMINATED. ``rollout.response_length`` is a
 budget for the whole trajectory (assistant turns + observations); an observation that
-would reach it is dropped and the loop ends.
+would reach it is dropped and the loop ends. verl's rules, kept here as verl has them:
+
+- ``extra_info.tool_selection`` keeps the named tools that exist (unknown names are
+  ignored); an empty or missing selection keeps all tools;
+- a call that does not parse is dropped by the parser, so a turn whose only call is
+  malformed ends the trajectory;
+- unknown tools, invalid JSON and tool exceptions become verl's error texts, reward 0.0;
+- tool text is capped at ``max_tool_response_length`` characters: ``left`` keeps the tail
+  (``"(truncated)..." + tail``, verl PR #6313), ``right`` the head, ``middle`` both ends;
+- ``extra_fields`` is ``agent_data.extra_fields``: the first turn's ``TokenOutput`` fields,
+  later turns' ``max_global_steps`` and summed ``spec_*`` counters, plus whatever tools
+  stored there during the trajectory.
+
+One addition: ``rollout.multi_turn.tool_timeout_s`` bounds each call (verl has none); a
+call that runs past it is answered with an error text, reward 0.0.
 """
 
 from __future__ import annotations
@@ -13,25 +27,42 @@ import logging
 from enum import Enum
 from typing import Any
 
-from rolloutbus.errors import AgentLoopError
 from rolloutbus.schemas.agent_loop import AgentLoopMetrics, AgentLoopOutput, TokenOutput
-from rolloutbus.streams.agent_loop.base import AgentLoopBase, DictConfigWrap, multi_modal_inputs
+from rolloutbus.streams.agent_loop.base import (
+    AgentLoopBase,
+    DictConfigWrap,
+    MultimodalUnsupportedError,
+    ToolListWrap,
+    multi_modal_inputs,
+)
+from rolloutbus.streams.agent_loop.continuous_token import ContinuousTokenError
 from rolloutbus.streams.agent_loop.registry import register
 from rolloutbus.streams.agent_loop.timing import simple_timer
-from rolloutbus.streams.agent_loop.tool_parser import FunctionCall, ToolParser, assistant_tool_calls
+from rolloutbus.streams.agent_loop.tool_parser import (
+    FunctionCall,
+    ToolParser,
+    assistant_tool_calls,
+    rendered_tool_schema,
+)
 from rolloutbus.streams.agent_loop.tools import (
-    BaseTool,
     FunctionTool,
     ToolResponse,
     load_tool_catalog,
+    normalize_function_tool_return,
 )
 
 logger = logging.getLogger(__name__)
 
-# verl's markers, verl's sides: "left" keeps the head, "right" keeps the tail.
-TRUNCATED_TAIL = "...(truncated)"
-TRUNCATED_HEAD = "(truncated)..."
+# verl's markers: "left" keeps the tail, "right" keeps the head (verl PR #6313)
+TRUNCATED_HEAD = "(truncated)..."  # in front of the kept tail ("left")
+TRUNCATED_TAIL = "...(truncated)"  # after the kept head ("right")
 TRUNCATED_MIDDLE = "...(truncated)..."
+
+SPEC_DECODE_EXTRA_KEYS = (
+    "spec_num_draft_tokens",
+    "spec_num_accepted_tokens",
+    "spec_num_verify_steps",
+)
 
 
 class AgentState(Enum):
@@ -42,29 +73,38 @@ class AgentState(Enum):
 
 
 class AgentData:
-    """All state of one trajectory; tools receive it as ``agent_data`` (verl's AgentData)."""
+    """All state of one trajectory; tools receive it as ``agent_data`` (verl's AgentData).
+
+    Tools may keep session data in ``extra_fields``: it is the output's ``extra_fields``.
+    """
 
     def __init__(self, messages, image_data, video_data, request_id, tools_kwargs, tools):
         self.messages: list[dict[str, Any]] = messages
         self.image_data = image_data
         self.video_data = video_data
+        self.audio_data = None
         self.request_id: str = request_id
         self.tools_kwargs: dict[str, Any] = tools_kwargs
-        self.tools: dict[str, BaseTool] = tools  # after extra_info.tool_selection
-        self.timings: dict[str, float] = {}
-        self.num_preempted: int | None = None
+        self.tools: dict[str, Any] = tools  # after extra_info.tool_selection
+        self.tool_schemas: list[dict[str, Any]] = [
+            rendered_tool_schema(t.tool_schema) for t in tools.values()
+        ]
+        self.metrics: dict[str, Any] = {}  # verl: timings + num_preempted
         self.prompt_ids: list[int] = []  # the whole stream: prompt, then every turn
+        self.response_ids: list[int] = []  # the last turn's sampled tokens
         self.response_mask: list[int] = []
         self.response_logprobs: list[float] = []
-        self.has_logprobs = False
         self.routed_experts: Any = None
         self.turn_scores: list[float] = []
         self.tool_rewards: list[float] = []
         self.user_turns = 0
         self.assistant_turns = 0
         self.tool_calls: list[FunctionCall] = []
-        self.token_extra_fields: dict[str, Any] | None = None
-        self.extra_fields: dict[str, Any] = {}  # free space for tools' session data
+        self.extra_fields: dict[str, Any] = {}
+
+    @property
+    def timings(self) -> dict[str, Any]:
+        return self.metrics
 
 
 @register("tool_agent")
@@ -75,7 +115,7 @@ class ToolAgentLoop(AgentLoopBase):
         server_manager: Any,
         tokenizer: Any,
         processor: Any = None,
-        tools: list[BaseTool] | None = None,
+        tools: ToolListWrap | list[Any] | None = None,
         **kwargs: Any,
     ):
         super().__init__(trainer_config, server_manager, tokenizer, processor, **kwargs)
@@ -88,48 +128,52 @@ class ToolAgentLoop(AgentLoopBase):
         self.tool_timeout_s = mt.tool_timeout_s
         self.prompt_length = self.rollout_config.prompt_length
         self.response_length = self.rollout_config.response_length
-        tool_list = (
-            list(tools)
-            if tools is not None
-            else load_tool_catalog(mt.tool_config_path, mt.function_tool_path)
-        )
+        if isinstance(tools, ToolListWrap):
+            tool_list = list(tools.tools)
+        elif tools is not None:
+            tool_list = list(tools)
+        else:  # built outside the session runner: load the configured catalog (cached)
+            tool_list = load_tool_catalog(mt.tool_config_path, mt.function_tool_path)
         self.tools = {tool.name: tool for tool in tool_list}
+        self.tool_schemas = [rendered_tool_schema(tool.tool_schema) for tool in tool_list]
         self.tool_parser = ToolParser.get_tool_parser(mt.format, self.tokenizer)
+        self.tool_parser_name = mt.format
 
     # ---- the loop ------------------------------------------------------------------------
 
     async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> AgentLoopOutput:
+        messages = list(kwargs["raw_prompt"])
         images, videos = multi_modal_inputs(kwargs)
+        if images is None and videos is None:
+            media = await self.process_multi_modal_info(messages)
+            images, videos = media.get("images"), media.get("videos")
         data = AgentData(
-            messages=list(kwargs["raw_prompt"]),
+            messages=messages,
             image_data=images,
             video_data=videos,
             request_id=self.trajectory_request_id(kwargs),
             tools_kwargs=dict(kwargs.get("tools_kwargs") or {}),
             tools=self._selected_tools(kwargs.get("extra_info") or {}),
         )
-        params = self._with_stop_tokens(sampling_params)
         state = AgentState.PENDING
         while state != AgentState.TERMINATED:
             if state == AgentState.PENDING:
-                state = await self._handle_pending_state(data)
+                state = await self._handle_pending_state(data, sampling_params)
             elif state == AgentState.GENERATING:
-                state = await self._handle_generating_state(data, params, kwargs)
+                state = await self._handle_generating_state(data, sampling_params)
             elif state == AgentState.PROCESSING_TOOLS:
                 state = await self._handle_processing_tools_state(data)
         return self._build_output(data)
 
-    def _selected_tools(self, extra_info: dict[str, Any]) -> dict[str, BaseTool]:
+    def _selected_tools(self, extra_info: dict[str, Any]) -> dict[str, Any]:
+        """verl: the named tools that exist; all tools when the selection is empty/missing."""
         selection = extra_info.get("tool_selection")
-        if selection is None:
-            return dict(self.tools)
-        unknown = [name for name in selection if name not in self.tools]
-        if unknown:
-            raise AgentLoopError(
-                f"extra_info.tool_selection names unknown tools {unknown}; known: "
-                f"{sorted(self.tools)}"
-            )
-        return {name: self.tools[name] for name in selection}
+        if selection and self.tools:
+            unknown = [name for name in selection if name not in self.tools]
+            if unknown:
+                logger.warning("tool_selection names unknown tools %s: ignored", unknown)
+            return {name: self.tools[name] for name in selection if name in self.tools}
+        return dict(self.tools)
 
     def _with_stop_tokens(self, sampling_params: dict[str, Any]) -> dict[str, Any]:
         stops = self.tool_parser.stop_token_ids
@@ -141,88 +185,128 @@ class ToolAgentLoop(AgentLoopBase):
             "stop_token_ids": existing + [t for t in stops if t not in existing],
         }
 
-    async def _handle_pending_state(self, data: AgentData) -> AgentState:
-        schemas = [tool.get_openai_tool_schema() for tool in data.tools.values()]
-        data.prompt_ids = await self.apply_chat_template(
-            data.messages, tools=schemas or None, images=data.image_data, videos=data.video_data
+    async def _handle_pending_state(
+        self, data: AgentData, sampling_params: dict[str, Any] | None = None
+    ) -> AgentState:
+        self._assert_mm_supported(bool(data.image_data or data.video_data))
+        data.prompt_ids = await self.ct_build_initial_tokens(
+            data.messages,
+            tools=data.tool_schemas or None,
+            images=data.image_data,
+            videos=data.video_data,
         )
         return AgentState.GENERATING
 
     async def _handle_generating_state(
-        self, data: AgentData, params: dict[str, Any], kwargs
+        self, data: AgentData, sampling_params: dict[str, Any], ignore_termination: bool = False
     ) -> AgentState:
-        extra = {"priority": kwargs["priority"]} if kwargs.get("priority") is not None else {}
-        with simple_timer("generate_sequences", data.timings):
+        with simple_timer("generate_sequences", data.metrics):
             output: TokenOutput = await self.server_manager.generate(
                 data.request_id,
                 prompt_ids=list(data.prompt_ids),
-                sampling_params=params,
+                sampling_params=self._with_stop_tokens(sampling_params),
                 image_data=data.image_data,
                 video_data=data.video_data,
-                **extra,
             )
-        self._record_turn(data, output)
+        await self._record_turn(data, output)
 
         # verl's three checks, in verl's order
-        if len(data.response_mask) >= self.response_length:
+        if not ignore_termination and len(data.response_mask) >= self.response_length:
             return AgentState.TERMINATED
         if self.max_assistant_turns and data.assistant_turns >= self.max_assistant_turns:
             return AgentState.TERMINATED
         if self.max_user_turns and data.user_turns >= self.max_user_turns:
             return AgentState.TERMINATED
 
-        content, data.tool_calls = await self.tool_parser.extract_tool_calls(list(output.token_ids))
-        message: dict[str, Any] = {"role": "assistant", "content": content}
+        schemas = [tool.tool_schema for tool in data.tools.values()]
+        content, data.tool_calls = await self.tool_parser.extract_tool_calls(
+            list(data.response_ids), schemas
+        )
+        message: dict[str, Any] = {"role": "assistant", "content": content or ""}
         if data.tool_calls:
-            message["tool_calls"] = assistant_tool_calls(data.tool_calls)
+            message["tool_calls"] = assistant_tool_calls(data.tool_calls[: self.max_parallel_calls])
         data.messages.append(message)
         return AgentState.PROCESSING_TOOLS if data.tool_calls else AgentState.TERMINATED
 
-    def _record_turn(self, data: AgentData, output: TokenOutput) -> None:
-        """Append the sampled tokens verbatim (mask 1, with their logprobs)."""
+    async def _record_turn(self, data: AgentData, output: TokenOutput) -> None:
+        """Append the sampled tokens verbatim (mask 1, with their logprobs), as verl does."""
+        preempted = output.num_preempted
+        if data.metrics.get("num_preempted") is None:
+            data.metrics["num_preempted"] = preempted if preempted is not None else -1
+        else:
+            data.metrics["num_preempted"] += preempted if preempted is not None else 0
+        if not data.extra_fields:
+            data.extra_fields.update(output.extra_fields)
+        else:  # later turns: the newest model version, and the spec-decoding counters summed
+            newest = output.extra_fields.get("max_global_steps")
+            if newest:
+                data.extra_fields["max_global_steps"] = newest
+            for key in SPEC_DECODE_EXTRA_KEYS:
+                if key in output.extra_fields and key in data.extra_fields:
+                    data.extra_fields[key] = int(data.extra_fields[key]) + int(
+                        output.extra_fields[key]
+                    )
         data.assistant_turns += 1
-        tokens = list(output.token_ids)
-        if data.assistant_turns > 1 and bool(output.log_probs) != data.has_logprobs:
-            raise AgentLoopError(
+        data.response_ids = list(output.token_ids)
+        logprobs = list(output.log_probs) if output.log_probs else None
+        if data.assistant_turns > 1 and bool(logprobs) != bool(data.response_logprobs):
+            # verl raises (a ValueError) when they stop, and misaligns when they start
+            raise ContinuousTokenError(
                 "the replica returned logprobs for some turns only; they cannot be aligned"
             )
-        if output.log_probs:
-            data.has_logprobs = True
-            data.response_logprobs += list(output.log_probs)
-        data.prompt_ids += tokens
-        data.response_mask += [1] * len(tokens)
+        merge, mask, aligned = await self.ct_merge_assistant_token(
+            data.prompt_ids,
+            data.response_ids,
+            data.response_mask,
+            data.response_logprobs if (data.response_logprobs or logprobs) else None,
+            assistant_logprobs=logprobs,
+        )
+        data.prompt_ids = merge.token_ids
+        data.response_mask = mask
+        if aligned is not None:
+            data.response_logprobs = aligned
         if output.routed_experts is not None:
             data.routed_experts = output.routed_experts
-        if output.num_preempted is not None:
-            data.num_preempted = (data.num_preempted or 0) + output.num_preempted
-        if data.token_extra_fields is None:
-            data.token_extra_fields = dict(output.extra_fields)
-        else:  # later turns update only the newest model version and the spec-decoding counters
-            for key, value in output.extra_fields.items():
-                if key == "max_global_steps" or key.startswith("spec_"):
-                    data.token_extra_fields[key] = value
 
     async def _handle_processing_tools_state(self, data: AgentData) -> AgentState:
+        previous_messages = list(data.messages)
         calls = data.tool_calls[: self.max_parallel_calls]
-        with simple_timer("tool_calls", data.timings):
+        with simple_timer("tool_calls", data.metrics):
             responses = await asyncio.gather(*(self._call_tool(call, data) for call in calls))
 
         new_messages = []
-        for response, reward, _metrics in responses:
-            if response.image is not None or response.video is not None:
-                raise AgentLoopError("tools that return images or videos are not supported yet")
-            new_messages.append({"role": "tool", "content": response.text or ""})
+        for call, (response, reward, _metrics) in zip(calls, responses, strict=True):
+            if response.video:
+                raise NotImplementedError(
+                    "Multimedia type 'video' is not currently supported. Only 'image' is supported."
+                )
+            if response.image:
+                raise MultimodalUnsupportedError(
+                    "a tool returned images: rolloutbus does not send tool images to the "
+                    "model (text-only observations)"
+                )
+            message: dict[str, Any] = {"role": "tool", "content": response.text or ""}
+            if call.tool_call_id is not None:
+                message["tool_call_id"] = call.tool_call_id
+            new_messages.append(message)
             if reward is not None:
                 data.tool_rewards.append(reward)
         data.messages.extend(new_messages)
 
-        observation = self.ct_builder.observation(data.prompt_ids, new_messages).token_ids
-        if len(data.response_mask) + len(observation) >= self.response_length:
+        merge, mask, logprobs = await self.ct_merge_context_msg(
+            previous_messages,
+            data.messages,
+            data.prompt_ids,
+            data.response_mask,
+            data.response_logprobs if data.response_logprobs else None,
+            tools=data.tool_schemas or None,
+        )
+        if len(mask) >= self.response_length:
             return AgentState.TERMINATED  # the observation would spend the budget: drop it
-        data.prompt_ids += observation
-        data.response_mask += [0] * len(observation)
-        if data.has_logprobs:
-            data.response_logprobs += [0.0] * len(observation)
+        data.prompt_ids = merge.token_ids
+        data.response_mask = mask
+        if data.response_logprobs:
+            data.response_logprobs = logprobs or []
         data.user_turns += 1
         return AgentState.GENERATING
 
@@ -230,53 +314,51 @@ class ToolAgentLoop(AgentLoopBase):
 
     async def _call_tool(
         self, call: FunctionCall, data: AgentData
-    ) -> tuple[ToolResponse, float | None, dict]:
-        """Run one call; every failure becomes error text with reward 0.0 for the model to read."""
+    ) -> tuple[ToolResponse, float | None, dict[str, Any]]:
+        """Run one call within ``tool_timeout_s`` (a rolloutbus addition)."""
         if self.tool_timeout_s is None:
-            response = await self._run_tool_safely(call, data)
-        else:
-            try:
-                response = await asyncio.wait_for(
-                    self._run_tool_safely(call, data), self.tool_timeout_s
-                )
-            except TimeoutError:
-                logger.warning("tool %s timed out after %s s", call.name, self.tool_timeout_s)
-                text = (
-                    f"Error when executing tool {call.name}: "
-                    f"timed out after {self.tool_timeout_s} s"
-                )
-                return ToolResponse(text=text), 0.0, {}
-        tool_response, reward, metrics = response
-        tool_response = tool_response.model_copy(
-            update={"text": self.truncate_tool_text(tool_response.text)}
-        )
-        return tool_response, reward, metrics
-
-    async def _run_tool_safely(self, call: FunctionCall, data: AgentData):
-        tool, instance_id = None, None
+            return await self._run_tool(call, data)
         try:
-            tool = data.tools.get(call.name)
-            if tool is None:
-                raise AgentLoopError(f"unknown tool {call.name!r}; available: {sorted(data.tools)}")
-            try:
-                args = json.loads(call.arguments)
-            except json.JSONDecodeError as exc:
-                raise AgentLoopError(f"arguments of {call.name} are not valid JSON: {exc}") from exc
-            if not isinstance(args, dict):
-                raise AgentLoopError(f"arguments of {call.name} must be a JSON object")
-            if isinstance(tool, FunctionTool):
-                return await tool.call(args)
-            create_kwargs = (data.tools_kwargs.get(call.name) or {}).get("create_kwargs", {})
-            instance_id, _ = await tool.create(create_kwargs=create_kwargs)
-            result, reward, metrics = await tool.execute(instance_id, args, agent_data=data)
-            response = ToolResponse(text=result) if isinstance(result, str) else result
-            return response, reward, metrics or {}
+            return await asyncio.wait_for(self._run_tool(call, data), self.tool_timeout_s)
+        except TimeoutError:
+            logger.warning("tool %s timed out after %s s", call.name, self.tool_timeout_s)
+            text = f"Error executing tool '{call.name}': timed out after {self.tool_timeout_s} s"
+            return ToolResponse(text=text), 0.0, {}
+
+    async def _run_tool(
+        self, call: FunctionCall, data: AgentData
+    ) -> tuple[ToolResponse, float | None, dict[str, Any]]:
+        """verl's dispatch and error texts: every failure is text for the model, reward 0.0;
+        a tool's own text is truncated, verl's error texts are not."""
+        if call.name not in data.tools:
+            text = f"Unknown function '{call.name}'. Available tools: {list(data.tools)}"
+            logger.warning(text)
+            return ToolResponse(text=text), 0.0, {}
+        try:
+            args = json.loads(call.arguments)
+        except (json.JSONDecodeError, TypeError) as exc:
+            text = f"Invalid JSON in arguments for '{call.name}': {exc}"
+            logger.warning(text)
+            return ToolResponse(text=text), 0.0, {}
+        tool = data.tools[call.name]
+        instance_id = None
+        try:
+            if _is_function_tool(tool):
+                # stateless: called directly, tools_kwargs are not used (as in verl)
+                response, reward, metrics = normalize_function_tool_return(await tool.call(args))
+            else:
+                create_kwargs = (data.tools_kwargs.get(call.name) or {}).get("create_kwargs", {})
+                instance_id, _ = await tool.create(create_kwargs=create_kwargs)
+                result, reward, metrics = await tool.execute(instance_id, args, agent_data=data)
+                response = ToolResponse(text=result) if isinstance(result, str) else result
         except Exception as exc:  # noqa: BLE001 - any tool failure is data for the model, not a crash
-            logger.warning("tool %s failed: %s", call.name, exc)
-            return ToolResponse(text=f"Error when executing tool: {exc}"), 0.0, {}
+            logger.warning("Error executing tool '%s': %s", call.name, exc)
+            return ToolResponse(text=f"Error executing tool '{call.name}': {exc}"), 0.0, {}
         finally:
-            if tool is not None and instance_id is not None:
+            if instance_id and not _is_function_tool(tool):
                 await tool.release(instance_id)
+        kept = self.truncate_tool_text(response.text)
+        return response.model_copy(update={"text": kept}), reward, metrics or {}
 
     def truncate_tool_text(self, text: str | None) -> str | None:
         """Cap tool text at ``max_tool_response_length`` characters with verl's markers."""
@@ -284,11 +366,11 @@ class ToolAgentLoop(AgentLoopBase):
         if not text or len(text) <= limit:
             return text
         if self.tool_response_truncate_side == "left":
-            return text[:limit] + TRUNCATED_TAIL
+            return TRUNCATED_HEAD + text[-limit:]
         if self.tool_response_truncate_side == "right":
-            return TRUNCATED_HEAD + text[len(text) - limit :]
+            return text[:limit] + TRUNCATED_TAIL
         half = limit // 2
-        return text[:half] + TRUNCATED_MIDDLE + text[len(text) - half :]
+        return text[:half] + TRUNCATED_MIDDLE + text[-half:]
 
     # ---- output --------------------------------------------------------------------------
 
@@ -297,30 +379,33 @@ class ToolAgentLoop(AgentLoopBase):
         split = len(data.prompt_ids) - n_response
         prompt_ids, response_ids = data.prompt_ids[:split], data.prompt_ids[split:]
         limit = self.response_length
-        response_ids = response_ids[:limit]
         routed = data.routed_experts
         if routed is not None:
-            routed = routed[: len(prompt_ids) + len(response_ids)]
+            routed = routed[: len(prompt_ids) + limit]
+        preempted = data.metrics.get("num_preempted")
         metrics = AgentLoopMetrics(
-            generate_sequences=data.timings.get("generate_sequences", 0.0),
-            tool_calls=data.timings.get("tool_calls", 0.0),
-            num_preempted=data.num_preempted if data.num_preempted is not None else -1,
+            generate_sequences=data.metrics.get("generate_sequences", 0.0),
+            tool_calls=data.metrics.get("tool_calls", 0.0),
+            num_preempted=preempted if preempted is not None else -1,
         )
         multi_modal_data = {
             k: v for k, v in (("images", data.image_data), ("videos", data.video_data)) if v
         }
+        extra_fields = data.extra_fields  # tools' session data stays (verl)
+        extra_fields.update({"turn_scores": data.turn_scores, "tool_rewards": data.tool_rewards})
         return AgentLoopOutput(
             prompt_ids=prompt_ids,
-            response_ids=response_ids,
+            response_ids=response_ids[:limit],
             response_mask=data.response_mask[:limit],
-            response_logprobs=data.response_logprobs[:limit] if data.has_logprobs else None,
+            response_logprobs=data.response_logprobs[:limit] if data.response_logprobs else None,
             routed_experts=routed,
             multi_modal_data=multi_modal_data or None,
             num_turns=data.user_turns + data.assistant_turns + 1,
             metrics=metrics,
-            extra_fields={
-                **(data.token_extra_fields or {}),
-                "turn_scores": data.turn_scores,
-                "tool_rewards": data.tool_rewards,
-            },
+            extra_fields=extra_fields,
         )
+
+
+def _is_function_tool(tool: Any) -> bool:
+    """Ours, or verl's ``FunctionTool`` carrier (a dataclass with ``fn`` and no life cycle)."""
+    return isinstance(tool, FunctionTool) or (hasattr(tool, "fn") and not hasattr(tool, "create"))

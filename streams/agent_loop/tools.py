@@ -1,12 +1,16 @@
-"""Tools for ``tool_agent``: verl's ``BaseTool`` life cycle, plain-function tools, a calculator.
+"""Tools for ``tool_agent``: verl's ``BaseTool`` life cycle, function tools, a calculator.
 
 - ``BaseTool``: ``create`` → ``execute`` → ``release``; ``execute`` returns
   ``(ToolResponse | str, reward | None, metrics)``.
-- ``FunctionTool``: a plain Python function (sync or async); its OpenAI schema comes from
-  the signature and docstring.
+- ``FunctionTool``: a plain Python function (sync or async), called directly (verl's
+  ``verl.tools.function_tool``); ``@function_tool`` registers one with verl's schema
+  inference (``transformers.utils.get_json_schema``), and its return value is read as
+  verl's ``normalize_function_tool_return`` reads it (text, dict, ``ToolResponse`` or a
+  1-, 2- or 3-tuple; a missing reward is 0.0).
 - ``load_tools_from_config``: verl's tool YAML (``tools: [{class_name, config, tool_schema}]``).
-- ``load_function_tools``: every public function of a module or ``.py`` file
-  (``rollout.multi_turn.function_tool_path``).
+- ``load_function_tools``: ``rollout.multi_turn.function_tool_path`` — the ``@function_tool``
+  functions of a ``.py`` file or module, as in verl; a file without any decorated
+  function gives every public function instead (a rolloutbus addition).
 - ``CalculatorTool`` (``calculator``): arithmetic parsed with ``ast``; never ``eval``.
 """
 
@@ -16,6 +20,7 @@ import ast
 import asyncio
 import inspect
 import json
+import logging
 import math
 import operator
 import re
@@ -26,18 +31,33 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel
+from pydantic import BaseModel, model_validator
 
 from rolloutbus.errors import AgentLoopError
 from rolloutbus.streams.plugins import import_module, import_object
+
+logger = logging.getLogger(__name__)
 
 
 class ToolResponse(BaseModel):
     """What a tool gives back to the model (verl's ``verl.tools.schemas.ToolResponse``)."""
 
     text: str | None = None
-    image: Any | None = None
-    video: Any | None = None
+    image: list[Any] | None = None
+    video: list[Any] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _media_are_lists(cls, values: Any) -> Any:
+        # verl's check, with its advice: a single image must be wrapped in a list
+        for key in ("image", "video"):
+            if isinstance(values, dict) and values.get(key) is not None:
+                if not isinstance(values[key], list):
+                    raise ValueError(
+                        f"ToolResponse.{key} must be a list, got {type(values[key]).__name__}; "
+                        f"wrap a single one: {{'{key}': [item]}}"
+                    )
+        return values
 
 
 def function_schema(name: str, description: str, parameters: dict[str, Any]) -> dict[str, Any]:
@@ -52,10 +72,11 @@ class BaseTool:
     """verl's tool interface. One tool object serves many trajectories; per-call state lives
     under the ``instance_id`` that ``create`` returns, until ``release``."""
 
-    def __init__(
-        self, config: dict[str, Any] | None = None, tool_schema: dict[str, Any] | None = None
-    ):
+    def __init__(self, config: dict[str, Any] | None = None, tool_schema: Any = None):
         self.config = dict(config or {})
+        # a dict, or verl's OpenAIFunctionToolSchema (a pydantic model) from a verl tool YAML
+        if tool_schema is not None and hasattr(tool_schema, "model_dump"):
+            tool_schema = tool_schema.model_dump(exclude_unset=True, exclude_none=True)
         self.tool_schema = tool_schema or self.default_schema()
         if not self.tool_schema.get("function", {}).get("name"):
             raise AgentLoopError(f"{type(self).__name__}: the tool schema needs function.name")
@@ -102,29 +123,49 @@ _JSON_TYPES = {
 class FunctionTool(BaseTool):
     """A plain function as a tool; it is called directly (no create/release state).
 
-    The function returns text, ``(text, reward)``, a ``ToolResponse``, or any JSON value.
+    ``call`` returns what the function returned, as verl's does; ``execute`` (and the tool
+    loop) read it with ``normalize_function_tool_return``.
     """
 
     def __init__(
-        self, fn: Callable[..., Any], name: str | None = None, description: str | None = None
+        self,
+        fn: Callable[..., Any],
+        name: str | None = None,
+        description: str | None = None,
+        tool_schema: Any = None,
     ):
         self.fn = fn
-        super().__init__(tool_schema=schema_from_function(fn, name=name, description=description))
+        self.is_async = inspect.iscoroutinefunction(fn)
+        schema = tool_schema or schema_from_function(fn, name=name, description=description)
+        super().__init__(tool_schema=schema)
 
-    async def call(
-        self, parameters: dict[str, Any]
-    ) -> tuple[ToolResponse, float | None, dict[str, Any]]:
-        if inspect.iscoroutinefunction(self.fn):
-            result = await self.fn(**parameters)
-        else:
-            result = await asyncio.to_thread(self.fn, **parameters)
-        reward = None
-        if isinstance(result, tuple) and len(result) == 2:
-            result, reward = result
-        return as_tool_response(result), reward, {}
+    async def call(self, parameters: dict[str, Any]) -> Any:
+        if self.is_async:
+            return await self.fn(**parameters)
+        return await asyncio.to_thread(self.fn, **parameters)
 
     async def execute(self, instance_id: str, parameters: dict[str, Any], **kwargs: Any):
-        return await self.call(parameters)
+        return normalize_function_tool_return(await self.call(parameters))
+
+
+def normalize_function_tool_return(ret: Any) -> tuple[ToolResponse, float, dict[str, Any]]:
+    """verl's reading of a function tool's return value: ``(response, reward, metrics)``.
+
+    ``ToolResponse``/text/dict → reward 0.0; a tuple ``(response[, reward[, metrics]])``
+    with a None reward as 0.0; a tuple of another length raises ``TypeError`` (a tool bug);
+    anything else becomes its ``str``.
+    """
+    if isinstance(ret, tuple):
+        if not 1 <= len(ret) <= 3:
+            raise TypeError(
+                f"@function_tool return tuple must have length 1, 2, or 3 "
+                f"(got length {len(ret)}: {ret!r}). Use (response,), "
+                f"(response, reward), or (response, reward, metrics)."
+            )
+        reward = 0.0 if len(ret) < 2 or ret[1] is None else float(ret[1])
+        metrics = {} if len(ret) < 3 or ret[2] is None else dict(ret[2])
+        return as_tool_response(ret[0]), reward, metrics
+    return as_tool_response(ret), 0.0, {}
 
 
 def as_tool_response(result: Any) -> ToolResponse:
@@ -132,7 +173,60 @@ def as_tool_response(result: Any) -> ToolResponse:
         return result
     if isinstance(result, str):
         return ToolResponse(text=result)
-    return ToolResponse(text=json.dumps(result, ensure_ascii=False, default=str))
+    if isinstance(result, dict):
+        return ToolResponse(text=json.dumps(result, ensure_ascii=False))
+    return ToolResponse(text=str(result))
+
+
+# verl's FUNCTION_TOOL_REGISTRY: every @function_tool of the process, by tool name
+FUNCTION_TOOL_REGISTRY: dict[str, FunctionTool] = {}
+
+
+def function_tool(name: str | Callable[..., Any] | None = None, *, schema: Any = None) -> Any:
+    """Register a function as a tool, as verl's ``@function_tool`` does.
+
+    ``@function_tool`` or ``@function_tool("name")``; the schema comes from
+    ``transformers.utils.get_json_schema`` (a Google docstring with ``Args:`` and a type
+    hint on every parameter, else it raises at import, as in verl) unless ``schema=`` is
+    given. The function itself is returned unchanged.
+    """
+
+    def decorator_for(tool_name: str | None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        def decorator(fn: Callable[..., Any]) -> Callable[..., Any]:
+            final_name = tool_name or fn.__name__
+            built = schema if schema is not None else _verl_schema(fn, final_name)
+            existing = FUNCTION_TOOL_REGISTRY.get(final_name)
+            if existing is not None and existing.fn is not fn:
+                raise AgentLoopError(
+                    f"function tool {final_name!r} is already registered to "
+                    f"{existing.fn.__module__}.{existing.fn.__qualname__}"
+                )
+            FUNCTION_TOOL_REGISTRY[final_name] = FunctionTool(fn, tool_schema=built)
+            return fn
+
+        return decorator
+
+    if callable(name) and schema is None:
+        return decorator_for(None)(name)
+    return decorator_for(name if isinstance(name, str) else None)
+
+
+def _verl_schema(fn: Callable[..., Any], tool_name: str) -> dict[str, Any]:
+    from transformers.utils import get_json_schema  # the schema verl infers
+
+    variadic = [
+        p.name
+        for p in inspect.signature(fn).parameters.values()
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+    ]
+    if variadic:
+        raise AgentLoopError(
+            f"@function_tool {tool_name!r} declares variadic parameter(s) {variadic}, which an "
+            "OpenAI tool schema cannot express"
+        )
+    raw = get_json_schema(fn)
+    raw["function"]["name"] = tool_name
+    return raw
 
 
 def schema_from_function(
@@ -184,12 +278,18 @@ def _parse_docstring(doc: str) -> tuple[str, dict[str, str]]:
 
 
 def load_function_tools(path_or_module: str) -> list[FunctionTool]:
-    """Every public function defined in a module (dotted name) or a ``.py`` file.
-
-    A module may list its tools in ``__all__`` to choose them.
-    """
+    """The ``@function_tool`` functions a ``.py`` file or module registers (verl), or, if
+    it registers none, every public function it defines (``__all__`` chooses)."""
     what = "function tools (rollout.multi_turn.function_tool_path)"
+    before = dict(FUNCTION_TOOL_REGISTRY)
     module = import_module(path_or_module, what=what)
+    decorated = [
+        tool
+        for name, tool in FUNCTION_TOOL_REGISTRY.items()
+        if name not in before or getattr(tool.fn, "__module__", None) == module.__name__
+    ]
+    if decorated:
+        return sorted(decorated, key=lambda tool: tool.name)  # verl: sorted new names
     names = getattr(module, "__all__", None) or [
         n
         for n, obj in vars(module).items()

@@ -3,9 +3,19 @@
 ``RecordingLLMClient`` stands between an agent loop and the real LLM client. In
 token-in/token-out the prompt of each generate() call is the whole stream so far, so the
 new suffix after the tokens already logged *is* the observation (tool output, user turn,
-template boundary tokens). A prompt that shares the segment's initial prompt but is not
-an extension of the logged stream means the loop re-rendered history: that is token
-drift, reported as an error, never silently rewritten.
+template boundary tokens).
+
+A prompt that shares a segment's initial prompt but is not an extension of its logged
+stream means the loop re-rendered its history. Two cases, told apart by the text (when
+the recorder has the tokenizer, as in the session runner):
+
+- the same text in other tokens (a loop that decodes and re-encodes, verl #6719): the
+  sampled tokens would be rewritten, so that is ``TokenDriftError``;
+- other text (a loop that compresses or edits its context): the loop may do that, as in
+  verl; the prompt starts a new segment, and the loop's outputs are recorded as it
+  returns them (each must lie in one logged segment, as any output must).
+
+Without a tokenizer every re-render is ``TokenDriftError``, as before.
 """
 
 from __future__ import annotations
@@ -22,6 +32,7 @@ from pydantic import BaseModel
 
 from rolloutbus.errors import AgentLoopError, SessionDivergedError, TokenDriftError
 from rolloutbus.schemas.agent_loop import AgentLoopOutput, TokenOutput
+from rolloutbus.schemas.control import as_policy_version
 from rolloutbus.schemas.turns import (
     Generation,
     Observation,
@@ -29,7 +40,7 @@ from rolloutbus.schemas.turns import (
     SegmentStarted,
     SessionIds,
 )
-from rolloutbus.streams.token_stream import SegmentStream
+from rolloutbus.streams.token_stream import SegmentStream, generation_versions, turn_version
 
 Emit = Callable[[BaseModel], Awaitable[None]]
 LOGPROB_TOLERANCE = 1e-3  # float32 on the wire vs. float64 in the loop
@@ -47,8 +58,11 @@ class RecordingLLMClient:
         session_id: int,
         attempt: str,
         replay: Sequence[Any] = (),
+        tokenizer: Any = None,
     ):
         self._client = client
+        self._tokenizer = tokenizer  # tells a re-tokenized history from an edited one
+        self.rerendered_segments = 0  # segments started by a loop that edited its history
         self._emit = emit
         self._ids = SessionIds(uid=uid, session_id=session_id, attempt=attempt)
         self.segments: dict[int, SegmentStream] = {}
@@ -80,7 +94,10 @@ class RecordingLLMClient:
                 request_id, prompt_ids=prompt_ids, sampling_params=sampling_params, **kwargs
             )
             extra = out.extra_fields or {}
-            version = _as_version(extra.get("global_steps", extra.get("weight_version")))
+            version = turn_version(extra)
+            if version is not None:  # verl's LLMServerClient fills these from global_steps
+                for key in ("global_steps", "min_global_steps", "max_global_steps"):
+                    extra.setdefault(key, version)
             await self._emit(
                 Generation(
                     **self._ids,
@@ -97,7 +114,12 @@ class RecordingLLMClient:
                     extra_fields=_loggable(extra),
                 )
             )
-            self.segments[segment].add_generation(out.token_ids, out.log_probs, version)
+            self.segments[segment].add_generation(
+                out.token_ids,
+                out.log_probs,
+                version,
+                as_policy_version(extra.get("min_global_steps")),
+            )
             self._turn += 1
             return out
 
@@ -108,7 +130,10 @@ class RecordingLLMClient:
             raise self._diverged(f"a generation on segment {segment}", logged)
         await self._emit(logged.model_copy(update={**self._ids, "turn": self._turn}))
         self.segments[segment].add_generation(
-            logged.token_ids, logged.logprobs, logged.policy_version
+            logged.token_ids,
+            logged.logprobs,
+            logged.policy_version,
+            generation_versions(logged.policy_version, logged.extra_fields)[0],
         )
         self._turn += 1
         self.replayed_generations += 1
@@ -157,6 +182,9 @@ class RecordingLLMClient:
             initial = seg.tokens[: seg.prompt_len]
             if _is_prefix(initial, prompt) and not _is_prefix(prompt, seg.tokens):
                 at = _first_difference(prompt, seg.tokens)
+                if self._edited_history(seg.tokens, prompt):
+                    self.rerendered_segments += 1
+                    break  # a context edit: the prompt starts a new segment
                 raise TokenDriftError(
                     f"session {self._ids['uid']}_{self._ids['session_id']}: generate() prompt "
                     f"diverges from the logged stream of segment {index} at token {at} "
@@ -167,6 +195,15 @@ class RecordingLLMClient:
         await self._record(SegmentStarted(**self._ids, segment=index, prompt_ids=prompt))
         self.segments[index] = SegmentStream.start(prompt)
         return index
+
+    def _edited_history(self, logged: list[int], prompt: list[int]) -> bool:
+        """True when ``prompt`` says something else than the logged stream (an edit);
+        False when it is the same text in other tokens (drift)."""
+        if self._tokenizer is None:
+            return False
+        logged_text = self._tokenizer.decode(logged)
+        prompt_text = self._tokenizer.decode(prompt)
+        return not prompt_text.startswith(logged_text)
 
     def summarize(
         self, outputs: list[AgentLoopOutput], response_length: int
@@ -247,14 +284,6 @@ def _loggable(extra: dict[str, Any]) -> dict[str, Any]:
             continue  # e.g. an array; a resumed turn goes without it
         out[key] = value
     return out
-
-
-def _as_version(value: Any) -> int | None:
-    """Versions are trainer steps (ints); a replica may report them as strings."""
-    try:
-        return int(value) if value is not None else None
-    except (TypeError, ValueError):
-        return None
 
 
 def _is_prefix(prefix: list[int], seq: list[int]) -> bool:
