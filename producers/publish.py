@@ -39,6 +39,7 @@ from rolloutbus.errors import BrokerError
 from rolloutbus.kafka.clients import broker_error, idempotent_producer
 from rolloutbus.kafka.dead_letters import DeadLetterWriter
 from rolloutbus.producers.datasets import BadRow, RawRow, count_rows, read_rows
+from rolloutbus.producers.multimodal import build_multimodal_row
 from rolloutbus.schemas.prompts import DatasetRow, GroupSamplingParams, PromptGroup
 from rolloutbus.topics import Topics, partition_for
 
@@ -96,12 +97,13 @@ def derive_uid(
 
 
 def sampling_params(cfg: Config, validate: bool) -> GroupSamplingParams:
+    """verl's agent-loop path: rollout.temperature/top_p/top_k, or val_kwargs' when
+    validating (``val_kwargs.do_sample`` is not read there: temperature 0 is greedy)."""
     r = cfg.rollout
     if validate:
         v = r.val_kwargs
-        greedy = not v.do_sample
         return GroupSamplingParams(
-            temperature=0.0 if greedy else v.temperature,
+            temperature=v.temperature,
             top_p=v.top_p,
             top_k=v.top_k,
             repetition_penalty=r.repetition_penalty,
@@ -130,13 +132,14 @@ def build_group(
     The uid is the row's ``uid`` column if it has one, else ``uid``, else a random one.
     """
     row = _prompt_from_column(row, cfg.data.prompt_key)
+    row = build_multimodal_row(row, cfg.data.image_key)  # verl's <image> → content parts
     checked = DatasetRow.model_validate(row)
     row = dict(row)
     n = _group_size(cfg, row.pop("__rollout_n__", None), validate)
     do_sample = row.pop("__do_sample__", None)
     params = sampling_params(cfg, validate)
-    if do_sample is False:
-        params = params.model_copy(update={"temperature": 0.0})
+    if do_sample is False and not validate:  # verl: a per-row greedy override, training only
+        params = params.model_copy(update={"temperature": 0.0, "top_p": 1.0, "top_k": -1})
     return PromptGroup(
         uid=checked.uid or uid or new_uid(),
         row=row,
@@ -244,7 +247,11 @@ class PromptPublisher:
         bar = _progress(count_rows(path), progress)  # checks the path first
         identity = dataset_id or dataset_identity(path)
         rows_by_uid: dict[str, str] = {}  # a row's own uid -> that row, within this file
+        data = self.cfg.data
+        limit = data.val_max_samples if validate else data.train_max_samples  # verl: > 0 caps
         for index, item in enumerate(read_rows(path)):
+            if 0 < limit <= index:  # the first `limit` rows (verl draws them at random)
+                break
             uid = derive_uid(
                 identity, index, epoch=epoch, global_steps=global_steps, validate=validate
             )

@@ -52,6 +52,8 @@ class AgentLoopOutput(BaseModel):
     metrics: AgentLoopMetrics
     extra_fields: dict[str, Any] = Field(default_factory=dict)
     mm_processor_kwargs: dict[str, Any] | None = None
+    # verl 0.9.1: SGLang's video payload, reused by its teacher (OPD) path; None otherwise
+    mm_processor_output: list[dict[str, Any]] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """verl V1's storage view: renamed fields plus ``rm_scores`` (reward on the last token)."""

@@ -55,6 +55,11 @@ class Trajectory(BaseModel):
     raw_prompt: list[dict[str, Any]] = Field(default_factory=list)
     reward_model: dict[str, Any] | None = None
     extra_info: dict[str, Any] | None = None
+    # the row's other columns (index, ability, tools_kwargs, images, a dataset's own ...),
+    # kept as verl's non_tensor_batch keeps every column
+    extra_columns: dict[str, Any] = Field(default_factory=dict)
+    # what the reward function returned besides the score (verl's reward_extra_info)
+    reward_extra_info: dict[str, Any] | None = None
     validate_: bool = Field(default=False, alias="validate")
     global_steps: int = 0
     min_global_steps: int | None = None  # policy version at the first generation
@@ -105,6 +110,8 @@ TRAJECTORY_SCHEMA = pa.schema(
         ("raw_prompt", pa.string()),  # JSON: the chat messages
         ("reward_model", pa.string()),  # JSON
         ("extra_info", pa.string()),  # JSON
+        ("extra_columns", pa.string()),  # JSON: the row's other columns
+        ("reward_extra_info", pa.string()),  # JSON
         ("validate", pa.bool_()),
         ("global_steps", pa.int64()),
         ("min_global_steps", pa.int64()),
@@ -116,7 +123,14 @@ TRAJECTORY_SCHEMA = pa.schema(
     metadata={"rolloutbus.schema_version": str(SCHEMA_VERSION)},
 )
 
-_JSON_COLUMNS = ("extra_fields", "raw_prompt", "reward_model", "extra_info")
+_JSON_COLUMNS = (
+    "extra_fields",
+    "raw_prompt",
+    "reward_model",
+    "extra_info",
+    "extra_columns",
+    "reward_extra_info",
+)
 _METRIC_COLUMNS = ("generate_sequences", "tool_calls", "compute_score", "num_preempted")
 
 
@@ -148,8 +162,9 @@ def batch_to_trajectories(batch: pa.RecordBatch | pa.Table) -> list[Trajectory]:
             row.pop(derived)
         if row["raw_prompt"] is None:
             row["raw_prompt"] = []
-        if row["extra_fields"] is None:
-            row["extra_fields"] = {}
+        for name in ("extra_fields", "extra_columns"):
+            if row[name] is None:
+                row[name] = {}
         out.append(Trajectory.model_validate(row))
     return out
 

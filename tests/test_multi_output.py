@@ -62,7 +62,7 @@ async def test_multi_output_keys_and_copied_reward():
     client = ScriptedServerManager([scripted_turn(wrong), scripted_turn(right)])
     row = {
         "agent_name": "two_drafts_test",
-        "data_source": "my/math",
+        "data_source": "rolloutbus/arithmetic",  # the arithmetic scorer (last number)
         "prompt": [{"role": "user", "content": "计算 18 * 7"}],
         "reward_model": {"style": "rule", "ground_truth": "126"},
     }

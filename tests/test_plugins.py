@@ -3,9 +3,9 @@
 import pytest
 
 from rolloutbus.errors import AgentLoopError, ConfigError
-from rolloutbus.streams.agent_loop.reward import get_reward_fn, load_reward_fn
 from rolloutbus.streams.agent_loop.tools import CalculatorTool, load_function_tools
 from rolloutbus.streams.plugins import import_module, import_object
+from rolloutbus.streams.reward import get_reward_fn, load_reward_fn
 
 
 class Outer:

@@ -59,7 +59,7 @@ async def test_tool_agent_section_11_layout_over_http_and_through_the_fold(tok, 
         }
     )
     row = {
-        "data_source": "my/math",
+        "data_source": "rolloutbus/arithmetic",  # the arithmetic scorer (last number)
         "agent_name": "tool_agent",
         "prompt": [{"role": "user", "content": "计算 18 * 7"}],
         "reward_model": {"style": "rule", "ground_truth": "126"},
@@ -110,3 +110,7 @@ async def test_tool_agent_section_11_layout_over_http_and_through_the_fold(tok, 
     assert t.reward_score == 1.0 and t.rm_scores[-1] == 1.0 and sum(t.rm_scores) == 1.0
     assert t.metrics.num_preempted == -1 and t.metrics.tool_calls > 0
     assert json.loads(json.dumps(t.extra_fields))["tool_rewards"] == []
+    # verl's LLMServerClient fills these from the turn's version; so does the recorder
+    version = t.extra_fields["weight_version"]
+    assert t.extra_fields["global_steps"] == version
+    assert t.extra_fields["min_global_steps"] == t.extra_fields["max_global_steps"] == version

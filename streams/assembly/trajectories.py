@@ -254,6 +254,13 @@ def build_group_trajectories(
     return out
 
 
+# row columns that have a trajectory column of their own (or none: uid is the key's, the
+# agent name is the session's); every other column goes to extra_columns
+_ROW_COLUMNS_WITH_A_PLACE = frozenset(
+    {"data_source", "prompt", "reward_model", "extra_info", "agent_name", "uid"}
+)
+
+
 def _prompt_columns(group: GroupStarted) -> dict[str, Any]:
     row = group.row
     return {
@@ -261,6 +268,7 @@ def _prompt_columns(group: GroupStarted) -> dict[str, Any]:
         "raw_prompt": list(row.get("prompt") or []),
         "reward_model": row.get("reward_model"),
         "extra_info": row.get("extra_info"),
+        "extra_columns": {k: v for k, v in row.items() if k not in _ROW_COLUMNS_WITH_A_PLACE},
         "validate": group.validate_,
         "global_steps": group.global_steps,
     }
@@ -346,6 +354,7 @@ def _output_trajectory(
         num_turns=summary.num_turns,
         metrics=summary.metrics,
         extra_fields=summary.extra_fields,
+        reward_extra_info=summary.extra_fields.get("reward_extra_info"),
         min_global_steps=min(versions) if versions else None,
         max_global_steps=max(versions) if versions else None,
         **(_prompt_columns(group) if columns is None else columns),

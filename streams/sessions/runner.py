@@ -36,8 +36,9 @@ from rolloutbus.schemas.turns import (
     SessionStarted,
 )
 from rolloutbus.streams.agent_loop import registry
-from rolloutbus.streams.agent_loop.base import DictConfigWrap
-from rolloutbus.streams.agent_loop.reward import score_outputs
+from rolloutbus.streams.agent_loop.base import DictConfigWrap, ToolListWrap
+from rolloutbus.streams.agent_loop.tools import load_tool_catalog
+from rolloutbus.streams.reward import reward_fn_from_config, score_outputs_async
 from rolloutbus.streams.sessions.recorder import Emit, RecordingLLMClient
 from rolloutbus.streams.sessions.recovery import LoggedAttempt
 
@@ -193,7 +194,11 @@ async def _run_attempt(
             )
         )
         recorder = RecordingLLMClient(
-            ctx.llm_client, checked_emit, **ids, replay=resume.events if resume else ()
+            ctx.llm_client,
+            checked_emit,
+            **ids,
+            replay=resume.events if resume else (),
+            tokenizer=ctx.tokenizer,
         )
         try:
             outputs = await _within_deadline(
@@ -244,19 +249,26 @@ async def _run_agent_loop(
     agent_name: str | None,
     recorder: RecordingLLMClient,
 ) -> list[AgentLoopOutput]:
+    multi_turn = ctx.config.rollout.multi_turn
+    # what verl's AgentLoopWorker hands every loop; the tools are loaded once per process
+    tools = load_tool_catalog(multi_turn.tool_config_path, multi_turn.function_tool_path)
     loop = registry.create_agent_loop(
         agent_name,
         trainer_config=DictConfigWrap(ctx.config),
         server_manager=recorder,
         tokenizer=ctx.tokenizer,
         processor=ctx.processor,
+        dataset_cls=None,
+        data_config=DictConfigWrap(ctx.config.data),
+        tools=ToolListWrap(tools),
     )
     result = await loop.run(group.sampling_params.model_dump(), **_loop_kwargs(group, session_id))
     outputs = result if isinstance(result, list) else [result]
     if not outputs:
         log.warning("agent loop %r returned no output for %s_%s", agent_name, group.uid, session_id)
     if outputs and group.row.get("reward_model") is not None:
-        await asyncio.to_thread(score_outputs, outputs, group.row, ctx.tokenizer)
+        scorer = reward_fn_from_config(ctx.config)  # custom_reward_function, or verl's default
+        await score_outputs_async(outputs, group.row, ctx.tokenizer, scorer)
     return outputs
 
 

@@ -1,0 +1,65 @@
+"""Images for an engine: which backends take them, and vLLM's wire form.
+
+vLLM's token-in/token-out ``POST /inference/v1/generate`` takes a turn's images next to its
+token ids as ``content_parts`` (``[{"type": "image_url", "url": ...}]``; vLLM resolves the
+media and pairs it with the prompt's image placeholder tokens). Its completions endpoint
+and SGLang's ``/generate`` as this client drives them take token ids only, so a session
+with images on those backends fails, saying so, instead of generating from the text alone.
+
+The contract test (tests/contract/test_vllm_multimodal_contract.py) validates a generate
+request carrying these parts with vLLM's own ``GenerateRequest`` model.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+from pathlib import Path
+from typing import Any
+
+from rolloutbus.errors import AgentLoopError
+
+IMAGE_BACKENDS = frozenset({"vllm_generate"})  # backends whose requests can carry images
+
+
+class ImagesNotSupportedError(AgentLoopError):
+    """The configured backend cannot take the session's images."""
+
+
+def check_backend_takes_images(backend: str, images: list[Any] | None) -> None:
+    """Raise, naming the backend and the way out, when ``images`` cannot reach it."""
+    if images and backend not in IMAGE_BACKENDS:
+        raise ImagesNotSupportedError(
+            f"the prompt has {len(images)} image(s) but replicas.backend {backend!r} takes "
+            f"token ids only; use one of {sorted(IMAGE_BACKENDS)} for multimodal rows"
+        )
+
+
+def vllm_content_parts(images: list[Any]) -> list[dict[str, str]]:
+    """vLLM's ``content_parts`` for a turn's images, in prompt order."""
+    return [{"type": "image_url", "url": image_url(image)} for image in images]
+
+
+def image_url(image: Any) -> str:
+    """A URL vLLM's media connector reads: http(s) and ``data:`` URLs as they are, a local
+    path as ``file://`` (the server must allow it: ``--allowed-local-media-path``), a PIL
+    image or bytes as a PNG/bytes ``data:`` URL, verl's ``{"image": ...}`` dict by its
+    ``image``."""
+    if isinstance(image, dict):
+        inner = image.get("image", image.get("url", image.get("bytes")))
+        if inner is None:
+            raise AgentLoopError(
+                f"an image dict needs 'image', 'url' or 'bytes', got {sorted(image)}"
+            )
+        return image_url(inner)
+    if isinstance(image, str):
+        if image.startswith(("http://", "https://", "data:", "file://")):
+            return image
+        return Path(image).resolve().as_uri()
+    if isinstance(image, bytes | bytearray):
+        return "data:image/png;base64," + base64.b64encode(bytes(image)).decode("ascii")
+    if hasattr(image, "save"):  # a PIL image, as verl's dataset hands them to the loop
+        buffer = io.BytesIO()
+        image.save(buffer, format="PNG")
+        return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
+    raise AgentLoopError(f"cannot send an image of type {type(image).__name__} to vLLM")
