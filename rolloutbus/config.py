@@ -4,8 +4,11 @@ Keys follow verl where verl has one (``rollout.n``, ``rollout.prompt_length``,
 ``rollout.agent.default_agent_loop``, ``rollout.multi_turn.*`` ...), so a verl user's
 ``actor_rollout_ref.rollout`` block can be pasted under ``rollout:``. Every model forbids
 unknown keys: a typo is an error that names the key, never a silently ignored setting.
-The verl keys that mean nothing here are listed, with the reason, in
-``VERL_KEYS_ACCEPTED_NOT_USED``.
+The verl keys that mean nothing here are accepted: the ones a loaded config still holds in
+``VERL_KEYS_ACCEPTED_NOT_USED``, the ones dropped at load time (engine, trainer-side and
+DataLoader settings; listed once at start-up) in ``VERL_KEYS_IGNORED``, each with the reason.
+OmegaConf interpolations (``${a.b}``, ``${oc.select:a.b,default}``) and hydra's ``_target_``
+keys in a pasted verl block are resolved and accepted.
 
 The config is frozen once loaded; ``with_overrides(cfg, {"replica_server.port": 0})``
 returns an adjusted, re-validated copy.
@@ -126,7 +129,7 @@ class ValKwargs(_Section):
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = -1
-    do_sample: bool = False
+    do_sample: bool = False  # accepted, not used: VERL_KEYS_ACCEPTED_NOT_USED
 
 
 class AgentConfig(_Section):
@@ -277,6 +280,112 @@ class TrainerConfig(_Section):
     # seconds a trainer may spend between two requests for groups (a train step) before
     # the broker hands its partitions to another member; librdkafka's default is 300 s
     max_poll_interval_s: float = Field(default=900.0, gt=0)
+    # -- `rolloutbus train` (verl's trainer.* names where verl has one) --
+    # checkpoints: {default_local_dir}/global_step_{n}/ (HF safetensors + trainer_state.json)
+    default_local_dir: Path = Path("checkpoints")
+    total_training_steps: int | None = Field(default=None, ge=1)  # None: until stopped
+    max_checkpoints_to_keep: int = Field(default=2, ge=1)  # older step folders are deleted
+    # seconds without a new group before `rolloutbus train` stops; None: wait forever
+    idle_timeout_s: float | None = Field(default=None, gt=0)
+    seed: int = 0  # torch seed of the trainer (dropout-free models: only the optimizer)
+    torch_threads: int | None = None  # None: torch's default
+    metrics_port: int | None = None  # Prometheus /metrics of the trainer
+    metrics_host: str = LOOPBACK  # where metrics_port binds
+    # one JSON line per train step (reward by data source, clip fraction, IS weights,
+    # staleness, KL, step time); a .csv suffix writes CSV instead; None: no file
+    metrics_log: Path | None = None
+
+
+class AsyncTrainingConfig(_Section):
+    """verl's ``async_training`` (recipe fully_async_policy): the staleness bound, weight sync.
+
+    A policy version is published every ``trigger_parameter_sync_step`` train steps, and a
+    train step takes ``require_batches`` mini-batches of ``ppo_mini_batch_size`` prompt
+    groups, so one version consumes ``groups_per_version`` groups. The dispatcher starts at
+    most ``(version + staleness_threshold + 1) * groups_per_version`` groups in total
+    (AReaL's bound), so no group is trained more than ``staleness_threshold`` versions after
+    the version that was current when it started.
+
+    ``staleness_threshold`` is an integer number of versions here. verl's is a float
+    fraction S: its rollouter pauses once ``R * T * (1 + S)`` samples (R = ppo_mini_batch_size
+    x require_batches, T = trigger_parameter_sync_step) were generated since the last sync,
+    i.e. a version may sample S of one version's batch beyond its own. verl's integer values
+    mean the same here (S = 1: one version's batch ahead); a fraction 0 < S < 1 has no
+    integer equal, round it up to bound staleness at whole versions.
+    """
+
+    staleness_threshold: int = Field(default=1, ge=0)  # versions; 0: synchronous
+    trigger_parameter_sync_step: int = Field(default=1, ge=1)  # train steps per version
+    require_batches: int = Field(default=1, ge=1)  # mini-batches per train step
+    # verl's actor_rollout_ref.actor.ppo_mini_batch_size: prompt groups per mini-batch
+    ppo_mini_batch_size: int = Field(default=4, ge=1)
+    # true: a weight sync pauses the replicas with mode=keep, so in-flight turns finish on
+    # the new weights (their weight_versions spans say where the version changed); false:
+    # mode=abort, the client resumes each aborted turn with its tokens so far
+    partial_rollout: bool = True
+    # what the trainer client does with a group whose min policy version is older than
+    # current - staleness_threshold: drop it, or keep it with its loss weight multiplied
+    # by stale_group_weight (reported either way)
+    stale_group_policy: Literal["drop", "down_weight"] = "drop"
+    stale_group_weight: float = Field(default=0.5, ge=0.0, le=1.0)
+
+    @property
+    def groups_per_version(self) -> int:
+        """Prompt groups the trainer consumes per published version."""
+        return self.ppo_mini_batch_size * self.require_batches * self.trigger_parameter_sync_step
+
+    def max_groups_started(self, policy_version: int) -> int:
+        """AReaL's bound: groups that may have been started while ``policy_version`` is
+        the trainer's current version."""
+        return (policy_version + self.staleness_threshold + 1) * self.groups_per_version
+
+
+class OptimConfig(_Section):
+    """verl's ``actor_rollout_ref.actor.optim``: AdamW, constant learning rate."""
+
+    lr: float = Field(default=1e-6, gt=0)
+    weight_decay: float = Field(default=0.01, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    clip_grad: float = Field(default=1.0, gt=0)  # max global grad norm before the step
+
+
+class ActorConfig(_Section):
+    """verl's ``actor_rollout_ref.actor`` keys that ``rolloutbus train`` reads (the
+    mini-batch size is ``async_training.ppo_mini_batch_size``, next to the staleness bound
+    that is computed from it)."""
+
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    clip_ratio: float = Field(default=0.2, gt=0)
+    clip_ratio_low: float | None = Field(default=None, gt=0)  # None: clip_ratio
+    clip_ratio_high: float | None = Field(default=None, gt=0)  # None: clip_ratio
+    clip_ratio_c: float = Field(default=3.0, gt=1.0)  # dual-clip bound for negative advantages
+    loss_agg_mode: Literal[
+        "token-mean",
+        "token-sum",
+        "seq-mean-token-sum",
+        "seq-mean-token-sum-norm",
+        "seq-mean-token-mean",
+    ] = "token-mean"
+
+
+class RolloutCorrectionConfig(_Section):
+    """verl's ``algorithm.rollout_correction`` (decoupled mode): truncated importance
+    weights π_train/π_rollout against the rollout's own logprobs. verl's default is
+    ``rollout_is: null`` (metrics only); here ``token``, since every batch of an
+    asynchronous trainer is off-policy by up to ``async_training.staleness_threshold``."""
+
+    rollout_is: Literal["token", "sequence"] | None = "token"
+    # a number: TIS, weights clamped at it; "lower_upper" (e.g. "0.5_5.0"): IcePop, weights
+    # outside the band zeroed
+    rollout_is_threshold: str | float = 2.0
+
+
+class AlgorithmConfig(_Section):
+    """verl's ``algorithm`` keys that ``rolloutbus train`` reads: GRPO only."""
+
+    adv_estimator: Literal["grpo"] = "grpo"
+    norm_adv_by_std_in_grpo: bool = True  # False: Dr.GRPO (no division by the group std)
+    rollout_correction: RolloutCorrectionConfig = Field(default_factory=RolloutCorrectionConfig)
 
 
 class DataConfig(_Section):
@@ -287,11 +396,49 @@ class DataConfig(_Section):
     train_files: list[str] = Field(default_factory=list)
     # the row column holding the chat messages; the publisher moves it to verl's ``prompt``
     prompt_key: str = "prompt"
+    # -- more of verl's ``data`` keys (the rest are in VERL_DATA_KEYS_IGNORED) --
+    val_files: list[str] = Field(default_factory=list)  # `rolloutbus publish --validate`
+    # rows published per file; -1: all (verl's train_max_samples / val_max_samples)
+    train_max_samples: int = -1
+    val_max_samples: int = -1
+    # verl interpolates these into rollout.prompt_length / response_length; so does
+    # load_config when the rollout section does not set them
+    max_prompt_length: int | None = Field(default=None, ge=1)
+    max_response_length: int | None = Field(default=None, ge=1)
+    # the row column holding a multimodal row's images (verl's image_key), moved to
+    # ``images``, the column verl's agent loops read
+    image_key: str = "images"
 
-    @field_validator("train_files", mode="before")
+    @field_validator("train_files", "val_files", mode="before")
     @classmethod
     def _one_path_or_a_list(cls, value: Any) -> Any:
         return [value] if isinstance(value, str) else value
+
+
+class CustomRewardFunctionConfig(_Section):
+    """verl's ``custom_reward_function``: the function every row is scored with, instead
+    of ``default_compute_score``. ``path``: a ``.py`` file (or ``file://...``) or
+    ``pkg://package.module``; ``name``: the function in it; ``reward_kwargs``: extra
+    keyword arguments merged into every call."""
+
+    path: str | None = None
+    name: str | None = None
+    reward_kwargs: dict[str, Any] = Field(default_factory=dict)
+
+
+class RewardFunctionConfig(CustomRewardFunctionConfig):
+    """``reward.custom_reward_function``: as the legacy key, with verl 0.9.1's default name."""
+
+    name: str | None = "compute_score"
+
+
+class RewardConfig(_Section):
+    """verl 0.9.1's ``reward`` section, the part that applies to rule-based scoring in the
+    session workers (reward models and other reward managers are not supported)."""
+
+    custom_reward_function: RewardFunctionConfig = Field(
+        default_factory=lambda: RewardFunctionConfig()
+    )
 
 
 class LimitsConfig(_Section):
@@ -313,8 +460,25 @@ class Config(_Section):
     replay_buffer: ReplayBufferConfig = Field(default_factory=ReplayBufferConfig)
     deadlines: DeadlinesConfig = Field(default_factory=DeadlinesConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    async_training: AsyncTrainingConfig = Field(default_factory=AsyncTrainingConfig)
+    actor: ActorConfig = Field(default_factory=ActorConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    # verl's legacy top-level custom_reward_function; when any of its values is set it
+    # replaces reward.custom_reward_function, as verl 0.9.1's reward loop migrates it
+    custom_reward_function: CustomRewardFunctionConfig = Field(
+        default_factory=CustomRewardFunctionConfig
+    )
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+
+    @property
+    def reward_function(self) -> CustomRewardFunctionConfig:
+        """The custom reward function in effect (verl's legacy key first, as verl)."""
+        legacy = self.custom_reward_function
+        if legacy.path is not None or legacy.name is not None:
+            return legacy
+        return self.reward.custom_reward_function
 
     @property
     def actor_rollout_ref(self) -> SimpleNamespace:
@@ -333,7 +497,218 @@ VERL_KEYS_ACCEPTED_NOT_USED: dict[str, str] = {
     "groups in flight per worker",
     "rollout.multi_turn.enable": "routing is by the row's agent_name (tool_agent for tool calls, "
     "rollout.agent.default_agent_loop when the field is absent), not by this switch",
+    "rollout.val_kwargs.do_sample": "verl's agent-loop path does not read it either: validation "
+    "samples with val_kwargs.temperature/top_p/top_k (temperature 0 is greedy)",
 }
+
+# verl keys that are accepted and dropped at load time, because what they configure does not
+# exist here; load_config lists the ones a config sets in one log line at start-up. Dotted
+# under ``rollout.``/``data.``; a key names its whole subtree. ``_target_`` (hydra's class
+# to instantiate) is accepted at any depth. A key in neither this table nor the config
+# models is still an error that names it.
+_ENGINE = "an inference-engine setting: replicas are launched and configured outside the bus"
+_TRAINER = "a trainer-side setting (log-prob micro-batching, weight sync, profiling)"
+_SERVING = "verl's own Ray-based serving (servers, routers, tracing, metrics exporters)"
+_DATALOADER = "verl's torch DataLoader/RLHFDataset, not used: the publisher streams the rows"
+VERL_KEYS_IGNORED: dict[str, str] = {
+    **dict.fromkeys(
+        (
+            "rollout." + k
+            for k in (
+                "name",
+                "mode",
+                "nnodes",
+                "n_gpus_per_node",
+                "seed",
+                "dtype",
+                "gpu_memory_utilization",
+                "ignore_eos",
+                "enforce_eager",
+                "cudagraph_capture_sizes",
+                "free_cache_engine",
+                "tensor_model_parallel_size",
+                "data_parallel_size",
+                "expert_parallel_size",
+                "pipeline_model_parallel_size",
+                "max_num_batched_tokens",
+                "max_num_seqs",
+                "enable_chunked_prefill",
+                "enable_prefix_caching",
+                "logprobs_mode",
+                "scheduling_policy",
+                "load_format",
+                "layered_summon",
+                "disable_log_stats",
+                "multi_stage_wake_up",
+                "engine_kwargs",
+                "skip_tokenizer_init",
+                "quantization",
+                "quantization_config_file",
+                "mtp",
+                "qat",
+                "disaggregation",
+                "limit_images",
+                "enable_rollout_routing_replay",
+                "moe_load_balance_metrics_interval",
+                "standalone_gpu_memory_utilization",
+                "moe_tensor_parallel_size",
+                "layer_name_map",
+                "sglang_engine_mode",
+                "enable_sleep_mode",
+            )
+        ),
+        _ENGINE,
+    ),
+    **dict.fromkeys(
+        (
+            "rollout." + k
+            for k in (
+                "log_prob_micro_batch_size",
+                "log_prob_micro_batch_size_per_gpu",
+                "log_prob_use_dynamic_bsz",
+                "log_prob_max_token_len_per_gpu",
+                "checkpoint_engine",
+                "profiler",
+            )
+        ),
+        _TRAINER,
+    ),
+    **dict.fromkeys(
+        (
+            "rollout." + k
+            for k in (
+                "router_config_path",
+                "agent.custom_async_server",
+                "agent.agent_loop_manager_class",
+                "server",
+                "custom",
+                "checkpoint_manager_class",
+                "trace",
+                "prometheus",
+            )
+        ),
+        _SERVING,
+    ),
+    "rollout.do_sample": "verl's agent-loop path does not read it either (temperature 0 is greedy)",
+    "rollout.over_sample_rate": "verl's synchronous over-sampling; here groups stream and the "
+    "replay buffer releases each when it is complete",
+    "rollout.multi_turn.use_inference_chat_template": "observation tokens come from the "
+    "continuous-token builder, as in current verl",
+    "rollout.multi_turn.tokenization_sanity_check_mode": "assistant tokens are never "
+    "re-tokenized here, so there is nothing to check",
+    "rollout.multi_turn.num_repeat_rollouts": "removed from verl's loop (interactions)",
+    **dict.fromkeys(
+        (
+            "data." + k
+            for k in (
+                "tokenizer",
+                "use_shm",
+                "train_batch_size",
+                "gen_batch_size",
+                "val_batch_size",
+                "return_raw_input_ids",
+                "return_raw_chat",
+                "return_full_prompt",
+                "shuffle",
+                "seed",
+                "dataloader_num_workers",
+                "image_patch_size",
+                "validation_shuffle",
+                "filter_overlong_prompts",
+                "filter_overlong_prompts_workers",
+                "truncation",
+                "trust_remote_code",
+                "custom_cls",
+                "return_multi_modal_inputs",
+                "apply_chat_template_kwargs",
+                "mm_processor_kwargs",
+                "tool_config_path",
+                "function_tool_path",
+            )
+        ),
+        _DATALOADER,
+    ),
+    "data.reward_fn_key": "read by verl's legacy batch reward managers only; its streaming "
+    "reward loop (naive manager), which the session workers follow, reads data_source",
+    **dict.fromkeys(
+        ("data.video_key", "data.audio_key"),
+        "video and audio rows are not supported: a row with videos or audios is refused",
+    ),
+}
+_OC_REF = re.compile(r"\$\{")
+
+
+def _resolve_verl_interpolations(node: Any, root: dict[str, Any]) -> Any:
+    """OmegaConf's ``${a.b}`` and ``${oc.select:a.b,default}`` as verl's generated configs
+    use them, resolved against the whole file (``actor_rollout_ref.rollout.x``,
+    ``data.max_prompt_length`` ...); a missing ``oc.select`` target takes the default."""
+    if isinstance(node, dict):
+        return {k: _resolve_verl_interpolations(v, root) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_resolve_verl_interpolations(v, root) for v in node]
+    if isinstance(node, str) and node.startswith("${") and node.endswith("}"):
+        inner = node[2:-1].strip()
+        select = inner.startswith("oc.select:")
+        target, _, default = inner.removeprefix("oc.select:").partition(",")
+        found, value = _lookup(root, target.strip())
+        if found:
+            return _resolve_verl_interpolations(value, root)
+        if not select:
+            raise ConfigError(f"config interpolation {node!r}: no key {target.strip()!r}")
+        default = default.strip()
+        if _OC_REF.match(default):
+            return _resolve_verl_interpolations(default, root)
+        return yaml.safe_load(default) if default else None
+    return node
+
+
+def _lookup(tree: dict[str, Any], dotted: str) -> tuple[bool, Any]:
+    node: Any = tree
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False, None
+        node = node[part]
+    return True, node
+
+
+def _drop_ignored_verl_keys(raw: dict[str, Any]) -> list[str]:
+    """Remove VERL_KEYS_IGNORED and ``_target_`` keys from ``raw``; the dotted names removed."""
+    dropped: list[str] = []
+
+    def walk(node: dict[str, Any], prefix: str) -> None:
+        for key in list(node):
+            dotted = f"{prefix}{key}"
+            if key == "_target_" or dotted in VERL_KEYS_IGNORED:
+                del node[key]
+                if key != "_target_":
+                    dropped.append(dotted)
+            elif isinstance(node[key], dict):
+                walk(node[key], f"{dotted}.")
+
+    for section in ("rollout", "data"):
+        if isinstance(raw.get(section), dict):
+            walk(raw[section], f"{section}.")
+    for section in ("custom_reward_function", "reward"):
+        if isinstance(raw.get(section), dict):
+            raw[section].pop("_target_", None)
+            if isinstance(raw[section].get("custom_reward_function"), dict):
+                raw[section]["custom_reward_function"].pop("_target_", None)
+    return dropped
+
+
+def _lengths_from_data(raw: dict[str, Any]) -> None:
+    """verl's rollout.prompt_length/response_length default to data.max_prompt_length/
+    max_response_length (an interpolation in its generated config)."""
+    data = raw.get("data")
+    if not isinstance(data, dict):
+        return
+    rollout = raw.setdefault("rollout", {})
+    for ours, theirs in (
+        ("prompt_length", "max_prompt_length"),
+        ("response_length", "max_response_length"),
+    ):
+        if data.get(theirs) is not None and isinstance(rollout, dict):
+            rollout.setdefault(ours, data[theirs])
 
 
 def load_config(path: str | Path | None = None, env: dict[str, str] | None = None) -> Config:
@@ -341,10 +716,19 @@ def load_config(path: str | Path | None = None, env: dict[str, str] | None = Non
     raw: dict[str, Any] = {}
     if path is not None:
         raw = _read_yaml(Path(path))
+    raw = _resolve_verl_interpolations(raw, raw)
     raw = _accept_verl_layout(raw, path)
     for dotted, value in _env_overrides(os.environ if env is None else env).items():
         _set_dotted(raw, dotted, value)
+    dropped = _drop_ignored_verl_keys(raw)
+    _lengths_from_data(raw)
     cfg = _validate(raw, path)
+    if dropped:  # once, at start-up: what a pasted verl config sets that means nothing here
+        logger.warning(
+            "verl config keys accepted and ignored (see rolloutbus.config.VERL_KEYS_IGNORED "
+            "for why): %s",
+            ", ".join(dropped),
+        )
     _warn_about_unused_verl_keys(cfg)
     return cfg
 

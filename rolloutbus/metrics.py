@@ -175,6 +175,94 @@ class ReplayBufferMetrics(PerRegistry):
         )
 
 
+class StalenessMetrics(PerRegistry):
+    """The trainer client's staleness filter (``async_training.stale_group_policy``)."""
+
+    def _init(self, registry: CollectorRegistry) -> None:
+        self.stale_groups = Counter(
+            "rolloutbus_trainer_client_stale_groups_total",
+            "Groups whose min policy version is older than the staleness bound allows, by "
+            "action: dropped (not yielded) or down_weighted (yielded with a smaller weight)",
+            ["action"],
+            registry=registry,
+        )
+        self.staleness = Histogram(
+            "rolloutbus_trainer_client_group_staleness_versions",
+            "Current policy version minus the group's min policy version, per group received",
+            buckets=(0, 1, 2, 3, 4, 6, 8, 16, 32),
+            registry=registry,
+        )
+
+
+class WeightSyncMetrics(PerRegistry):
+    """``rolloutbus weight-sync``: policy versions applied to the replicas."""
+
+    def _init(self, registry: CollectorRegistry) -> None:
+        self.syncs = Counter(
+            "rolloutbus_weight_sync_total",
+            "Replica syncs by outcome: applied (weights loaded), labelled (version 0, the "
+            "initial weights: label only), failed",
+            ["outcome"],
+            registry=registry,
+        )
+        self.replica_version = Gauge(
+            "rolloutbus_weight_sync_replica_policy_version",
+            "Policy version each replica was last moved to",
+            ["replica"],
+            registry=registry,
+        )
+        self.sync_seconds = Histogram(
+            "rolloutbus_weight_sync_duration_seconds",
+            "Wall time to move one replica to a version (pause to resume)",
+            buckets=(0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300),
+            registry=registry,
+        )
+
+
+# seconds; a CPU train step of the tiny model takes ~1 s, SmolLM2-135M tens of seconds
+TRAIN_STEP_SECONDS_BUCKETS = (0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600)
+
+
+class TrainerMetrics(PerRegistry):
+    """``rolloutbus train``: one update per train step (``consumers/training``)."""
+
+    def _init(self, registry: CollectorRegistry) -> None:
+        self.global_step = Gauge(
+            "rolloutbus_trainer_global_step", "Optimizer steps taken", registry=registry
+        )
+        self.policy_version = Gauge(
+            "rolloutbus_trainer_policy_version", "Last policy version published", registry=registry
+        )
+        self.groups = Counter(
+            "rolloutbus_trainer_groups_total", "Prompt groups trained on", registry=registry
+        )
+        self.tokens = Counter(
+            "rolloutbus_trainer_tokens_total",
+            "Response tokens in the loss (policy-sampled)",
+            registry=registry,
+        )
+        self.step_seconds = Histogram(
+            "rolloutbus_trainer_step_duration_seconds",
+            "Wall time of a train step (forward, backward, optimizer), waiting excluded",
+            buckets=TRAIN_STEP_SECONDS_BUCKETS,
+            registry=registry,
+        )
+        self.reward = Gauge(
+            "rolloutbus_trainer_reward_mean",
+            "Mean reward of the last step's trajectories, by data source",
+            ["data_source"],
+            registry=registry,
+        )
+        # the other per-step figures, by verl's metric name (actor/pg_clipfrac, ...)
+        self.step_value = Gauge(
+            "rolloutbus_trainer_step_value",
+            "Last train step's figures by name: response_length/mean, actor/pg_clipfrac, "
+            "actor/ppo_kl, rollout_corr/rollout_is_mean, rollout_corr/kl, staleness/max ...",
+            ["name"],
+            registry=registry,
+        )
+
+
 def start_metrics_server(port: int, addr: str = LOOPBACK) -> None:
     """Serve ``/metrics`` on ``addr:port``: loopback unless the caller passes the configured
     address (``sessions.metrics_host``, ``replay_buffer.metrics_host``); prometheus_client's

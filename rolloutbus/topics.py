@@ -52,6 +52,15 @@ class Topics:
         return [self.prompts, self.turns, self.trajectories, self.released]
 
 
+# rollout.control has one partition (kafka/admin.py), and every record on it is keyed by its
+# event type, so compaction keeps the latest event of each type (the latest policy version).
+CONTROL_PARTITION = 0
+
+
+def control_key(event_type: str) -> str:
+    return event_type
+
+
 def partition_for(uid: str, num_partitions: int) -> int:
     """Stable across processes and languages (CRC-32), unlike Python's salted hash()."""
     return zlib.crc32(uid.encode("utf-8")) % num_partitions

@@ -1,6 +1,7 @@
 """What flows: verl's agent-loop models, the events on each topic, the Arrow schema."""
 
 from rolloutbus.schemas.agent_loop import AgentLoopMetrics, AgentLoopOutput, TokenOutput
+from rolloutbus.schemas.control import PolicyVersionPublished
 from rolloutbus.schemas.dlq import DeadLetter
 from rolloutbus.schemas.prompts import (
     DatasetRow,
@@ -47,6 +48,7 @@ __all__ = [
     "Message",
     "Observation",
     "OutputSummary",
+    "PolicyVersionPublished",
     "PromptGroup",
     "SamplingParams",
     "SegmentStarted",

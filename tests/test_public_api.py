@@ -11,6 +11,7 @@ PACKAGES = [
     "rolloutbus.schemas",
     "rolloutbus.producers",
     "rolloutbus.consumers",
+    "rolloutbus.consumers.training",
     "rolloutbus.streams",
     "rolloutbus.streams.agent_loop",
     "rolloutbus.streams.inference",
