@@ -10,7 +10,12 @@ import torch
 
 from rolloutbus.config import Config, ModelConfig, ReplicaServerConfig
 from rolloutbus.replica.engine import DecodeEngine, sample_tokens
-from rolloutbus.replica.generation import EngineSampling, GenerationRequest, RequestRejectedError
+from rolloutbus.replica.generation import (
+    EngineSampling,
+    GenerationRequest,
+    RequestRejectedError,
+    version_spans,
+)
 
 
 def _request(
@@ -109,6 +114,31 @@ async def test_cancelled_request_is_aborted_and_the_batch_goes_on(engine):
             break
         await asyncio.sleep(0.01)
     assert engine.stats.running == 0
+
+
+async def test_a_request_cancelled_while_queued_does_not_stop_the_engine(engine):
+    """A client that goes away (a SIGKILLed session worker) while its request still waits
+    for a slot: the request ends with no tokens and no version span; the engine goes on."""
+    running = [
+        asyncio.ensure_future(engine.submit(_request(max_tokens=30, ignore_eos=True, seed=i)))
+        for i in range(4)  # every slot taken
+    ]
+    queued = asyncio.ensure_future(engine.submit(_request(max_tokens=5, ignore_eos=True)))
+    await asyncio.sleep(0.05)
+    assert engine.stats.waiting >= 1
+    queued.cancel()
+    results = await asyncio.gather(*running)
+    assert all(len(r.token_ids) == 30 for r in results)
+    after = await engine.submit(_request(max_tokens=3, ignore_eos=True))
+    assert len(after.token_ids) == 3 and engine.healthy
+
+
+def test_no_version_span_without_tokens():
+    assert version_spans([], 0) == []
+    assert [s.model_dump() for s in version_spans([(0, 0), (1, 2)], 5)] == [
+        {"version": 0, "start": 0, "end": 2},
+        {"version": 1, "start": 2, "end": 5},
+    ]
 
 
 async def test_prompt_over_max_model_len_is_rejected(engine):

@@ -130,7 +130,10 @@ class EngineStats:
 
 
 def version_spans(starts: list[tuple[int | str, int]], num_tokens: int) -> list[VersionSpan]:
-    """Spans from (version, first token index) pairs, as vLLM's ``_weight_version_spans``."""
+    """Spans from (version, first token index) pairs, as vLLM's ``_weight_version_spans``.
+    A request that ends before its first token (aborted or cancelled in the queue) has none."""
+    if not starts:
+        return []
     ends = [start for _, start in starts[1:]] + [num_tokens]
     return [VersionSpan(version=v, start=s, end=e) for (v, s), e in zip(starts, ends, strict=True)]
 
