@@ -459,6 +459,8 @@ def main(argv: list[str] | None = None) -> int:
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    if not args.verbose:  # one INFO line per HTTP request (health probes every few seconds)
+        logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         cfg = load_config(args.config)
     except ConfigError as exc:

@@ -135,7 +135,9 @@ async def test_reload_weights_changes_greedy_outputs_to_the_saved_models(
     assert await _ok(client.post("/collective_rpc", json=_reload(seed1_folder))) == {
         "results": [None]
     }
+    assert await _ok(client.get("/weight_info")) == {"weight_version": "0"}
     await _ok(client.post("/update_weight_version", json={"new_version": "step-1"}))
+    assert await _ok(client.get("/weight_info")) == {"weight_version": "step-1"}  # as vLLM's
     assert await _ok(client.post("/resume")) == {"status": "resumed"}
 
     after = await _generate(client, 8)

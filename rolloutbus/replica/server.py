@@ -668,6 +668,13 @@ async def update_weight_version(request: web.Request) -> web.Response:
     )
 
 
+async def weight_info(request: web.Request) -> web.Response:
+    """vLLM's ``GET /weight_info``: the label of the served weights, as a string. The weight
+    sync compares it with what it applied, so a replica restarted between two health probes
+    (back on its initial label) is synced again."""
+    return web.json_response({"weight_version": str(request.app[ENGINE_KEY].weight_version)})
+
+
 async def pause(request: web.Request) -> web.Response:
     """vLLM's ``POST /pause?mode=abort|wait|keep``: answers once the mode's work is done."""
     mode = request.query.get("mode", "abort")
@@ -753,6 +760,7 @@ def build_app(engine: Engine) -> web.Application:
     app.router.add_post("/pause", pause)
     app.router.add_post("/resume", resume)
     app.router.add_get("/is_paused", is_paused)
+    app.router.add_get("/weight_info", weight_info)
     app.router.add_post("/collective_rpc", collective_rpc)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/inference/v1/generate", vllm_generate)

@@ -20,8 +20,9 @@ its tokens so far (``replicas.resume_aborted``). Either way each token's version
 Version 0 with no ``weights_path`` is the initial weights: only the label is set.
 
 A replica that goes down is re-synced when it is healthy again (a restarted replica serves
-its initial weights): the loop probes ``GET /health`` (and, on vLLM, ``GET /weight_info``,
-which names the version served: a replica restarted between two probes says "default")
+its initial weights): the loop probes ``GET /health`` (and ``GET /weight_info`` on vLLM and
+the embedded replica, which names the version served: a replica restarted between two
+probes says "default", or "0")
 every ``replicas.health_interval_s`` and applies the current version to any replica that
 has not got it. A step that fails
 leaves the replica resumed on its old weights (never paused forever) and is retried on the
