@@ -222,6 +222,9 @@ class SessionsConfig(_Section):
     # seconds without a heartbeat before the group gives a dead worker's partitions to the
     # others (Faust's default is 60): how long a crashed worker's groups wait to be resumed
     broker_session_timeout_s: float = Field(default=20.0, gt=0)
+    # Faust's local folder (it keeps no tables here, but creates one): {data_dir}/{app_id}.
+    # Faust's default, "{app_id}-data" in the working directory, littered checkouts.
+    data_dir: Path = Path("var/faust")
 
 
 class ReplayBufferConfig(_Section):

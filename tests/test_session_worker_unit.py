@@ -128,3 +128,14 @@ async def test_a_prompt_whose_group_is_already_in_the_turn_log_is_not_started_ag
     worker.partitions[0].remember("g1")  # the recovery scan found its group_started
     await worker.take(_event(_group()))  # a re-published or redelivered prompt
     assert worker.turn_log.attempts == 0
+
+
+def test_faust_keeps_its_folder_under_sessions_data_dir_not_the_working_directory(tmp_path):
+    """Faust's default folder is ``{app_id}-data`` in the working directory: every worker
+    run left one in the checkout. It goes under ``sessions.data_dir`` instead."""
+    cfg = Config.model_validate(
+        {"sessions": {"app_id": "workers-a", "data_dir": str(tmp_path / "var" / "faust")}}
+    )
+    app = worker_module.build_app(cfg)
+    assert app.conf.datadir.resolve() == (tmp_path / "var" / "faust" / "workers-a").resolve()
+    assert (tmp_path / "var" / "faust").is_dir()

@@ -348,6 +348,8 @@ def _broker_credentials(cfg: Config) -> Any:
 def build_app(cfg: Config) -> faust.App:
     """A Faust app that takes prompt groups in order; nothing is created at import time."""
     topics = Topics.from_config(cfg.kafka)
+    datadir = cfg.sessions.data_dir.expanduser() / cfg.sessions.app_id
+    datadir.parent.mkdir(parents=True, exist_ok=True)  # Faust makes only the last folder
     app = faust.App(
         cfg.sessions.app_id,
         broker=_broker_url(cfg),
@@ -355,6 +357,7 @@ def build_app(cfg: Config) -> faust.App:
         value_serializer="raw",
         key_serializer="raw",
         web_enabled=False,
+        datadir=str(datadir),
         topic_disable_leader=True,
         consumer_max_fetch_size=cfg.kafka.max_message_bytes,
         consumer_auto_offset_reset="earliest",
