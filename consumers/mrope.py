@@ -15,15 +15,23 @@ offset by the position where it starts, and the text after it resumes at that st
 
 Kept apart from ``consumers/tensors.py`` (the text path) so the text conversion stays
 free of vision concerns; ``mrope_position_ids`` takes the padded ``input_ids`` and
-``attention_mask`` that conversion builds.
+``attention_mask`` that conversion builds, and ``padded_mrope_position_ids`` is what
+``to_padded`` calls: the grids come from what each trajectory recorded
+(``rolloutbus.schemas.mrope.MropeInputs`` in its ``extra_fields``). A batch where no
+trajectory recorded any is a text batch and keeps its ``(B, L)`` position ids.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 from collections.abc import Iterator
 
+import pyarrow as pa
+import pyarrow.compute as pc
 import torch
+
+from rolloutbus.schemas.mrope import MROPE_INPUTS_KEY, MropeInputs
 
 TEXT, IMAGE, VIDEO = 0, 1, 2  # transformers' mm_token_type_ids values
 
@@ -105,3 +113,56 @@ def _vision_positions(start: int, t: int, h: int, w: int) -> torch.Tensor:
     positions = torch.stack([grid_t, grid_h, grid_w]).reshape(3, -1)
     positions[0] += start
     return positions
+
+
+def recorded_mrope_inputs(batch: pa.RecordBatch) -> list[MropeInputs | None] | None:
+    """Each trajectory's recorded ``MropeInputs`` (None for a text one), or None when no
+    trajectory of the batch has any: then nothing is parsed (a substring scan of the
+    ``extra_fields`` JSON column, so a text batch pays microseconds)."""
+    column = batch.column("extra_fields")
+    if column.null_count == len(column):
+        return None
+    marked = pc.match_substring(column, f'"{MROPE_INPUTS_KEY}"')
+    if not pc.any(marked).as_py():
+        return None
+    out: list[MropeInputs | None] = []
+    for text, has in zip(column.to_pylist(), marked.to_pylist(), strict=True):
+        recorded = json.loads(text).get(MROPE_INPUTS_KEY) if has else None
+        out.append(None if recorded is None else MropeInputs.model_validate(recorded))
+    return out
+
+
+def padded_mrope_position_ids(
+    batch: pa.RecordBatch, input_ids: torch.Tensor, attention_mask: torch.Tensor
+) -> torch.Tensor | None:
+    """``(B, 4, L)`` position ids of a padded batch whose trajectories recorded M-RoPE
+    inputs, one row at a time with that row's own grids; None for a text batch. A text
+    row of a multimodal batch gets its text positions in all four rows, as in verl."""
+    recorded = recorded_mrope_inputs(batch)
+    if recorded is None:
+        return None
+    known = [r for r in recorded if r is not None]
+    token_ids = {(r.image_token_id, r.spatial_merge_size) for r in known}
+    if len(token_ids) != 1:
+        raise ValueError(
+            "trajectories of one batch recorded different (image_token_id, "
+            f"spatial_merge_size): {sorted(token_ids)}; pad batches of one model"
+        )
+    ((image_token_id, merge),) = token_ids
+    keys = batch.column("key").to_pylist()
+    rows = []
+    for b, inputs in enumerate(recorded):
+        grid = torch.tensor(inputs.image_grid_thw) if inputs is not None else None
+        try:
+            rows.append(
+                mrope_position_ids(
+                    input_ids[b : b + 1],
+                    attention_mask[b : b + 1],
+                    image_token_id=image_token_id,
+                    image_grid_thw=grid,
+                    spatial_merge_size=merge,
+                )
+            )
+        except ValueError as exc:
+            raise ValueError(f"trajectory {keys[b]}: M-RoPE position ids: {exc}") from exc
+    return torch.cat(rows)

@@ -22,6 +22,8 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from rolloutbus.consumers.mrope import padded_mrope_position_ids
+
 
 def _ragged(column: pa.Array) -> tuple[np.ndarray, np.ndarray]:
     """(values, offsets) of a large_list column, also when it is a slice of a bigger batch:
@@ -76,7 +78,9 @@ def to_padded(
 
     ``attention_mask`` is 1 on every real token (observations included: the model must
     read them); ``response_mask`` is 1 only on policy-sampled tokens and is multiplied by
-    the response attention mask; ``position_ids`` count real tokens, as verl computes them.
+    the response attention mask; ``position_ids`` count real tokens, as verl computes them,
+    except in a batch whose trajectories recorded image grids (``schemas.mrope``): there
+    they are verl's ``(B, 4, L)`` M-RoPE ids (``consumers.mrope``).
     A prompt longer than ``prompt_length`` keeps its end, a response longer than
     ``response_length`` its start. ``prompts`` and ``responses`` are views of ``input_ids``.
     With ``buffers``, the outputs are written into its memory (see ``PaddedBuffers``).
@@ -117,13 +121,17 @@ def to_padded(
         pos[first:end] = counting[: p_len + r_len]
         pos[end:] = max(p_len + r_len - 1, 0)
     ids_t = torch.from_numpy(input_ids)
+    attention_t = torch.from_numpy(attention)
+    # trajectories that recorded image grids get verl's (B, 4, L) M-RoPE ids; a text batch
+    # keeps the (B, L) ids above (the check is a substring scan of one column)
+    mrope = padded_mrope_position_ids(batch, ids_t, attention_t)
     shape = (rows, response_length)
     out = {
         "prompts": ids_t[:, :prompt_length],
         "responses": ids_t[:, prompt_length:],
         "input_ids": ids_t,
-        "attention_mask": torch.from_numpy(attention),
-        "position_ids": torch.from_numpy(position_ids),
+        "attention_mask": attention_t,
+        "position_ids": torch.from_numpy(position_ids) if mrope is None else mrope,
         "response_mask": _padded_response(
             batch.column("response_mask"),
             buffers.get("response_mask", shape, np.int64),

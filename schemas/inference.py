@@ -260,6 +260,9 @@ class VllmGenerateRequest(WireModel):
     output_mode: Literal["tokens"] = "tokens"
     stream: bool = False
     priority: int = 0  # lower is served first
+    # vLLM's raw media for the prompt's placeholder tokens, in prompt order per modality:
+    # [{"type": "image_url", "url": ...}]; vLLM resolves the URLs (its own field and type)
+    content_parts: list[dict[str, Any]] | None = None
 
 
 class VllmTopLogprob(WireModel):

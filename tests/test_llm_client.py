@@ -23,6 +23,7 @@ from pydantic import ValidationError
 from rolloutbus.config import ReplicasConfig, RolloutConfig
 from rolloutbus.errors import NoReplicaAvailableError
 from rolloutbus.streams.inference.llm_client import LLMClient, ReplicaRequestError
+from rolloutbus.streams.inference.multimodal import ImagesNotSupportedError
 
 TOKENS = [101, 102, 103]
 LOGPROBS = [-0.5, -0.25, -0.125]
@@ -335,7 +336,7 @@ async def test_bad_sampling_key_and_multimodal_are_refused(make_replicas, make_c
     client = make_client([rep])
     with pytest.raises(ValidationError, match="temprature"):
         await client.generate("t", prompt_ids=[1], sampling_params={"temprature": 0.5})
-    with pytest.raises(NotImplementedError, match="multimodal"):
+    with pytest.raises(ImagesNotSupportedError, match="'vllm_completions' takes token ids only"):
         await client.generate("t", prompt_ids=[1], sampling_params={}, image_data=[b"x"])
     assert rep.requests == []
 

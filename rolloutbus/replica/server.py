@@ -13,9 +13,9 @@ Endpoints:
 Requests and responses are the wire models of ``rolloutbus.schemas.inference``, the same
 ones the LLM client builds and reads. A client mistake is an HTTP 400 whose JSON
 ``error.message`` names the field: an unknown field, an invalid value, or a value the engine
-cannot honour (``n > 1``, ``stream``, stop strings...), so a client never silently gets
-something other than it asked for. An engine failure is a 500; a dead engine makes
-``/health`` answer 503.
+cannot honour (``n > 1``, ``stream``, stop strings, images...), so a client never
+silently gets something other than it asked for. An engine failure is a 500; a dead engine
+makes ``/health`` answer 503.
 """
 
 from __future__ import annotations
@@ -218,6 +218,15 @@ def _refuse_unsupported(body: GenerateBody) -> None:
         _only("use_beam_search", body.use_beam_search, False)
     if isinstance(body, SglangGenerateRequest):
         _at_most("top_logprobs_num", body.top_logprobs_num, MAX_TOP_LOGPROBS)
+    if isinstance(body, VllmGenerateRequest) and body.content_parts:
+        # ignoring them would sample from the text alone, as if the images had been seen
+        raise HTTPProblem(
+            400,
+            f"field 'content_parts': the embedded replica serves text-only models and cannot "
+            f"read the request's {len(body.content_parts)} image/video/audio part(s); serve "
+            "a vision-language model with vLLM for multimodal rows",
+            "content_parts",
+        )
 
 
 def _only(field: str, value: Any, honoured: Any, hint: str = "") -> None:

@@ -37,6 +37,7 @@ from rolloutbus.streams.agent_loop.base import (
 )
 from rolloutbus.streams.agent_loop.continuous_token import ContinuousTokenError
 from rolloutbus.streams.agent_loop.registry import register
+from rolloutbus.streams.agent_loop.single_turn import mrope_inputs
 from rolloutbus.streams.agent_loop.timing import simple_timer
 from rolloutbus.streams.agent_loop.tool_parser import (
     FunctionCall,
@@ -393,6 +394,7 @@ class ToolAgentLoop(AgentLoopBase):
         }
         extra_fields = data.extra_fields  # tools' session data stays (verl)
         extra_fields.update({"turn_scores": data.turn_scores, "tool_rewards": data.tool_rewards})
+        extra_fields.update(mrope_inputs(self.processor, data.image_data))
         return AgentLoopOutput(
             prompt_ids=prompt_ids,
             response_ids=response_ids[:limit],

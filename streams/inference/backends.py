@@ -9,7 +9,9 @@ are built strictly (an unknown field is a bug here), responses are read with
 - ``vllm_completions``: vLLM's OpenAI-compatible ``POST /v1/completions`` with a
   token-id prompt, ``return_token_ids`` (vLLM >= 0.10.2) and ``logprobs: 0``.
 - ``vllm_generate``: vLLM's token-in/token-out ``POST /inference/v1/generate``
-  (vLLM >= 0.12; opt-in with ``vllm serve --enable-scale-out`` since 0.30).
+  (vLLM >= 0.12; opt-in with ``vllm serve --enable-scale-out`` since 0.30); the one backend
+  that sends a turn's images (vLLM's ``content_parts``). The others raise
+  ``ImagesNotSupportedError`` for a call with images instead of dropping them.
 - ``sglang``: SGLang's native ``POST /generate`` with ``input_ids``.
 
 A parser raises ``ValueError`` (pydantic's ``ValidationError`` is one) when a response does
@@ -43,6 +45,7 @@ from rolloutbus.schemas.inference import (
     WeightVersionSpan,
     read_response,
 )
+from rolloutbus.streams.inference.multimodal import ImagesNotSupportedError, vllm_content_parts
 
 __all__ = [
     "BACKENDS",
@@ -67,6 +70,9 @@ class EngineCall:
     max_tokens: int  # already resolved by the client from the trajectory budget
     model: str | None = None
     priority: int = 0  # vLLM only; sent only when non-zero, as verl does
+    # the turn's images as URLs, in prompt order (``multimodal.image_urls``); only
+    # vllm_generate sends them, the other backends refuse a call that has any
+    image_urls: tuple[str, ...] = ()
 
 
 class Backend(Protocol):
@@ -173,6 +179,16 @@ def _vllm_request_fields(call: EngineCall) -> dict[str, Any]:
     return _present(model=call.model, priority=call.priority or None)
 
 
+def _refuse_images(backend: str, call: EngineCall) -> None:
+    """A token-only backend never drops a turn's images silently (the client checks first;
+    this guards a backend used on its own)."""
+    if call.image_urls:
+        raise ImagesNotSupportedError(
+            f"backend {backend!r} takes token ids only and cannot send the turn's "
+            f"{len(call.image_urls)} image(s); use replicas.backend 'vllm_generate'"
+        )
+
+
 def _vllm_token_output(
     choice: VllmCompletionChoice | VllmGenerateChoice,
     token_ids: list[int],
@@ -219,6 +235,7 @@ class VllmCompletionsBackend:
     path: ClassVar[str] = "/v1/completions"
 
     def build_request(self, call: EngineCall) -> dict[str, Any]:
+        _refuse_images(self.name, call)
         return VllmCompletionRequest(
             prompt=list(call.prompt_ids),
             **_vllm_sampling(call),
@@ -270,6 +287,8 @@ class VllmGenerateBackend:
             output_mode="tokens",
             stream=False,
             **_vllm_request_fields(call),
+            # vLLM pairs the parts with the prompt's image placeholder tokens, in order
+            **_present(content_parts=vllm_content_parts(list(call.image_urls)) or None),
         ).to_json()
 
     def parse_response(self, body: Any) -> TokenOutput:
@@ -293,6 +312,7 @@ class SglangGenerateBackend:
     path: ClassVar[str] = "/generate"
 
     def build_request(self, call: EngineCall) -> dict[str, Any]:
+        _refuse_images(self.name, call)
         s = call.sampling
         return SglangGenerateRequest(
             rid=call.engine_request_id,

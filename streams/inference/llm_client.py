@@ -39,6 +39,12 @@ from rolloutbus.streams.inference.backends import (
     backend_for,
     error_message,
 )
+from rolloutbus.streams.inference.multimodal import (
+    ImagesNotSupportedError,
+    check_backend_takes_images,
+    image_urls,
+    refuse_video_and_audio,
+)
 from rolloutbus.streams.inference.routing import LoadBalancer
 
 __all__ = ["ClientMetrics", "LLMClient", "ReplicaRequestError", "per_turn_max_tokens"]
@@ -221,21 +227,31 @@ class LLMClient:
         ``extra_fields`` of the result carries ``finish_reason`` (the engine's own
         word), ``replica_id``, ``engine_request_id`` and ``weight_version`` when the
         engine reports one.
+
+        ``image_data`` (in prompt order) is sent as vLLM's ``content_parts`` by the
+        ``vllm_generate`` backend, with every piece of an aborted turn; any other backend
+        raises ``ImagesNotSupportedError`` before a request is sent. ``video_data`` and
+        ``audio_data`` raise ``MediaNotSupportedError``. ``mm_processor_kwargs`` is not
+        sent: vLLM's generate request has no such field (the server's processor settings
+        apply).
         """
-        if image_data is not None or video_data is not None or audio_data is not None:
-            raise NotImplementedError(
-                "multimodal generate() is not supported by the HTTP token-in/token-out client"
-            )
+        # before any request: a backend that cannot take the media fails the session by
+        # name instead of sampling from the text alone
+        refuse_video_and_audio(video_data, audio_data)
+        check_backend_takes_images(self._backend.name, image_data)
+        images = image_urls(image_data)  # resolved once; a resumed piece resends the same
         self._ensure_started()
         params = TurnSamplingParams.model_validate(sampling_params)
         max_tokens = per_turn_max_tokens(len(prompt_ids), self._rollout, params.max_tokens)
         priority = int(kwargs.get("priority") or 0)
         if not self._backend.name.startswith("vllm"):
             priority = 0
-        out = await self._generate_once(request_id, prompt_ids, params, max_tokens, priority)
+        out = await self._generate_once(
+            request_id, prompt_ids, params, max_tokens, priority, images
+        )
         if out.stop_reason == "aborted" and self._config.resume_aborted:
             out = await self._resume_aborted(
-                request_id, prompt_ids, params, max_tokens, priority, out
+                request_id, prompt_ids, params, max_tokens, priority, out, images
             )
         return out
 
@@ -247,11 +263,13 @@ class LLMClient:
         max_tokens: int,
         priority: int,
         out: TokenOutput,
+        images: tuple[str, ...] = (),
     ) -> TokenOutput:
         """Partial rollout: continue an aborted turn from prompt + tokens so far.
 
         The pieces are concatenated (tokens, logprobs), preemptions summed, and the
-        remaining budget shrinks; an exhausted budget ends the turn as "length".
+        remaining budget shrinks; an exhausted budget ends the turn as "length". Each
+        piece sends the turn's images again: the prompt still holds their placeholders.
         """
         tokens, logprobs = list(out.token_ids), list(out.log_probs or [])
         preempted, resumes = out.num_preempted, 0
@@ -266,7 +284,7 @@ class LLMClient:
             await asyncio.sleep(self._config.abort_retry_delay_s)
             resumes += 1
             out = await self._generate_once(
-                request_id, prompt_ids + tokens, params, remaining, priority
+                request_id, prompt_ids + tokens, params, remaining, priority, images
             )
             tokens += out.token_ids
             logprobs += out.log_probs or []
@@ -293,6 +311,7 @@ class LLMClient:
         params: TurnSamplingParams,
         max_tokens: int,
         priority: int,
+        images: tuple[str, ...] = (),
     ) -> TokenOutput:
         """One turn on one replica, retried on others when a replica fails."""
         last_error: ReplicaRequestError | None = None
@@ -305,6 +324,7 @@ class LLMClient:
                 max_tokens=max_tokens,
                 model=self._config.model,
                 priority=priority,
+                image_urls=images,
             )
             try:
                 return await self._call_replica(replica, call)
@@ -366,7 +386,7 @@ class LLMClient:
         started = time.monotonic()
         response = await self._post(replica, body)
         if response.status_code >= 400:
-            self._raise_for_status(replica, response)
+            self._raise_for_status(replica, response, call)
         try:
             output = self._backend.parse_response(response.json())
         except (ValueError, ValidationError) as exc:
@@ -406,10 +426,21 @@ class LLMClient:
                 retriable=True,
             ) from exc
 
-    def _raise_for_status(self, replica: str, response: httpx.Response) -> None:
+    def _raise_for_status(self, replica: str, response: httpx.Response, call: EngineCall) -> None:
         server_side = response.status_code >= 500
         outcome = "server_error" if server_side else "bad_request"
         self._count(replica, outcome)
+        if (
+            call.image_urls
+            and response.status_code == 400
+            and _error_param(response) == "content_parts"
+        ):
+            # a replica that cannot read images (the embedded one serves text models): the
+            # session fails for that reason, not as a retriable replica error
+            raise ImagesNotSupportedError(
+                f"replica {replica} refused the turn's {len(call.image_urls)} image(s): "
+                f"{error_message(response.text)}"
+            )
         raise ReplicaRequestError(
             replica,
             f"POST {self._backend.path} answered {response.status_code}: "
@@ -518,6 +549,15 @@ class LLMClient:
 
 def _normalize(url: str) -> str:
     return url.rstrip("/")
+
+
+def _error_param(response: httpx.Response) -> str | None:
+    """The field an OpenAI-style error body names (``error.param``), if any."""
+    try:
+        error = response.json().get("error")
+    except (ValueError, AttributeError):
+        return None
+    return error.get("param") if isinstance(error, dict) else None
 
 
 def _version_range(pieces: list[dict[str, Any]]) -> dict[str, int]:

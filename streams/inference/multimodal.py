@@ -6,8 +6,10 @@ media and pairs it with the prompt's image placeholder tokens). Its completions 
 and SGLang's ``/generate`` as this client drives them take token ids only, so a session
 with images on those backends fails, saying so, instead of generating from the text alone.
 
-The contract test (tests/contract/test_vllm_multimodal_contract.py) validates a generate
-request carrying these parts with vLLM's own ``GenerateRequest`` model.
+The LLM client resolves a turn's images to URLs once (``image_urls``), carries them on its
+``EngineCall`` and sends them again with every resumed piece of an aborted turn. The
+contract test (tests/contract/test_vllm_multimodal_contract.py) validates the generate
+request the backend builds with vLLM's own ``GenerateRequest`` model.
 """
 
 from __future__ import annotations
@@ -22,8 +24,13 @@ from rolloutbus.errors import AgentLoopError
 IMAGE_BACKENDS = frozenset({"vllm_generate"})  # backends whose requests can carry images
 
 
-class ImagesNotSupportedError(AgentLoopError):
-    """The configured backend cannot take the session's images."""
+class MediaNotSupportedError(AgentLoopError):
+    """A turn's media (images, videos, audio) cannot reach the engine: the session fails
+    with this reason (an ``AgentLoopError``: not retried, since a retry fails the same way)."""
+
+
+class ImagesNotSupportedError(MediaNotSupportedError):
+    """The configured backend, or the replica behind it, cannot take the session's images."""
 
 
 def check_backend_takes_images(backend: str, images: list[Any] | None) -> None:
@@ -35,9 +42,28 @@ def check_backend_takes_images(backend: str, images: list[Any] | None) -> None:
         )
 
 
+def refuse_video_and_audio(video_data: Any, audio_data: Any) -> None:
+    """Videos and audio are not sent: say so instead of generating from the text alone.
+
+    vLLM's generate endpoint would take ``video_url``/``audio_url`` parts, but verl hands
+    a loop decoded video frames and audio waveforms (tensors, arrays), which have no URL
+    form here, and the publisher refuses video/audio rows already."""
+    for name, data in (("video_data", video_data), ("audio_data", audio_data)):
+        if data is not None and (not hasattr(data, "__len__") or len(data) > 0):
+            raise MediaNotSupportedError(
+                f"generate() got {name}: this client sends images only (vLLM content_parts "
+                "of type image_url); videos and audio are not forwarded to any backend"
+            )
+
+
 def vllm_content_parts(images: list[Any]) -> list[dict[str, str]]:
     """vLLM's ``content_parts`` for a turn's images, in prompt order."""
     return [{"type": "image_url", "url": image_url(image)} for image in images]
+
+
+def image_urls(images: list[Any] | None) -> tuple[str, ...]:
+    """A turn's images as URLs, in prompt order; ``()`` for a text turn."""
+    return tuple(image_url(image) for image in images or ())
 
 
 def image_url(image: Any) -> str:

@@ -17,6 +17,29 @@ CHECK = ROOT / "tests" / "fixtures" / "vllm_multimodal_check.py"
 
 pytestmark = pytest.mark.contract
 
+# What VllmGenerateBackend.build_request sends for a call with images (EngineCall.image_urls,
+# as LLMClient.generate(image_data=...) fills it), validated by vLLM's own GenerateRequest.
+BUILD_REQUEST_CHECK = """
+from vllm.entrypoints.scale_out.token_in_token_out import protocol as tito
+from rolloutbus.schemas.inference import TurnSamplingParams
+from rolloutbus.streams.inference.backends import EngineCall, VllmGenerateBackend
+from rolloutbus.streams.inference.multimodal import image_urls
+
+urls = image_urls(["https://example.com/a.png", {"image": "https://example.com/b.jpg"}])
+prompt = [1, 151652, 151655, 151653, 2, 151652, 151655, 151653, 3]
+call = EngineCall("e-mm", prompt, TurnSamplingParams(logprobs=True), 8, image_urls=urls)
+body = VllmGenerateBackend().build_request(call)
+parsed = tito.GenerateRequest.model_validate(body)
+assert parsed.content_parts == [
+    {"type": "image_url", "url": "https://example.com/a.png"},
+    {"type": "image_url", "url": "https://example.com/b.jpg"},
+], parsed.content_parts
+assert parsed.token_ids == prompt and parsed.features is None
+text = VllmGenerateBackend().build_request(EngineCall("e-t", prompt, TurnSamplingParams(), 8))
+assert tito.GenerateRequest.model_validate(text).content_parts is None
+print("build_request with images: vLLM's GenerateRequest accepts it")
+"""
+
 
 def test_images_reach_vllms_generate_request(tmp_path: Path):
     env = {**os.environ, "PYTHON": sys.executable}
@@ -25,8 +48,10 @@ def test_images_reach_vllms_generate_request(tmp_path: Path):
     )
     assert built.returncode == 0, f"contract env build failed:\n{built.stderr[-4000:]}"
     site = built.stdout.strip().splitlines()[-1]
+    # one subprocess for both checks: importing vLLM's protocol modules takes most of it
+    script = f"import runpy; runpy.run_path({str(CHECK)!r}, run_name='__main__')\n"
     result = subprocess.run(
-        [sys.executable, str(CHECK)],
+        [sys.executable, "-c", script + BUILD_REQUEST_CHECK],
         capture_output=True,
         text=True,
         env={**os.environ, "PYTHONPATH": site},
@@ -35,3 +60,4 @@ def test_images_reach_vllms_generate_request(tmp_path: Path):
     )
     assert result.returncode == 0, result.stdout + result.stderr[-4000:]
     assert "multimodal contract: all checks passed" in result.stdout
+    assert "build_request with images: vLLM's GenerateRequest accepts it" in result.stdout
