@@ -123,6 +123,26 @@ async def test_a_prompt_of_a_revoked_partition_is_left_for_its_new_owner(monkeyp
     assert worker.turn_log.attempts == 0
 
 
+async def test_a_prompt_waiting_for_a_slot_when_its_partition_is_revoked_is_not_started(
+    monkeypatch,
+):
+    """Every slot busy, the partition revoked meanwhile: the group must not start on the
+    old owner once a slot frees (it would run unowned next to the new owner's resumption
+    and log turns after that owner's scan: turns sampled twice)."""
+    worker = _worker(monkeypatch)
+    worker.ready.set()
+    worker.producer = SimpleNamespace(flush=lambda timeout: 0)  # test double: nothing queued
+    for _ in range(worker.cfg.sessions.concurrency):
+        await worker._slots.acquire()  # every slot taken by groups already running
+    waiting = asyncio.ensure_future(worker.take(_event(_group())))
+    await asyncio.sleep(0)
+    await worker.on_revoked({TP(worker.topics.prompts, 0)})
+    worker._slots.release()  # a running group ends
+    await waiting
+    assert worker.turn_log.attempts == 0  # no group_started written by the old owner
+    assert worker._slots._value == 1  # the slot it took was given back
+
+
 async def test_a_prompt_whose_group_is_already_in_the_turn_log_is_not_started_again(monkeypatch):
     worker = _worker(monkeypatch)
     worker.partitions[0].remember("g1")  # the recovery scan found its group_started

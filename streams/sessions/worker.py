@@ -233,6 +233,12 @@ class SessionWorker:
             log.info("prompt group %s is already in the turn log; not started again", group.uid)
             return
         await self._slots.acquire()
+        if self.partitions.get(partition) is not state:
+            # revoked while every slot was busy (on_revoked cancels this partition's tasks,
+            # but take() runs in Faust's agent): a group started now would run unowned
+            # next to its new owner's and log turns after that owner's scan
+            self._slots.release()
+            return
         started = group_started(group)
         try:
             await self.turn_log.emit(started)
