@@ -143,6 +143,39 @@ async def test_a_prompt_waiting_for_a_slot_when_its_partition_is_revoked_is_not_
     assert worker._slots._value == 1  # the slot it took was given back
 
 
+class SlowTurnLog:
+    """Test double for TurnLog: a write that is acknowledged only when ``done`` is set."""
+
+    def __init__(self) -> None:
+        self.events: list = []
+        self.done = asyncio.Event()
+
+    async def emit(self, event) -> None:
+        self.events.append(event)
+        await self.done.wait()
+
+
+async def test_a_group_whose_partition_is_revoked_while_group_started_is_written_is_left(
+    monkeypatch,
+):
+    """group_started is durable once on_revoked has flushed, so the new owner's scan runs
+    the group; the old owner must not run it too."""
+    worker = _worker(monkeypatch)
+    worker.ready.set()
+    worker.producer = SimpleNamespace(flush=lambda timeout: 0)  # test double: nothing queued
+    worker.turn_log = SlowTurnLog()  # type: ignore[assignment]
+    started = []
+    monkeypatch.setattr(worker, "_spawn", lambda state, coro: (started.append(coro), coro.close()))
+    waiting = asyncio.ensure_future(worker.take(_event(_group())))
+    await asyncio.sleep(0)
+    assert [e.type for e in worker.turn_log.events] == ["group_started"]
+    await worker.on_revoked({TP(worker.topics.prompts, 0)})
+    worker.turn_log.done.set()
+    await waiting
+    assert started == []  # not run by the old owner
+    assert worker._slots._value == worker.cfg.sessions.concurrency  # its slot was given back
+
+
 async def test_a_prompt_whose_group_is_already_in_the_turn_log_is_not_started_again(monkeypatch):
     worker = _worker(monkeypatch)
     worker.partitions[0].remember("g1")  # the recovery scan found its group_started

@@ -248,6 +248,11 @@ class SessionWorker:
             return
         except BrokerError as exc:
             _exit_unwritable(exc)
+        if self.partitions.get(partition) is not state:
+            # revoked while group_started was written: on_revoked flushed it before the
+            # rebalance went on, so the new owner's scan finds the group and runs it
+            self._slots.release()
+            return
         state.remember(group.uid)
         self._spawn(state, self._run_group(group, started.attempt))
 
