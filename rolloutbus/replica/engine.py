@@ -44,8 +44,6 @@ import torch
 from rolloutbus.config import Config
 from rolloutbus.errors import ReplicaError
 from rolloutbus.replica.generation import (
-    PAUSE_MODES,
-    EngineNotPausedError,
     EngineStats,
     FinishReason,
     GenerationRequest,
@@ -56,6 +54,7 @@ from rolloutbus.replica.generation import (
     version_spans,
 )
 from rolloutbus.replica.kv_cache import SlotKVCache, check_supported, use_slot_attention
+from rolloutbus.replica.pause_gate import PauseGate, check_pause_mode
 
 __all__ = ["DecodeEngine"]
 
@@ -128,7 +127,7 @@ class DecodeEngine:
         self._waiting: deque[_Sequence] = deque()
         self._cond = threading.Condition()
         self._stopping = False
-        self._pause_mode: PauseMode | None = None
+        self._gate = PauseGate()  # changed under self._cond: the decode loop reads it
         self._quiescent = False  # the loop has done what the pause mode asks
         # Work the loop runs between steps: (function, future for the caller), e.g. a reload.
         self._control: deque[tuple[Callable[[], None], concurrent.futures.Future[None]]] = deque()
@@ -178,40 +177,33 @@ class DecodeEngine:
 
     @property
     def is_paused(self) -> bool:
-        return self._pause_mode is not None
+        return self._gate.is_paused
 
     async def pause(self, mode: PauseMode = "abort") -> None:
-        if mode not in PAUSE_MODES:
-            raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
+        check_pause_mode(mode)  # before the health check: a bad mode is the caller's mistake
         await asyncio.to_thread(self._pause_and_wait, mode)
 
     async def resume(self) -> None:
         with self._cond:
-            self._pause_mode = None
+            self._gate.open()
             self._cond.notify_all()
 
     async def reload_weights(self, weights_path: str) -> None:
         from rolloutbus.replica.weights import read_weight_update
 
-        self._require_paused(weights_path)
+        self._gate.require_paused(weights_path)
         # Reading and checking the files touches no model tensor: do it off the loop.
         update = await asyncio.to_thread(read_weight_update, self.model, weights_path)
-        self._require_paused(weights_path)
+        self._gate.require_paused(weights_path)
         await asyncio.wrap_future(self._run_in_loop(update.apply))
         log.info("%s: reloaded weights from %s", self.model_name, weights_path)
-
-    def _require_paused(self, weights_path: str) -> None:
-        if not self.is_paused:
-            raise EngineNotPausedError(
-                f"refusing to reload weights from {weights_path!r}: the engine is not paused; "
-                "POST /pause (mode abort, wait or keep) first, then /resume after the reload"
-            )
 
     def _pause_and_wait(self, mode: PauseMode) -> None:
         with self._cond:
             if not self.healthy:
                 raise ReplicaError(f"engine for {self.model_name} is not running: {self._error!r}")
-            self._pause_mode, self._quiescent = mode, False
+            self._gate.close(mode)
+            self._quiescent = False
             if mode == "abort":  # queued requests are in flight too, as in vLLM: end them now
                 for seq in self._waiting:
                     self._finish(seq, "abort")
@@ -284,7 +276,7 @@ class DecodeEngine:
                     if admitted is None:
                         break  # stopping
                     self._run_control()
-                    mode = self._pause_mode
+                    mode = self._gate.mode
                     if mode == "abort" and batch is not None:
                         for seq in batch.rows:
                             seq.aborted = True  # released below with the tokens sampled so far
@@ -309,7 +301,7 @@ class DecodeEngine:
             while True:
                 if self._stopping:
                     return None
-                mode = self._pause_mode
+                mode = self._gate.mode
                 if mode is not None and (mode == "keep" or running == 0) and not self._quiescent:
                     self._quiescent = True  # at a step boundary, with what the mode asks done
                     self._cond.notify_all()

@@ -21,8 +21,6 @@ from typing import Any
 
 from rolloutbus.errors import ReplicaError
 from rolloutbus.replica.generation import (
-    PAUSE_MODES,
-    EngineNotPausedError,
     EngineStats,
     GenerationRequest,
     GenerationResult,
@@ -32,6 +30,7 @@ from rolloutbus.replica.generation import (
     VersionSpan,
     WeightsRejectedError,
 )
+from rolloutbus.replica.pause_gate import PauseGate
 
 __all__ = ["ScriptedEngine", "ScriptedTurn"]
 
@@ -74,8 +73,7 @@ class ScriptedEngine:
         self._fault_message = ""
         self._release = asyncio.Event()
         self._running = False
-        self._pause_mode: PauseMode | None = None
-        self._resumed: asyncio.Event | None = None  # created in the server's loop on pause
+        self._gate = PauseGate()
         self._abort: asyncio.Event | None = None
         self._decoding = 0  # calls inside their token delay
 
@@ -83,30 +81,20 @@ class ScriptedEngine:
 
     @property
     def is_paused(self) -> bool:
-        return self._pause_mode is not None
+        return self._gate.is_paused
 
     async def pause(self, mode: PauseMode = "abort") -> None:
-        if mode not in PAUSE_MODES:
-            raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
-        self._pause_mode = mode
-        self._resumed = self._resumed or asyncio.Event()
+        self._gate.close(mode)
         if mode == "abort" and self._abort is not None:
             self._abort.set()  # calls in their token delay end now with the tokens so far
         while mode == "wait" and self._decoding:
             await asyncio.sleep(0.005)  # seconds; a scripted call ends within its delay
 
     async def resume(self) -> None:
-        self._pause_mode = None
-        if self._resumed is not None:
-            self._resumed.set()
-            self._resumed = None
+        self._gate.open()
 
     async def reload_weights(self, weights_path: str) -> None:
-        if not self.is_paused:
-            raise EngineNotPausedError(
-                f"refusing to reload weights from {weights_path!r}: the engine is not paused; "
-                "POST /pause first"
-            )
+        self._gate.require_paused(weights_path)
         if not Path(weights_path).is_dir():
             raise WeightsRejectedError(
                 f"weights_path {weights_path!r} is not a folder on the replica"
@@ -151,8 +139,7 @@ class ScriptedEngine:
         self.calls.append(request)
         start = asyncio.get_running_loop().time()
         await self._apply_fault()
-        while self._resumed is not None and self.is_paused:  # held until /resume, as vLLM
-            await self._resumed.wait()
+        await self._gate.wait_open()  # held until /resume, as vLLM
         turn = self._next_turn(request.prompt_ids)
         self.stats.running += 1
         try:
