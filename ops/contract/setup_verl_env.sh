@@ -54,7 +54,9 @@ WANT="$(printf '%s\n' "${PINS[@]}")"
 # The modules the parity tests import; each must import before the env is stamped.
 MODULES="verl.utils.reward_score, verl.utils.reward_score.prime_math, verl.utils.reward_score.geo3k, verl.experimental.agent_loop.tool_parser, verl.experimental.agent_loop.single_turn_agent_loop, verl.experimental.agent_loop.tool_agent_loop, verl.workers.config"
 
-if [[ "${FORCE:-0}" != 1 && -f "$STAMP" && "$(cat "$STAMP")" == "$WANT" ]]; then
+# shellcheck source=ops/lib/stamp.sh
+. "$ROOT/ops/lib/stamp.sh"
+if stamp_matches "$STAMP" "$WANT"; then
   echo "$TARGET"
   exit 0
 fi
@@ -67,6 +69,6 @@ mkdir -p "$TARGET"
 # Prove it imports before stamping it as built (from /tmp, so the checkout's own
 # folders cannot shadow anything).
 (cd /tmp && PYTHONPATH="$TARGET" "$PYTHON" -c "import $MODULES") >&2
-printf '%s' "$WANT" >"$STAMP"
+stamp_write "$STAMP" "$WANT"
 echo "verl env built in $(( $(date +%s) - start )) s: $TARGET" >&2
 echo "$TARGET"

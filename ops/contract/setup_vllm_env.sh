@@ -33,7 +33,9 @@ PINS=(
 )
 WANT="$(printf '%s\n' "${PINS[@]}")"
 
-if [[ "${FORCE:-0}" != 1 && -f "$STAMP" && "$(cat "$STAMP")" == "$WANT" ]]; then
+# shellcheck source=ops/lib/stamp.sh
+. "$ROOT/ops/lib/stamp.sh"
+if stamp_matches "$STAMP" "$WANT"; then
   echo "$TARGET"
   exit 0
 fi
@@ -46,6 +48,6 @@ mkdir -p "$TARGET"
 # Prove it imports before stamping it as built.
 (cd /tmp && PYTHONPATH="$TARGET" "$PYTHON" -c \
   "import vllm.entrypoints.openai.completion.protocol, vllm.entrypoints.scale_out.token_in_token_out.protocol") >&2
-printf '%s' "$WANT" >"$STAMP"
+stamp_write "$STAMP" "$WANT"
 echo "contract env built in $(( $(date +%s) - start )) s: $TARGET" >&2
 echo "$TARGET"

