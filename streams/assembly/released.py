@@ -20,35 +20,22 @@ keeps the newest ``replay_buffer.max_released_uids`` of them.
 
 from __future__ import annotations
 
-import concurrent.futures
 import json
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Iterator
 from typing import Any
 
-from confluent_kafka import Consumer, IsolationLevel, Message, TopicPartition
-from confluent_kafka.admin import OffsetSpec
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from rolloutbus.config import KafkaConfig
-from rolloutbus.errors import BrokerError
-from rolloutbus.kafka.clients import (
-    PartitionEnd,
-    admin_client,
-    poll_record,
-    read_committed_consumer,
-    translate_kafka_errors,
-)
+from rolloutbus.kafka.partition_reader import read_partition
 
 log = logging.getLogger(__name__)
 
-READER_GROUP = "rolloutbus-released-reader"  # nothing is committed: librdkafka wants a group id
 # seconds to wait for transactions open on the partition to end: longer than the replay
 # buffer's transaction.timeout.ms (30 s), after which the coordinator aborts a dead writer's
 READ_TIMEOUT_S = 60.0
-POLL_S = 1.0  # seconds per poll while reading
 
 
 class ReleasedRecord(BaseModel):
@@ -95,10 +82,18 @@ def read_released_uids(
     kafka: KafkaConfig, topic: str, partition: int, limit: int
 ) -> tuple[OrderedDict[str, None], int]:
     """The uids released on ``topic[partition]``, oldest first, the newest ``limit`` kept;
-    and how many records were read. Committed records only (read_committed)."""
+    and how many records were read.
+
+    Committed records only, up to the high watermark at the start, not just up to the last
+    stable offset: a transaction still open there (a crashed writer's, until the
+    coordinator aborts it) would hide the records committed after it, and a group released
+    in one of those would be released again. So the read waits for every transaction open
+    at the start to end, up to READ_TIMEOUT_S.
+    """
     uids: OrderedDict[str, None] = OrderedDict()
     count = 0
-    for msg in _committed_records(kafka, topic, partition):
+    records = read_partition(kafka, topic, partition, 0, wait_open_transactions_s=READ_TIMEOUT_S)
+    for msg in records:
         count += 1
         uid = _uid_of(msg.value())
         if uid is None:
@@ -123,71 +118,3 @@ def _uid_of(value: Any) -> str | None:
         return ReleasedRecord.model_validate_json(value).uid
     except (ValidationError, json.JSONDecodeError):
         return None
-
-
-def _committed_records(kafka: KafkaConfig, topic: str, partition: int) -> Iterator[Message]:
-    """Every committed record of the partition up to its high watermark at the start.
-
-    Not just up to the last stable offset: a transaction still open there (a crashed
-    writer's, until the coordinator aborts it) would hide the records committed after it,
-    and a group released in one of those would be released again. So the read waits for
-    every transaction open at the start to end, up to READ_TIMEOUT_S.
-    """
-    tp = TopicPartition(topic, partition)
-    high = _high_watermark(kafka, tp)
-    consumer = read_committed_consumer(kafka, READER_GROUP, partition_eof=True)
-    try:
-        with translate_kafka_errors("reading watermarks", topic=topic, partition=partition):
-            # a read_committed consumer's "high" is the last stable offset
-            low, _ = consumer.get_watermark_offsets(tp, timeout=READ_TIMEOUT_S, cached=False)
-        if high <= low:
-            return
-        consumer.assign([TopicPartition(topic, partition, low)])
-        yield from _records_until(consumer, tp, high)
-    finally:
-        consumer.close()
-
-
-def _high_watermark(kafka: KafkaConfig, tp: TopicPartition) -> int:
-    """The offset after the last record written, committed or not."""
-    request = {TopicPartition(tp.topic, tp.partition): OffsetSpec.latest()}
-    admin = admin_client(kafka)  # held until the future resolves: a dropped client fails it
-    with translate_kafka_errors(
-        "reading the high watermark", topic=tp.topic, partition=tp.partition
-    ):
-        futures = admin.list_offsets(
-            request, isolation_level=IsolationLevel.READ_UNCOMMITTED, request_timeout=READ_TIMEOUT_S
-        )
-        try:
-            [result] = [future.result(timeout=READ_TIMEOUT_S) for future in futures.values()]
-        except concurrent.futures.TimeoutError:
-            raise BrokerError(
-                f"no answer for the high watermark of {tp.topic}[{tp.partition}] "
-                f"within {READ_TIMEOUT_S:g} s"
-            ) from None
-    return result.offset
-
-
-def _records_until(consumer: Consumer, tp: TopicPartition, high: int) -> Iterator[Message]:
-    deadline = time.monotonic() + READ_TIMEOUT_S
-    where = f"{tp.topic}[{tp.partition}]"
-    while True:
-        msg = poll_record(consumer, POLL_S)
-        if msg is not None and not isinstance(msg, PartitionEnd):
-            yield msg
-            continue
-        # an end of partition is reported at the last stable offset, before any transaction
-        # still open: done only once the position has passed the start's high watermark
-        if isinstance(msg, PartitionEnd) and _position(consumer, tp) >= high:
-            return
-        if time.monotonic() > deadline:
-            raise BrokerError(
-                f"reading {where} up to offset {high}: a transaction there is still "
-                f"open after {READ_TIMEOUT_S:.0f} s"
-            )
-
-
-def _position(consumer: Consumer, tp: TopicPartition) -> int:
-    with translate_kafka_errors("reading the position", topic=tp.topic, partition=tp.partition):
-        [position] = consumer.position([tp])
-    return position.offset
