@@ -1,8 +1,8 @@
 """Fault scenarios against the whole pipeline of real processes (``tests/faults_harness.py``).
 
 Each scenario runs the same workload as a fault-free reference run (computed once per
-module) and must lose nothing, duplicate nothing, and release trajectories equal, column
-for column except ``attempt``, to the reference's. Every run adds a row to the table
+module) and must lose nothing, duplicate nothing, sample no logged turn again, and release
+trajectories equal, column for column except ``attempt``, to the reference's. Every run adds a row to the table
 printed at the end of the test session (``pytest_terminal_summary`` in conftest.py).
 
 Scenarios go through the command line and the topics only, so they keep working as the
@@ -52,6 +52,9 @@ def _assert_exactly_once_and_as_reference(run: FaultRun) -> None:
     row = run.row
     assert row.lost == 0, f"{row.lost} trajectories lost\n{run.explain()}"
     assert row.duplicated == 0, f"{row.duplicated} trajectory keys written twice\n{run.explain()}"
+    # recovery is replay: a resumed session answers its logged turns from the log, so no
+    # turn is logged as sampled twice (a turn lost with a killed process was never logged)
+    assert row.resampled == 0, f"{row.resampled} logged turns sampled again\n{run.explain()}"
     assert row.differ == 0, (
         f"{row.differ} trajectories differ from the fault-free run "
         f"({row.failed} failed)\n{run.explain()}"
