@@ -2,8 +2,9 @@
 
 Each scenario runs the same workload as a fault-free reference run (computed once per
 module) and must lose nothing, duplicate nothing, sample no logged turn again, and release
-trajectories equal, column for column except ``attempt``, to the reference's. Every run adds a row to the table
-printed at the end of the test session (``pytest_terminal_summary`` in conftest.py).
+trajectories equal, column for column except ``attempt``, to the reference's. Every run adds
+a row to the table printed at the end of the test session (``pytest_terminal_summary`` in
+conftest.py).
 
 Scenarios go through the command line and the topics only, so they keep working as the
 replay buffer and the trainer client are hardened behind them.
