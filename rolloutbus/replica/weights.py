@@ -24,7 +24,13 @@ import torch
 from rolloutbus.config import ModelConfig
 from rolloutbus.errors import ConfigError
 from rolloutbus.replica.generation import WeightsRejectedError
-from rolloutbus.replica.models import SMOLLM2, TINY_QWEN3, load_tokenizer
+from rolloutbus.replica.models import (
+    KNOWN_MODELS,
+    SMOLLM2,
+    TINY_QWEN2_VL,
+    TINY_QWEN3,
+    load_tokenizer,
+)
 from rolloutbus.replica.smollm2 import ensure_smollm2_cache, load_smollm2_tokenizer
 
 __all__ = ["WeightUpdate", "load_causal_lm", "read_weight_update", "tiny_qwen3_config"]
@@ -44,13 +50,19 @@ def load_causal_lm(model: ModelConfig) -> tuple[Any, Any]:
         folder = ensure_smollm2_cache(model.cache_dir)
         lm = _load_folder(folder, dtype)
         tokenizer = load_smollm2_tokenizer(folder)
+    elif model.name == TINY_QWEN2_VL:
+        # a vision-language model: the embedded replica's text-only causal-LM loop cannot
+        # take its images, so it is served by vLLM alone
+        raise ConfigError(
+            f"model.name {TINY_QWEN2_VL!r} is served by vLLM only "
+            "(rolloutbus replica serve --engine vllm), not by the embedded replica"
+        )
     elif Path(model.name).is_dir():
         lm = _load_folder(Path(model.name), dtype)
         tokenizer = load_tokenizer(model)
     else:
         raise ConfigError(
-            f"model.name {model.name!r} is neither {TINY_QWEN3!r}, {SMOLLM2!r} nor a local "
-            "model folder"
+            f"model.name {model.name!r} is none of {list(KNOWN_MODELS)} nor a local model folder"
         )
     return lm.to(dtype).eval(), tokenizer
 

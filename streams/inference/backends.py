@@ -10,7 +10,8 @@ are built strictly (an unknown field is a bug here), responses are read with
   token-id prompt, ``return_token_ids`` (vLLM >= 0.10.2) and ``logprobs: 0``.
 - ``vllm_generate``: vLLM's token-in/token-out ``POST /inference/v1/generate``
   (vLLM >= 0.12; opt-in with ``vllm serve --enable-scale-out`` since 0.30); the one backend
-  that sends a turn's images (vLLM's ``content_parts``). The others raise
+  that sends a turn's images (vLLM's ``content_parts``, with each image's placeholder run
+  collapsed to one pad in ``token_ids``, since vLLM expands it itself). The others raise
   ``ImagesNotSupportedError`` for a call with images instead of dropping them.
 - ``sglang``: SGLang's native ``POST /generate`` with ``input_ids``.
 
@@ -45,7 +46,11 @@ from rolloutbus.schemas.inference import (
     WeightVersionSpan,
     read_response,
 )
-from rolloutbus.streams.inference.multimodal import ImagesNotSupportedError, vllm_content_parts
+from rolloutbus.streams.inference.multimodal import (
+    ImagesNotSupportedError,
+    vllm_content_parts,
+    vllm_token_prompt,
+)
 
 __all__ = [
     "BACKENDS",
@@ -279,7 +284,8 @@ class VllmGenerateBackend:
     def build_request(self, call: EngineCall) -> dict[str, Any]:
         return VllmGenerateRequest(
             request_id=call.engine_request_id,
-            token_ids=list(call.prompt_ids),
+            # images: each placeholder run unexpanded, as vLLM expands it itself
+            token_ids=vllm_token_prompt(list(call.prompt_ids), len(call.image_urls)),
             sampling_params=VllmGenerateSamplingParams(
                 **_vllm_sampling(call),
                 detokenize=False,  # tokens only: works on a --tokens-only server too

@@ -6,6 +6,15 @@ media and pairs it with the prompt's image placeholder tokens). Its completions 
 and SGLang's ``/generate`` as this client drives them take token ids only, so a session
 with images on those backends fails, saying so, instead of generating from the text alone.
 
+vLLM wants each image's placeholder **unexpanded** in those token ids: its renderer
+replaces the first ``<|image_pad|>`` after each image's start by as many pads as the image
+has tokens, so a prompt already expanded by the processor (what the agent loop builds and
+the trajectory keeps, as verl's) grew by that count minus one per image on a real vLLM
+0.32 Qwen2-VL server (28 prompt tokens became 31, with 3 pads that were no image). The
+backend therefore sends ``vllm_token_prompt``: each Qwen-VL image run collapsed to one pad.
+The trajectory keeps the expanded ids, which are the positions vLLM computed after its own
+expansion (tests/test_vllm_real.py).
+
 The LLM client resolves a turn's images to URLs once (``image_urls``), carries them on its
 ``EngineCall`` and sends them again with every resumed piece of an aborted turn. The
 contract test (tests/contract/test_vllm_multimodal_contract.py) validates the generate
@@ -22,6 +31,8 @@ from typing import Any
 from rolloutbus.errors import AgentLoopError
 
 IMAGE_BACKENDS = frozenset({"vllm_generate"})  # backends whose requests can carry images
+# Qwen-VL's image placeholder tokens; Qwen2-VL, Qwen2.5-VL and Qwen3-VL share these ids
+VISION_START, IMAGE_PAD, VISION_END = 151652, 151655, 151653
 
 
 class MediaNotSupportedError(AgentLoopError):
@@ -54,6 +65,30 @@ def refuse_video_and_audio(video_data: Any, audio_data: Any) -> None:
                 f"generate() got {name}: this client sends images only (vLLM content_parts "
                 "of type image_url); videos and audio are not forwarded to any backend"
             )
+
+
+def vllm_token_prompt(prompt_ids: list[int], num_images: int) -> list[int]:
+    """``prompt_ids`` as vLLM's token-in endpoint takes them next to ``num_images`` images:
+    the first ``num_images`` runs ``<|vision_start|> <|image_pad|>*k <|vision_end|>`` with
+    one pad each (vLLM expands it again from the image). A prompt whose images are not
+    Qwen-VL runs, or whose runs hold one pad already, is returned as it is."""
+    if num_images == 0:
+        return list(prompt_ids)  # a text turn: no per-token walk
+    out: list[int] = []
+    i, left = 0, num_images
+    while i < len(prompt_ids):
+        token = prompt_ids[i]
+        out.append(token)
+        i += 1
+        if token != VISION_START or left == 0:
+            continue
+        end = i
+        while end < len(prompt_ids) and prompt_ids[end] == IMAGE_PAD:
+            end += 1
+        if end > i and end < len(prompt_ids) and prompt_ids[end] == VISION_END:
+            out.append(IMAGE_PAD)  # the run of this image, collapsed
+            i, left = end, left - 1
+    return out
 
 
 def vllm_content_parts(images: list[Any]) -> list[dict[str, str]]:

@@ -60,10 +60,19 @@ class SessionContext:
     config: Config
     tokenizer: Any
     llm_client: Any
+    # verl's `processor` for the loops; None: the one ``model.name`` has (None for a text
+    # model, whose loops then refuse images), so a worker built with config and tokenizer
+    # gets a VL model's processor too
     processor: Any = None
     # called with (original bytes, reason) for a session whose row names no usable agent
     dead_letter: Callable[[bytes, str], None] | None = None
     stats: SessionStats = field(default_factory=lambda: SessionStats())
+
+    def __post_init__(self) -> None:
+        if self.processor is None:
+            from rolloutbus.replica.models import load_processor
+
+            self.processor = load_processor(self.config.model)
 
 
 def new_attempt_id() -> str:
