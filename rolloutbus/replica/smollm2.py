@@ -10,15 +10,13 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
 from rolloutbus.config import ModelConfig
 from rolloutbus.errors import ConfigError
+from rolloutbus.replica.model_cache import exported_folder
 
 log = logging.getLogger(__name__)
 
@@ -71,26 +69,12 @@ def _export_smollm2(folder: Path) -> None:
     config.eos_token_id = tokenizer.eos_token_id
     plain = LlamaForCausalLM(config)
     plain.load_state_dict(gguf_model.state_dict())
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=folder.name + ".tmp-", dir=folder.parent))
-    try:
+    with exported_folder(folder) as staging:
         plain.save_pretrained(str(staging))
         tokenizer.save_pretrained(str(staging))
         (staging / "rolloutbus_export.json").write_text(
             json.dumps({"source": SMOLLM2_GGUF, "version": SMOLLM2_CACHE_VERSION})
         )
-        _replace_dir(staging, folder)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-
-
-def _replace_dir(staging: Path, folder: Path) -> None:
-    try:
-        os.rename(staging, folder)
-    except OSError:
-        # Another process finished the same export first; its copy is as good as ours.
-        if not (folder / "model.safetensors").is_file():
-            raise
 
 
 def _smollm2_gguf_dir() -> Path:

@@ -23,15 +23,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from rolloutbus.config import ModelConfig
+from rolloutbus.replica.model_cache import exported_folder
 
 __all__ = [
     "IMAGE_TOKEN_ID",
@@ -158,9 +156,7 @@ def ensure_tiny_qwen2_vl(model: ModelConfig, tokenizer_dir: Path) -> Path:
         return folder
     from transformers import AutoTokenizer
 
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=folder.name + ".tmp-", dir=folder.parent))
-    try:
+    with exported_folder(folder) as staging:
         _build_model(model.seed).save_pretrained(str(staging))
         tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
         tokenizer.chat_template = CHAT_TEMPLATE
@@ -169,14 +165,6 @@ def ensure_tiny_qwen2_vl(model: ModelConfig, tokenizer_dir: Path) -> Path:
             json.dumps(_preprocessor_config(), indent=2)
         )
         (staging / "chat_template.jinja").write_text(CHAT_TEMPLATE)
-        try:
-            os.rename(staging, folder)
-        except OSError:
-            # another process finished the same export first; its copy is as good as ours
-            if not (folder / "model.safetensors").is_file():
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     log.info("built tiny-qwen2-vl (seed %d) in %s", model.seed, folder)
     return folder
 

@@ -45,6 +45,7 @@ import httpx
 
 from rolloutbus.config import Config, ModelConfig
 from rolloutbus.errors import ConfigError, ReplicaError
+from rolloutbus.replica.model_cache import exported_folder
 from rolloutbus.replica.models import (
     KNOWN_MODELS,
     SMOLLM2,
@@ -259,19 +260,9 @@ def export_tiny_qwen3(model: ModelConfig) -> Path:
     from rolloutbus.replica.weights import load_causal_lm
 
     lm, tokenizer = load_causal_lm(model.model_copy(update={"dtype": "float32"}))
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=folder.name + ".tmp-", dir=folder.parent))
-    try:
+    with exported_folder(folder) as staging:
         lm.save_pretrained(str(staging))
         tokenizer.save_pretrained(str(staging))
-        try:
-            os.rename(staging, folder)
-        except OSError:
-            # another process finished the same export first; its copy is as good as ours
-            if not (folder / "model.safetensors").is_file():
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     log.info("exported tiny-qwen3 (seed %d) to %s", model.seed, folder)
     return folder
 
