@@ -15,7 +15,7 @@ from rolloutbus.consumers.mrope import mrope_position_ids
 from rolloutbus.consumers.tensors import to_padded
 from rolloutbus.schemas.mrope import MROPE_INPUTS_KEY, MropeInputs
 from rolloutbus.schemas.trajectories import Trajectory, trajectories_to_batch
-from rolloutbus.streams.agent_loop.single_turn import mrope_inputs
+from rolloutbus.streams.agent_loop.base import mrope_inputs
 
 IMAGE, START, END, PAD = 151655, 151652, 151653, 151643
 WIDTHS = {"prompt_length": 24, "response_length": 6, "pad_token_id": PAD}

@@ -30,6 +30,7 @@ from typing import Any
 from rolloutbus.config import Config
 from rolloutbus.errors import AgentLoopError, PromptTooLongError
 from rolloutbus.schemas.agent_loop import AgentLoopOutput
+from rolloutbus.schemas.mrope import MROPE_INPUTS_KEY, MropeInputs
 from rolloutbus.streams.agent_loop.continuous_token import (
     ContinuousTokenBuilder,
     MergeResult,
@@ -369,3 +370,24 @@ def multi_modal_inputs(kwargs: dict[str, Any]) -> tuple[list[Any] | None, list[A
     images = data.get("images", data.get("image"))
     videos = data.get("videos", data.get("video"))
     return images or None, videos or None
+
+
+def mrope_inputs(processor: Any, images: list[Any] | None) -> dict[str, Any]:
+    """``{MROPE_INPUTS_KEY: MropeInputs}`` for an output with images, so the padded
+    conversion can compute verl's M-RoPE position ids (``schemas/mrope.py``); ``{}`` for a
+    text output or a processor without Qwen2-VL's image grid (``merge_size``,
+    ``image_token_id``). The grid comes from the processor's image processor called as the
+    Continuous Token builder calls the processor (no extra kwargs), so it matches the
+    prompt's placeholder runs."""
+    image_processor = getattr(processor, "image_processor", None)
+    merge = getattr(image_processor, "merge_size", None)
+    token_id = getattr(processor, "image_token_id", None)
+    if not images or image_processor is None or merge is None or token_id is None:
+        return {}
+    grid = image_processor(images=list(images), return_tensors="pt")
+    inputs = MropeInputs(
+        image_grid_thw=[tuple(row) for row in grid["image_grid_thw"].tolist()],
+        image_token_id=int(token_id),
+        spatial_merge_size=int(merge),
+    )
+    return {MROPE_INPUTS_KEY: inputs.model_dump(mode="json")}

@@ -10,8 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from rolloutbus.schemas.agent_loop import AgentLoopMetrics, AgentLoopOutput
-from rolloutbus.schemas.mrope import MROPE_INPUTS_KEY, MropeInputs
-from rolloutbus.streams.agent_loop.base import AgentLoopBase, multi_modal_inputs
+from rolloutbus.streams.agent_loop.base import AgentLoopBase, mrope_inputs, multi_modal_inputs
 from rolloutbus.streams.agent_loop.registry import register
 from rolloutbus.streams.agent_loop.timing import simple_timer
 
@@ -80,24 +79,3 @@ class SingleTurnAgentLoop(AgentLoopBase):
                 **mrope_inputs(self.processor, images),
             },
         )
-
-
-def mrope_inputs(processor: Any, images: list[Any] | None) -> dict[str, Any]:
-    """``{MROPE_INPUTS_KEY: MropeInputs}`` for an output with images, so the padded
-    conversion can compute verl's M-RoPE position ids (``schemas/mrope.py``); ``{}`` for a
-    text output or a processor without Qwen2-VL's image grid (``merge_size``,
-    ``image_token_id``). The grid comes from the processor's image processor called as the
-    Continuous Token builder calls the processor (no extra kwargs), so it matches the
-    prompt's placeholder runs."""
-    image_processor = getattr(processor, "image_processor", None)
-    merge = getattr(image_processor, "merge_size", None)
-    token_id = getattr(processor, "image_token_id", None)
-    if not images or image_processor is None or merge is None or token_id is None:
-        return {}
-    grid = image_processor(images=list(images), return_tensors="pt")
-    inputs = MropeInputs(
-        image_grid_thw=[tuple(row) for row in grid["image_grid_thw"].tolist()],
-        image_token_id=int(token_id),
-        spatial_merge_size=int(merge),
-    )
-    return {MROPE_INPUTS_KEY: inputs.model_dump(mode="json")}

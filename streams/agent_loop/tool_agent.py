@@ -33,11 +33,11 @@ from rolloutbus.streams.agent_loop.base import (
     DictConfigWrap,
     MultimodalUnsupportedError,
     ToolListWrap,
+    mrope_inputs,
     multi_modal_inputs,
 )
 from rolloutbus.streams.agent_loop.continuous_token import ContinuousTokenError
 from rolloutbus.streams.agent_loop.registry import register
-from rolloutbus.streams.agent_loop.single_turn import mrope_inputs
 from rolloutbus.streams.agent_loop.timing import simple_timer
 from rolloutbus.streams.agent_loop.tool_parser import (
     FunctionCall,
