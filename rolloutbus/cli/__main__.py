@@ -1,0 +1,5 @@
+import sys
+
+from rolloutbus.cli import main
+
+sys.exit(main())

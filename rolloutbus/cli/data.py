@@ -1,0 +1,203 @@
+"""Data in and out: datasets, publish, dispatch, consume, replay."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from rolloutbus.cli.common import Subcommands, command
+from rolloutbus.config import Config
+from rolloutbus.errors import ConfigError
+
+
+def cmd_dataset(args: argparse.Namespace, cfg: Config) -> int:
+    from rolloutbus.producers.datasets import make_arithmetic_rows, write_jsonl
+
+    rows = make_arithmetic_rows(args.count, seed=args.seed, tool_fraction=args.tool_fraction)
+    path = write_jsonl(rows, args.out)
+    print(path)
+    return 0
+
+
+def cmd_publish(args: argparse.Namespace, cfg: Config) -> int:
+    from rolloutbus.kafka.admin import check_reachable
+    from rolloutbus.producers.datasets import check_dataset
+    from rolloutbus.producers.publish import PromptPublisher
+
+    files = cfg.data.val_files if args.validate else cfg.data.train_files  # as verl
+    datasets = [args.dataset] if args.dataset is not None else [Path(p).expanduser() for p in files]
+    if not datasets:
+        key = "data.val_files" if args.validate else "data.train_files"
+        raise ConfigError(f"nothing to publish: give a DATASET or set {key}")
+    for dataset in datasets:  # every file checked before anything is published
+        check_dataset(dataset)
+    check_reachable(cfg.kafka)
+    publisher = PromptPublisher(cfg)
+    for dataset in datasets:
+        report = publisher.publish_file(
+            dataset,
+            validate=args.validate,
+            global_steps=args.global_steps,
+            epoch=args.epoch,
+            progress=not args.quiet,
+        )
+        for uid in report.uids or []:
+            print(uid)
+        print(
+            f"{dataset}: read {report.read} rows: {report.published} published, "
+            f"{report.dead_lettered} to the dead-letter topic",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def cmd_dispatch(args: argparse.Namespace, cfg: Config) -> int:
+    import signal
+    import threading
+
+    from rolloutbus.kafka.admin import check_reachable, ensure_topics
+    from rolloutbus.producers.datasets import check_dataset
+    from rolloutbus.producers.dispatch import Dispatcher
+
+    check_dataset(args.dataset)
+    check_reachable(cfg.kafka)
+    ensure_topics(cfg.kafka)
+    dispatcher = Dispatcher(
+        cfg, args.dataset, epochs=args.epochs, run_name=args.run_name, progress=not args.quiet
+    )
+    stop = threading.Event()
+    # SIGTERM/SIGINT: stop after the group being published; what is out stays counted
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    report = dispatcher.run(stop)
+    print(
+        f"{args.dataset}: {report.started} groups started ({report.published} now, "
+        f"{report.found_on_topic} found on the topic), {report.dead_lettered} rows to the "
+        f"dead-letter topic, policy version {report.policy_version}, bound {report.bound}"
+        + ("" if report.finished else " (stopped before the last epoch)"),
+        file=sys.stderr,
+    )
+    return 0
+
+
+def cmd_consume(args: argparse.Namespace, cfg: Config) -> int:
+    from rolloutbus.consumers.report import consume_and_report
+    from rolloutbus.kafka.admin import check_reachable
+    from rolloutbus.replica.models import load_tokenizer
+
+    check_reachable(cfg.kafka)
+    consume_and_report(
+        cfg,
+        max_groups=args.max_groups,
+        timeout_s=args.timeout,
+        out=args.out,
+        group_id=args.group_id or cfg.trainer.group_id,
+        tokenizer=load_tokenizer(cfg.model),
+    )
+    return 0
+
+
+def cmd_replay(args: argparse.Namespace, cfg: Config) -> int:
+    from rolloutbus.consumers.log_replay import replay_turns
+    from rolloutbus.consumers.report import print_table, write_trajectories
+    from rolloutbus.kafka.admin import check_reachable
+
+    check_reachable(cfg.kafka)
+    result = replay_turns(
+        cfg, partitions=args.partition, start_offset=args.start_offset, end_offset=args.end_offset
+    )
+    if args.out is not None:
+        write_trajectories(result.trajectories, args.out)
+    else:
+        print_table([], None, sys.stdout, trajectories=result.trajectories)
+    print(
+        f"replayed {result.events} turn events: {len(result.trajectories)} trajectories, "
+        f"{len(result.open_groups)} groups not settled in range, {result.undecodable} undecodable",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def register(sub: Subcommands) -> None:
+    p = command(
+        sub,
+        "publish",
+        cmd_publish,
+        "publish a parquet/jsonl dataset (verl row format) as prompt groups",
+    )
+    p.add_argument(
+        "dataset",
+        type=Path,
+        nargs="?",
+        default=None,
+        help="a .parquet or .jsonl file (default: every file in data.train_files)",
+    )
+    p.add_argument("--validate", action="store_true", help="validation rows: val_kwargs apply")
+    p.add_argument("--global-steps", type=int, default=0, help="trainer step at dispatch")
+    p.add_argument(
+        "--epoch",
+        type=int,
+        default=0,
+        help="pass over the dataset: the same file, epoch and --global-steps publish the "
+        "same uids, so a re-run adds nothing twice; a new epoch publishes new groups",
+    )
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+
+    p = command(
+        sub,
+        "dispatch",
+        cmd_dispatch,
+        "feed a dataset's prompt groups, epoch after epoch, within the staleness bound "
+        "(async_training)",
+    )
+    p.add_argument("dataset", type=Path, help="a .parquet or .jsonl file (verl rows)")
+    p.add_argument(
+        "--epochs",
+        type=int,
+        default=None,
+        help="passes over the dataset (default: forever, until SIGINT/SIGTERM)",
+    )
+    p.add_argument(
+        "--run-name",
+        default="",
+        help="a new name starts a new run of the same file (new uids); the same name (or "
+        "none) resumes the run: groups already on the prompt topic are not published again",
+    )
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
+
+    p = command(
+        sub, "consume", cmd_consume, "receive complete groups as the trainer would; print a table"
+    )
+    p.add_argument("--max-groups", type=int, default=None)
+    p.add_argument(
+        "--timeout", type=float, default=30.0, help="seconds without a new group before stopping"
+    )
+    p.add_argument(
+        "--out", type=Path, default=None, help="write the trajectories to this Arrow file"
+    )
+    p.add_argument("--group-id", default=None, help="consumer group (default trainer.group_id)")
+
+    p = command(
+        sub, "replay", cmd_replay, "rebuild trajectories from a range of the turn log (read-only)"
+    )
+    p.add_argument(
+        "--partition",
+        type=int,
+        action="append",
+        default=None,
+        help="partition to replay (repeatable; default all)",
+    )
+    p.add_argument("--start-offset", type=int, default=0)
+    p.add_argument(
+        "--end-offset", type=int, default=None, help="exclusive; default the current end"
+    )
+    p.add_argument("--out", type=Path, default=None, help="write an Arrow file instead of a table")
+
+    p = command(
+        sub, "dataset", cmd_dataset, "write the bundled arithmetic dataset (verl rows) as jsonl"
+    )
+    p.add_argument("out", type=Path)
+    p.add_argument("--count", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tool-fraction", type=float, default=0.5)
