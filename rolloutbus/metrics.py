@@ -216,6 +216,18 @@ class ReplayBufferMetrics(PerRegistry):
             "topic: on assignment and after an aborted transaction; partitions",
             registry=registry,
         )
+        self.oldest_open_group = Gauge(
+            "rolloutbus_replay_buffer_oldest_open_group_timestamp_seconds",
+            "Log timestamp of the first event of the oldest group still open (0: none open); "
+            "seconds since the epoch",
+            registry=registry,
+        )
+        self.group_deadline = Gauge(
+            "rolloutbus_replay_buffer_group_deadline_seconds",
+            "deadlines.group_s: log time a group may stay open before its unsettled sessions "
+            "are released as failed; seconds",
+            registry=registry,
+        )
         self.transaction_aborts = Counter(
             "rolloutbus_replay_buffer_transaction_aborts_total",
             "Transactions aborted and retried from the committed offsets, by cause: abortable "

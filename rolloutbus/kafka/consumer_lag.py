@@ -22,8 +22,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from confluent_kafka import Consumer, IsolationLevel, TopicPartition
-from confluent_kafka.admin import ConsumerGroupTopicPartitions, OffsetSpec
+from confluent_kafka import Consumer, ConsumerGroupTopicPartitions, IsolationLevel, TopicPartition
+from confluent_kafka.admin import OffsetSpec
 
 from rolloutbus.config import KafkaConfig
 from rolloutbus.errors import BrokerError

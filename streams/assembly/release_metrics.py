@@ -18,17 +18,28 @@ import math
 import time
 import weakref
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 from statistics import fmean, pstdev
 
 from prometheus_client import REGISTRY, CollectorRegistry
 
 from rolloutbus.config import RolloutConfig
-from rolloutbus.metrics import RELEASE_WINDOW_TRAJECTORIES, RolloutMetrics, failure_class_of
+from rolloutbus.metrics import (
+    RELEASE_WINDOW_TRAJECTORIES,
+    ReplayBufferMetrics,
+    RolloutMetrics,
+    failure_class_of,
+)
 from rolloutbus.schemas.trajectories import Trajectory, TrajectoryStatus
-from rolloutbus.streams.assembly.partition_fold import ReleasedGroup
+from rolloutbus.streams.assembly.partition_fold import PartitionFold, ReleasedGroup
 
-__all__ = ["ReleaseObserver", "last_turn_timestamp_ms", "observe_release"]
+__all__ = [
+    "ReleaseObserver",
+    "last_turn_timestamp_ms",
+    "observe_open_groups",
+    "observe_release",
+]
 
 KNOWN_AGENT_LOOP_TIMINGS = ("generate_sequences", "tool_calls", "compute_score")
 
@@ -163,3 +174,18 @@ def last_turn_timestamp_ms(released: ReleasedGroup) -> int | None:
         if fold.terminal is not None and math.isfinite(fold.terminal.ts) and fold.terminal.ts > 0
     ]
     return int(max(stamps) * 1000) if stamps else None
+
+
+def observe_open_groups(
+    metrics: ReplayBufferMetrics, folds: Iterable[PartitionFold], group_deadline_s: float
+) -> None:
+    """The age of the oldest open group against its deadline (alert: open groups past
+    their deadline, which log-time deadlines release only when a later event arrives)."""
+    # a fold keeps its open groups oldest first: the first dated one per partition suffices
+    oldest = (
+        next((g.first_ts for g in fold.open.values() if g.first_ts is not None), None)
+        for fold in folds
+    )
+    firsts = [ts for ts in oldest if ts is not None and math.isfinite(ts)]
+    metrics.oldest_open_group.set(min(firsts) if firsts else 0)
+    metrics.group_deadline.set(group_deadline_s)

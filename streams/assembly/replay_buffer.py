@@ -71,7 +71,11 @@ from rolloutbus.metrics import ReplayBufferMetrics, start_metrics_server
 from rolloutbus.schemas.trajectories import TrajectoryStatus
 from rolloutbus.schemas.turns import decode_turn_event
 from rolloutbus.streams.assembly.partition_fold import FoldLimits, PartitionFold, ReleasedGroup
-from rolloutbus.streams.assembly.release_metrics import last_turn_timestamp_ms, observe_release
+from rolloutbus.streams.assembly.release_metrics import (
+    last_turn_timestamp_ms,
+    observe_open_groups,
+    observe_release,
+)
 from rolloutbus.streams.assembly.released import read_released_uids, released_record
 from rolloutbus.streams.assembly.session_fold import short_error
 from rolloutbus.streams.assembly.trajectories import (
@@ -634,6 +638,7 @@ class ReplayBuffer:
     def _update_gauges(self) -> None:
         self.metrics.open_groups.set(sum(len(f.open) for f in self.partitions.values()))
         self.metrics.released_uids.set(sum(len(f.released) for f in self.partitions.values()))
+        observe_open_groups(self.metrics, self.partitions.values(), self.cfg.deadlines.group_s)
 
 
 def _describe(exc: KafkaException) -> str:
