@@ -280,3 +280,27 @@ def test_metrics_on_config_loads_with_the_defaults_elsewhere():
     cfg = load_config(OPS / "metrics-on.yaml")
     assert cfg.kafka == Config().kafka
     assert cfg.sessions.metrics_port == 9101
+
+
+def test_the_demo_picture_has_throughput_reward_and_lengths(tmp_path):
+    from rolloutbus.consumers.report import write_trajectories
+    from rolloutbus.monitoring.demo_picture import METRICS_ON_PORTS, draw_demo_picture, throughput
+
+    on = load_config(OPS / "metrics-on.yaml")
+    assert METRICS_ON_PORTS == {
+        "sessions.metrics_port": on.sessions.metrics_port,
+        "replay_buffer.metrics_port": on.replay_buffer.metrics_port,
+    }
+    scrapes = [
+        Scrape(
+            at=float(t),
+            samples=[Sample("rolloutbus_replay_buffer_trajectories_total", {}, 4.0 * t)],
+        )
+        for t in range(4)
+    ]
+    times, per_s, tokens = throughput(scrapes)
+    assert times == [1.0, 2.0, 3.0] and per_s == [4.0, 4.0, 4.0] and tokens == [0.0] * 3
+    arrow = tmp_path / "trajectories.arrow"
+    write_trajectories([_trajectory(i, f"s{i % 2}", i / 4, 3 + i) for i in range(4)], arrow)
+    picture = draw_demo_picture(scrapes, arrow, tmp_path / "demo.png")
+    assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and picture.stat().st_size > 10_000
