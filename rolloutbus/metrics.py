@@ -450,37 +450,44 @@ class RolloutMetrics(PerRegistry):
     verl's names in the help texts."""
 
     def _init(self, registry: CollectorRegistry) -> None:
-        def window(name: str, doc: str) -> Gauge:
+        def window(name: str, doc: str, unit: str) -> Gauge:
             return Gauge(
                 f"rolloutbus_rollout_{name}",
                 f"{doc}, over the last {RELEASE_WINDOW_TRAJECTORIES} trajectories released "
-                "of each data source",
+                f"of each data source; {unit}",
                 ["data_source"],
                 registry=registry,
             )
 
-        self.reward_mean = window("reward_mean", "Mean reward score (verl: critic/score/mean)")
-        self.reward_std = window("reward_std", "Standard deviation of the reward score")
-        self.reward_min = window("reward_min", "Smallest reward score (verl: critic/score/min)")
-        self.reward_max = window("reward_max", "Largest reward score (verl: critic/score/max)")
+        score = "in the scorer's units"
+        self.reward_mean = window(
+            "reward_mean", "Mean reward score (verl: critic/score/mean)", score
+        )
+        self.reward_std = window("reward_std", "Standard deviation of the reward score", score)
+        self.reward_min = window(
+            "reward_min", "Smallest reward score (verl: critic/score/min)", score
+        )
+        self.reward_max = window(
+            "reward_max", "Largest reward score (verl: critic/score/max)", score
+        )
         self.reward_zero_ratio = window(
-            "reward_zero_ratio", "Share of trajectories scored exactly 0; ratio 0-1"
+            "reward_zero_ratio", "Share of trajectories scored exactly 0", "ratio 0-1"
         )
         self.reward_one_ratio = window(
-            "reward_one_ratio", "Share of trajectories scored exactly 1; ratio 0-1"
+            "reward_one_ratio", "Share of trajectories scored exactly 1", "ratio 0-1"
         )
         self.length_mean = window(
             "response_length_mean_tokens",
-            "Mean response length in tokens (verl: response_length/mean)",
+            "Mean response length (verl: response_length/mean)",
+            "tokens",
         )
         self.length_max = window(
-            "response_length_max_tokens",
-            "Longest response in tokens (verl: response_length/max)",
+            "response_length_max_tokens", "Longest response (verl: response_length/max)", "tokens"
         )
         self.clip_ratio = window(
             "response_length_clip_ratio",
-            "Share of responses cut at rollout.response_length (verl: "
-            "response_length/clip_ratio); ratio 0-1",
+            "Share of responses cut at rollout.response_length (verl: response_length/clip_ratio)",
+            "ratio 0-1",
         )
         self.trajectories = Counter(
             "rolloutbus_rollout_trajectories_total",

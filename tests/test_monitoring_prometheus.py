@@ -263,6 +263,7 @@ def test_a_real_prometheus_sees_every_panel_lag_top_and_inspect(
             # `top --once` on the live run
             top = _cli(config_path, "top", "--once", "--interval", "2")
             assert top.returncode == 0, top.stderr
+            print(f"\n$ rolloutbus top --once\n{top.stdout}")
             _check_top(top.stdout)
 
             # lag appears when a consumer stops: the session worker goes, prompts keep coming
@@ -324,6 +325,7 @@ def _check_inspect(cfg: Config, config_path: Path) -> None:
     assert text.returncode == 0, text.stderr
     assert "PROMPT" in text.stdout and "mask 1 (trained)" in text.stdout, text.stdout
     assert "GENERATION turn 0" in text.stdout and "FINISHED" in text.stdout, text.stdout
+    print(f"\n$ rolloutbus inspect {key}\n{text.stdout}")
     as_json = _cli(config_path, "inspect", key, "--json")
     view = json.loads(as_json.stdout)
     [session] = view["sessions"]
