@@ -64,7 +64,7 @@ from rolloutbus.kafka.clients import (
     translate_kafka_errors,
 )
 from rolloutbus.kafka.control import PolicyVersionFollower, latest_policy_version
-from rolloutbus.metrics import StalenessMetrics
+from rolloutbus.metrics import DeliveryMetrics, StalenessMetrics
 from rolloutbus.schemas.trajectories import TRAJECTORY_SCHEMA, decode_trajectory_batch
 from rolloutbus.topics import Topics, uid_of_key
 
@@ -391,6 +391,7 @@ class TrainerClient:
             if group is None or not self._admit(group):
                 continue
             yielded += 1
+            DeliveryMetrics().observe_record(msg.timestamp())  # last turn -> trainer latency
             yield group
             if yielded == max_groups:
                 return

@@ -118,7 +118,7 @@ class Dispatcher:
     def run(self, stop: threading.Event | None = None) -> DispatchReport:
         """Dispatch until every epoch is out or ``stop`` is set."""
         stop = stop or threading.Event()
-        report = DispatchReport()
+        report = self.report = DispatchReport()  # live: read by its /metrics
         self._dead_letter_bad_rows(report)
         follower = PolicyVersionFollower(self.cfg)
         try:

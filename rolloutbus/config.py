@@ -452,6 +452,21 @@ class LimitsConfig(_Section):
     max_n: int = Field(default=256, ge=1)  # sessions per prompt group (rollout.n or __rollout_n__)
 
 
+class MonitoringConfig(_Section):
+    """Prometheus endpoints of the processes without a section of their own (the weight
+    sync, the dispatcher), and the consumer-lag exporter (``rolloutbus lag-exporter``).
+    ``ops/metrics-on.yaml`` sets every port to what ``ops/prometheus/prometheus.yml``
+    scrapes."""
+
+    weight_sync_metrics_port: int | None = None  # /metrics of `rolloutbus weight-sync`
+    dispatch_metrics_port: int | None = None  # /metrics of `rolloutbus dispatch`
+    lag_exporter_port: int = 9106  # /metrics of `rolloutbus lag-exporter`
+    metrics_host: str = LOOPBACK  # where these three ports bind
+    # seconds between two reads of the committed offsets and watermarks: the freshness of
+    # the lag figures; one read costs an offset query per group and a fetch per partition
+    lag_poll_s: float = Field(default=5.0, gt=0)
+
+
 class Config(_Section):
     kafka: KafkaConfig = Field(default_factory=KafkaConfig)
     broker: BrokerConfig = Field(default_factory=BrokerConfig)
@@ -468,6 +483,7 @@ class Config(_Section):
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    monitoring: MonitoringConfig = Field(default_factory=MonitoringConfig)
     # verl's legacy top-level custom_reward_function; when any of its values is set it
     # replaces reward.custom_reward_function, as verl 0.9.1's reward loop migrates it
     custom_reward_function: CustomRewardFunctionConfig = Field(

@@ -27,6 +27,9 @@ SUBCOMMANDS = [
     "replay",
     "dataset",
     "demo",
+    "lag-exporter",
+    "top",
+    "inspect",
 ]
 
 

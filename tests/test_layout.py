@@ -19,8 +19,9 @@ PACKAGE_DIRS = {
     "rolloutbus": ROOT / "rolloutbus",
 }
 ROOT_MODULES = {"__init__", "__main__", "config", "errors", "topics", "metrics", "demo"}
-# the Kafka boundary, the embedded replica (a second service), the command line
-ROOT_PACKAGES = {"kafka", "replica", "cli"}
+# the Kafka boundary, the embedded replica (a second service), the command line, and
+# monitoring (the lag exporter, top, inspect: tools that read every layer below the CLI)
+ROOT_PACKAGES = {"kafka", "replica", "cli", "monitoring"}
 
 
 def _modules() -> dict[str, Path]:

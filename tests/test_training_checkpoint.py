@@ -244,7 +244,10 @@ def test_step_log_writes_jsonl_csv_prometheus_and_a_progress_line(tmp_path):
     assert (
         registry.get_sample_value("rolloutbus_trainer_reward_mean", {"data_source": "even"}) == 0.75
     )
+    assert registry.get_sample_value("rolloutbus_trainer_pg_clipfrac") == 0.125
+    # no aggregate hides in a label: the whole batch's mean is a gauge of its own
+    assert registry.get_sample_value("rolloutbus_trainer_batch_reward_mean") == 0.75
+    assert registry.get_sample_value("rolloutbus_trainer_wait_seconds") == 0.5
     assert (
-        registry.get_sample_value("rolloutbus_trainer_step_value", {"name": "actor/pg_clipfrac"})
-        == 0.125
+        registry.get_sample_value("rolloutbus_trainer_reward_mean", {"data_source": "all"}) is None
     )

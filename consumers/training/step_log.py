@@ -71,12 +71,12 @@ class StepLog:
         m.groups.inc(record["groups"])
         m.tokens.inc(record["tokens"])
         m.step_seconds.observe(record["timing/step_s"])
+        m.failed_dropped.inc(record.get("dropped/failed_trajectories", 0))
         for key, value in record.items():
             if key.startswith("reward/mean/"):
                 m.reward.labels(data_source=key.removeprefix("reward/mean/")).set(value)
-            elif isinstance(value, int | float) and not isinstance(value, bool):
-                m.step_value.labels(name=key).set(value)
-        m.reward.labels(data_source="all").set(record["reward/mean"])
+            elif key in m.figures and isinstance(value, int | float):
+                m.figures[key].set(value)  # one named gauge per figure (TRAINER_GAUGES)
 
     def _print(self, record: dict[str, Any]) -> None:
         parts = [f"step {record['global_step']} v{record['policy_version']}"]

@@ -12,14 +12,14 @@ import argparse
 import logging
 import sys
 
-from rolloutbus.cli import data, services, training
+from rolloutbus.cli import data, monitoring, services, training
 from rolloutbus.config import load_config
 from rolloutbus.errors import ConfigError, RolloutBusError
 
 __all__ = ["build_parser", "main"]
 
 log = logging.getLogger("rolloutbus")
-COMMAND_GROUPS = (services, data, training)
+COMMAND_GROUPS = (services, data, training, monitoring)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -57,6 +57,7 @@ def cmd_dispatch(args: argparse.Namespace, cfg: Config) -> int:
     import threading
 
     from rolloutbus.kafka.admin import check_reachable, ensure_topics
+    from rolloutbus.monitoring.serving import serve_dispatch_metrics
     from rolloutbus.producers.datasets import check_dataset
     from rolloutbus.producers.dispatch import Dispatcher
 
@@ -66,6 +67,7 @@ def cmd_dispatch(args: argparse.Namespace, cfg: Config) -> int:
     dispatcher = Dispatcher(
         cfg, args.dataset, epochs=args.epochs, run_name=args.run_name, progress=not args.quiet
     )
+    serve_dispatch_metrics(cfg, dispatcher)
     stop = threading.Event()
     # SIGTERM/SIGINT: stop after the group being published; what is out stays counted
     for sig in (signal.SIGTERM, signal.SIGINT):

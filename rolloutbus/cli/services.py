@@ -90,10 +90,12 @@ def cmd_weight_sync(args: argparse.Namespace, cfg: Config) -> int:
     import signal
 
     from rolloutbus.kafka.admin import check_reachable, ensure_topics
+    from rolloutbus.metrics import serve_metrics
     from rolloutbus.streams.inference.weight_sync import WeightSync
 
     check_reachable(cfg.kafka)
     ensure_topics(cfg.kafka)
+    serve_metrics(cfg.monitoring.weight_sync_metrics_port, cfg.monitoring.metrics_host)
 
     async def run() -> int:
         stop = asyncio.Event()

@@ -41,10 +41,12 @@ def cmd_train(args: argparse.Namespace, cfg: Config) -> int:
 
 def cmd_demo(args: argparse.Namespace, cfg: Config) -> int:
     from rolloutbus.demo import run_demo
+    from rolloutbus.monitoring.demo_picture import demo_monitoring
 
     if args.n is not None:
         cfg = with_overrides(cfg, {"rollout.n": args.n})
-    return run_demo(cfg, rows=args.rows, out=args.out, timeout_s=args.timeout)
+    with demo_monitoring(cfg, args.out) as cfg:  # metrics on; out/demo.png afterwards
+        return run_demo(cfg, rows=args.rows, out=args.out, timeout_s=args.timeout)
 
 
 def register(sub: Subcommands) -> None:

@@ -34,12 +34,13 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from aiohttp import web
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from pydantic import Field, ValidationError
 
 from rolloutbus.config import Config
 from rolloutbus.errors import ReplicaError
+from rolloutbus.metrics import exposition
 from rolloutbus.replica.generation import (
     MAX_TOP_LOGPROBS,
     PAUSE_MODES,
@@ -747,7 +748,7 @@ async def collective_rpc(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    text = generate_latest(request.app[REGISTRY_KEY])
+    text = exposition(request.app[REGISTRY_KEY])  # without _created series
     return web.Response(body=text, headers={"Content-Type": PROMETHEUS_CONTENT_TYPE})
 
 

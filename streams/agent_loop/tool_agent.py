@@ -39,6 +39,7 @@ from rolloutbus.streams.agent_loop.base import (
 from rolloutbus.streams.agent_loop.continuous_token import ContinuousTokenError
 from rolloutbus.streams.agent_loop.registry import register
 from rolloutbus.streams.agent_loop.timing import simple_timer
+from rolloutbus.streams.agent_loop.tool_metrics import timed_tool_call
 from rolloutbus.streams.agent_loop.tool_parser import (
     FunctionCall,
     ToolParser,
@@ -273,7 +274,9 @@ class ToolAgentLoop(AgentLoopBase):
         previous_messages = list(data.messages)
         calls = data.tool_calls[: self.max_parallel_calls]
         with simple_timer("tool_calls", data.metrics):
-            responses = await asyncio.gather(*(self._call_tool(call, data) for call in calls))
+            responses = await asyncio.gather(
+                *(timed_tool_call(call.name, self._call_tool(call, data)) for call in calls)
+            )
 
         new_messages = []
         for call, (response, reward, _metrics) in zip(calls, responses, strict=True):

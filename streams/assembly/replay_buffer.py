@@ -71,6 +71,11 @@ from rolloutbus.metrics import ReplayBufferMetrics, start_metrics_server
 from rolloutbus.schemas.trajectories import TrajectoryStatus
 from rolloutbus.schemas.turns import decode_turn_event
 from rolloutbus.streams.assembly.partition_fold import FoldLimits, PartitionFold, ReleasedGroup
+from rolloutbus.streams.assembly.release_metrics import (
+    last_turn_timestamp_ms,
+    observe_open_groups,
+    observe_release,
+)
 from rolloutbus.streams.assembly.released import read_released_uids, released_record
 from rolloutbus.streams.assembly.session_fold import short_error
 from rolloutbus.streams.assembly.trajectories import (
@@ -129,6 +134,7 @@ class Outgoing(NamedTuple):
     key: str
     value: bytes
     partition: int  # ANY_PARTITION: the producer's partitioner places it
+    timestamp_ms: int | None = None  # the record's timestamp; None: the produce time
 
 
 class TransactionFailed(RolloutBusError):
@@ -318,6 +324,8 @@ class ReplayBuffer:
     def _release(self, part: int, released: ReleasedGroup) -> list[Outgoing]:
         """Trajectories, dead letters and the released record of one group."""
         done = finalize_group(released, self.cfg.rollout, max_record_bytes=self.max_record_bytes)
+        observe_release(released, done.trajectories, self.cfg.rollout)  # RL figures (Prometheus)
+        stamp = last_turn_timestamp_ms(released)  # trainer clients measure last turn -> trainer
         uid = released.group.uid
         self.metrics.groups.inc()
         if released.kind != "completed":
@@ -338,7 +346,7 @@ class ReplayBuffer:
         ]
         for t, value in zip(done.trajectories, done.records, strict=True):
             self.metrics.trajectories.labels(status=t.status.value).inc()
-            out.append(Outgoing(self.topics.trajectories, t.key, value, part))
+            out.append(Outgoing(self.topics.trajectories, t.key, value, part, stamp))
         record = released_record(
             uid,
             part,
@@ -408,6 +416,8 @@ class ReplayBuffer:
         kwargs: dict[str, Any] = (
             {} if record.partition == ANY_PARTITION else {"partition": record.partition}
         )
+        if record.timestamp_ms is not None:
+            kwargs["timestamp"] = record.timestamp_ms
         while True:
             try:
                 self._producer.produce(record.topic, key=record.key, value=record.value, **kwargs)
@@ -628,6 +638,7 @@ class ReplayBuffer:
     def _update_gauges(self) -> None:
         self.metrics.open_groups.set(sum(len(f.open) for f in self.partitions.values()))
         self.metrics.released_uids.set(sum(len(f.released) for f in self.partitions.values()))
+        observe_open_groups(self.metrics, self.partitions.values(), self.cfg.deadlines.group_s)
 
 
 def _describe(exc: KafkaException) -> str:
