@@ -111,6 +111,15 @@ async def test_routed_experts_reach_the_trajectory_aligned_to_its_tokens(tok, tm
     t, events, cfg = await _run_tool_session(tok, tmp_path, routing_replay=True)
     generations = [e for e in events if isinstance(e, Generation)]
     assert [g.routed_experts is not None for g in generations] == [True, True]
+    # the session's trace rides on its terminal event (rollout_trace_op as data)
+    [finished] = [e for e in events if isinstance(e, SessionFinished)]
+    assert [s.name for s in finished.spans] == [
+        "generate",
+        "tool_call",
+        "generate",
+        "ToolAgentLoop.run",
+    ]
+    assert finished.spans[0].attributes["response_tokens"] == len(generations[0].token_ids)
     sequence = t.prompts + t.responses
     # verl keeps the last turn's routing: every token fed through the model, i.e. all but
     # the last sampled one
