@@ -140,6 +140,20 @@ def to_padded(
             response_lens,
         ),
     }
+    out.update(_optional_columns(batch, buffers, response_lens, prompt_length, response_length))
+    return out
+
+
+def _optional_columns(
+    batch: pa.RecordBatch,
+    buffers: PaddedBuffers,
+    response_lens: list[int],
+    prompt_length: int,
+    response_length: int,
+) -> dict[str, torch.Tensor]:
+    """``rollout_log_probs``, ``rm_scores`` and ``routed_experts`` where the batch has them."""
+    out = {}
+    rows, shape = batch.num_rows, (batch.num_rows, response_length)
     if batch.column("rollout_log_probs").null_count < rows:
         out["rollout_log_probs"] = _padded_response(
             _fill_nulls(batch.column("rollout_log_probs")),
@@ -150,7 +164,7 @@ def to_padded(
         out["rm_scores"] = _padded_response(
             batch.column("rm_scores"), buffers.get("rm_scores", shape, np.float32), response_lens
         )
-    routed = _padded_routed_experts(batch, prompt_length, width)
+    routed = _padded_routed_experts(batch, prompt_length, prompt_length + response_length)
     if routed is not None:
         out["routed_experts"] = routed
     return out

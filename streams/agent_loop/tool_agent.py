@@ -28,7 +28,6 @@ text, reward 0.0.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import json
 import logging
 import warnings
@@ -47,32 +46,27 @@ from rolloutbus.streams.agent_loop.base import (
 from rolloutbus.streams.agent_loop.continuous_token import ContinuousTokenError
 from rolloutbus.streams.agent_loop.registry import register
 from rolloutbus.streams.agent_loop.timing import simple_timer
+from rolloutbus.streams.agent_loop.tool_calls import (  # noqa: F401 - markers re-exported
+    TRUNCATED_HEAD,
+    TRUNCATED_MIDDLE,
+    TRUNCATED_TAIL,
+    execute_tool,
+    legacy_call_arguments,
+    merge_turn_fields,
+    overrides_with_old_signature,
+    truncate_text,
+    with_stop_tokens,
+)
 from rolloutbus.streams.agent_loop.tool_parser import (
     FunctionCall,
     ToolParser,
     assistant_tool_calls,
     rendered_tool_schema,
 )
-from rolloutbus.streams.agent_loop.tools import (
-    FunctionTool,
-    ToolResponse,
-    load_tool_catalog,
-    normalize_function_tool_return,
-)
+from rolloutbus.streams.agent_loop.tools import ToolResponse, load_tool_catalog
 from rolloutbus.streams.agent_loop.tracing import rollout_trace_op, trace_span
 
 logger = logging.getLogger(__name__)
-
-# verl's markers: "left" keeps the tail, "right" keeps the head (verl PR #6313)
-TRUNCATED_HEAD = "(truncated)..."  # in front of the kept tail ("left")
-TRUNCATED_TAIL = "...(truncated)"  # after the kept head ("right")
-TRUNCATED_MIDDLE = "...(truncated)..."
-
-SPEC_DECODE_EXTRA_KEYS = (
-    "spec_num_draft_tokens",
-    "spec_num_accepted_tokens",
-    "spec_num_verify_steps",
-)
 
 
 class AgentState(Enum):
@@ -174,7 +168,7 @@ class ToolAgentLoop(AgentLoopBase):
         self.tool_schemas = [rendered_tool_schema(tool.tool_schema) for tool in tool_list]
         self.tool_parser = ToolParser.get_tool_parser(mt.format, self.tokenizer)
         self.tool_parser_name = mt.format
-        self._legacy_call_tool = _overrides_with_old_signature(type(self))
+        self._legacy_call_tool = overrides_with_old_signature(type(self), ToolAgentLoop)
 
     # ---- the loop ------------------------------------------------------------------------
 
@@ -215,14 +209,7 @@ class ToolAgentLoop(AgentLoopBase):
         return dict(self.tools)
 
     def _with_stop_tokens(self, sampling_params: dict[str, Any]) -> dict[str, Any]:
-        stops = self.tool_parser.stop_token_ids
-        if not stops:
-            return sampling_params
-        existing = list(sampling_params.get("stop_token_ids") or [])
-        return {
-            **sampling_params,
-            "stop_token_ids": existing + [t for t in stops if t not in existing],
-        }
+        return with_stop_tokens(sampling_params, self.tool_parser.stop_token_ids)
 
     async def _handle_pending_state(
         self, data: AgentData, sampling_params: dict[str, Any] | None = None
@@ -277,22 +264,7 @@ class ToolAgentLoop(AgentLoopBase):
 
     async def _record_turn(self, data: AgentData, output: TokenOutput) -> None:
         """Append the sampled tokens verbatim (mask 1, with their logprobs), as verl does."""
-        preempted = output.num_preempted
-        if data.metrics.get("num_preempted") is None:
-            data.metrics["num_preempted"] = preempted if preempted is not None else -1
-        else:
-            data.metrics["num_preempted"] += preempted if preempted is not None else 0
-        if not data.extra_fields:
-            data.extra_fields.update(output.extra_fields)
-        else:  # later turns: the newest model version, and the spec-decoding counters summed
-            newest = output.extra_fields.get("max_global_steps")
-            if newest:
-                data.extra_fields["max_global_steps"] = newest
-            for key in SPEC_DECODE_EXTRA_KEYS:
-                if key in output.extra_fields and key in data.extra_fields:
-                    data.extra_fields[key] = int(data.extra_fields[key]) + int(
-                        output.extra_fields[key]
-                    )
+        merge_turn_fields(data.metrics, data.extra_fields, output)
         data.assistant_turns += 1
         data.response_ids = list(output.token_ids)
         logprobs = list(output.log_probs) if output.log_probs else None
@@ -398,16 +370,8 @@ class ToolAgentLoop(AgentLoopBase):
         verl's text for the model, reward 0.0; a tool's own text is truncated, verl's error
         texts are not. ``_call_tool(call, agent_data)`` (the earlier signature) still works,
         with a DeprecationWarning."""
-        if agent_data is None and isinstance(tools_kwargs, AgentData):
-            warnings.warn(
-                "_call_tool(call, agent_data) is deprecated: call "
-                "_call_tool(tool_call, agent_data.tools_kwargs, agent_data) as verl does",
-                DeprecationWarning,
-                stacklevel=2,
-            )
-            tools_kwargs, agent_data = tools_kwargs.tools_kwargs, tools_kwargs
-        if agent_data is None:
-            raise TypeError("_call_tool needs agent_data (verl's third argument)")
+        if agent_data is None:  # the earlier (call, agent_data): deprecated
+            tools_kwargs, agent_data = legacy_call_arguments(tools_kwargs, AgentData)
         active = getattr(agent_data, "_active_tools", self.tools)
         if tool_call.name not in active:
             text = f"Unknown function '{tool_call.name}'. Available tools: {list(active)}"
@@ -419,50 +383,14 @@ class ToolAgentLoop(AgentLoopBase):
             text = f"Invalid JSON in arguments for '{tool_call.name}': {exc}"
             logger.warning(text)
             return ToolResponse(text=text), 0.0, {}
-        return await self._execute_tool(
-            active[tool_call.name], tool_call.name, args, tools_kwargs or {}, agent_data
+        tool = active[tool_call.name]
+        return await execute_tool(
+            tool, tool_call.name, args, tools_kwargs or {}, agent_data, self.truncate_tool_text
         )
-
-    async def _execute_tool(
-        self,
-        tool: Any,
-        name: str,
-        args: Any,
-        tools_kwargs: dict[str, Any],
-        agent_data: AgentData,
-    ) -> tuple[ToolResponse, float | None, dict[str, Any]]:
-        instance_id = None
-        try:
-            if _is_function_tool(tool):
-                # stateless: called directly, tools_kwargs are not used (as in verl)
-                response, reward, metrics = normalize_function_tool_return(await tool.call(args))
-            else:
-                create_kwargs = (tools_kwargs.get(name) or {}).get("create_kwargs", {})
-                instance_id, _ = await tool.create(create_kwargs=create_kwargs)
-                result, reward, metrics = await tool.execute(
-                    instance_id, args, agent_data=agent_data
-                )
-                response = ToolResponse(text=result) if isinstance(result, str) else result
-        except Exception as exc:  # noqa: BLE001 - any tool failure is data for the model, not a crash
-            logger.warning("Error executing tool '%s': %s", name, exc)
-            return ToolResponse(text=f"Error executing tool '{name}': {exc}"), 0.0, {}
-        finally:
-            if instance_id and not _is_function_tool(tool):
-                await tool.release(instance_id)
-        kept = self.truncate_tool_text(response.text)
-        return response.model_copy(update={"text": kept}), reward, metrics or {}
 
     def truncate_tool_text(self, text: str | None) -> str | None:
         """Cap tool text at ``max_tool_response_length`` characters with verl's markers."""
-        limit = self.max_tool_response_length
-        if not text or len(text) <= limit:
-            return text
-        if self.tool_response_truncate_side == "left":
-            return TRUNCATED_HEAD + text[-limit:]
-        if self.tool_response_truncate_side == "right":
-            return text[:limit] + TRUNCATED_TAIL
-        half = limit // 2
-        return text[:half] + TRUNCATED_MIDDLE + text[-half:]
+        return truncate_text(text, self.max_tool_response_length, self.tool_response_truncate_side)
 
     # ---- output --------------------------------------------------------------------------
 
@@ -504,25 +432,3 @@ class ToolAgentLoop(AgentLoopBase):
             metrics=metrics,
             extra_fields=extra_fields,
         )
-
-
-def _is_function_tool(tool: Any) -> bool:
-    """Ours, or verl's ``FunctionTool`` carrier (a dataclass with ``fn`` and no life cycle)."""
-    return isinstance(tool, FunctionTool) or (hasattr(tool, "fn") and not hasattr(tool, "create"))
-
-
-def _overrides_with_old_signature(cls: type) -> bool:
-    """True when ``cls`` overrides ``_call_tool`` with the earlier ``(call, agent_data)``."""
-    method = None
-    for klass in cls.__mro__:  # the nearest definition, unless it is ours
-        if klass is ToolAgentLoop:
-            return False
-        method = klass.__dict__.get("_call_tool")
-        if method is not None:
-            break
-    if method is None:
-        return False
-    params = list(inspect.signature(method).parameters.values())[1:]  # without self
-    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    variadic = any(p.kind == p.VAR_POSITIONAL for p in params)
-    return len(positional) == 2 and not variadic
