@@ -163,6 +163,16 @@ class RolloutConfig(_Section):
     top_p: float = 1.0
     top_k: int = -1
     repetition_penalty: float = 1.0
+    # verl's R3 (rollout routing replay): carry each turn's MoE routed experts from the
+    # replica's answer through the turn log into the trajectory's ``routed_experts`` column
+    # and the padded batch; off: a replica's routed experts are dropped at the client, as a
+    # verl engine started without the flag returns none. The replica must return them
+    # (vLLM: ``--enable-return-routed-experts``).
+    enable_rollout_routing_replay: bool = False
+    # verl's plug-in router: a YAML file whose ``router_class`` (a dotted path) names a
+    # ``LoadBalancer`` subclass, built as ``cls(replica_ids, the_yaml_as_a_dict)``; None:
+    # the built-in sticky least-in-flight balancer (streams/inference/routing.py)
+    router_config_path: str | None = None
     val_kwargs: ValKwargs = Field(default_factory=ValKwargs)
     agent: AgentConfig = Field(default_factory=AgentConfig)
     multi_turn: MultiTurnConfig = Field(default_factory=MultiTurnConfig)
@@ -411,6 +421,12 @@ class DataConfig(_Section):
     # the row column holding a multimodal row's images (verl's image_key), moved to
     # ``images``, the column verl's agent loops read
     image_key: str = "images"
+    # keyword arguments of every chat-template render (verl: every apply_chat_template of
+    # the Continuous Token builder), e.g. ``{enable_thinking: false}`` for Qwen3
+    apply_chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    # keyword arguments of every multimodal processor call (``max_pixels`` ...): the
+    # builder's renders, the loops' outputs and their generate() calls, as verl passes them
+    mm_processor_kwargs: dict[str, Any] = Field(default_factory=dict)
 
     @field_validator("train_files", "val_files", mode="before")
     @classmethod
@@ -567,7 +583,6 @@ VERL_KEYS_IGNORED: dict[str, str] = {
                 "qat",
                 "disaggregation",
                 "limit_images",
-                "enable_rollout_routing_replay",
                 "moe_load_balance_metrics_interval",
                 "standalone_gpu_memory_utilization",
                 "moe_tensor_parallel_size",
@@ -596,7 +611,6 @@ VERL_KEYS_IGNORED: dict[str, str] = {
         (
             "rollout." + k
             for k in (
-                "router_config_path",
                 "agent.custom_async_server",
                 "agent.agent_loop_manager_class",
                 "server",
@@ -639,8 +653,6 @@ VERL_KEYS_IGNORED: dict[str, str] = {
                 "trust_remote_code",
                 "custom_cls",
                 "return_multi_modal_inputs",
-                "apply_chat_template_kwargs",
-                "mm_processor_kwargs",
                 "tool_config_path",
                 "function_tool_path",
             )

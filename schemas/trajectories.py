@@ -6,6 +6,13 @@ value is an Arrow IPC stream holding one row of ``TRAJECTORY_SCHEMA``; the train
 concatenates a group's rows into one RecordBatch. Token columns are ragged
 (``large_list``): nothing is padded until the trainer asks for padding.
 ``input_ids`` (= prompts ‖ responses) and ``position_ids`` are derived, not stored.
+
+``routed_experts`` (verl's R3 routing replay, ``rollout.enable_rollout_routing_replay``):
+rows ``[token][layer][k]`` of int16 for the tokens the engine fed through the model, from
+the first prompt token (verl aligns them to the whole sequence when it pads: the trainer
+client's padded batch does the same). Null without routing replay. The column was added
+after the first release: a record written before it decodes with the column null
+(``decode_trajectory_batch``), so the topic's old records stay readable.
 """
 
 from __future__ import annotations
@@ -14,11 +21,13 @@ import json
 from enum import StrEnum
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field
 
 from rolloutbus.errors import SchemaError
 from rolloutbus.schemas.agent_loop import AgentLoopMetrics
+from rolloutbus.schemas.routed_experts import RoutedExperts
 from rolloutbus.schemas.version import SCHEMA_VERSION
 
 
@@ -64,6 +73,7 @@ class Trajectory(BaseModel):
     global_steps: int = 0
     min_global_steps: int | None = None  # policy version at the first generation
     max_global_steps: int | None = None  # policy version at the last generation
+    routed_experts: RoutedExperts | None = None  # MoE routing replay (R3); see above
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
@@ -79,6 +89,9 @@ class Trajectory(BaseModel):
     def response_len(self) -> int:
         return len(self.responses)
 
+
+# [token][layer][k]: token rows ragged per trajectory, layers and top-k fixed per model
+_ROUTED_EXPERTS_TYPE = pa.large_list(pa.list_(pa.list_(pa.int16())))
 
 TRAJECTORY_SCHEMA = pa.schema(
     [
@@ -119,8 +132,16 @@ TRAJECTORY_SCHEMA = pa.schema(
         ("prompt_len", pa.int32()),
         ("response_len", pa.int32()),
         ("seq_len", pa.int32()),
+        # added after the first release (decoders fill it with nulls for older records)
+        ("routed_experts", _ROUTED_EXPERTS_TYPE),
     ],
     metadata={"rolloutbus.schema_version": str(SCHEMA_VERSION)},
+)
+# columns added after the first release, with the value an older record reads as
+_ADDED_COLUMNS = ("routed_experts",)
+_FIRST_RELEASE_SCHEMA = pa.schema(
+    [f for f in TRAJECTORY_SCHEMA if f.name not in _ADDED_COLUMNS],
+    metadata=TRAJECTORY_SCHEMA.metadata,
 )
 
 _JSON_COLUMNS = (
@@ -135,7 +156,8 @@ _METRIC_COLUMNS = ("generate_sequences", "tool_calls", "compute_score", "num_pre
 
 
 def trajectory_row(t: Trajectory) -> dict[str, Any]:
-    row = t.model_dump(by_alias=True, exclude={"metrics"})
+    """The Arrow row of ``t``, ``routed_experts`` aside (built as a column: see below)."""
+    row = t.model_dump(by_alias=True, exclude={"metrics", "routed_experts"})
     for name in _JSON_COLUMNS:
         row[name] = None if row[name] is None else json.dumps(row[name], sort_keys=True)
     for name in _METRIC_COLUMNS:
@@ -149,12 +171,58 @@ def trajectory_row(t: Trajectory) -> dict[str, Any]:
 
 
 def trajectories_to_batch(trajectories: list[Trajectory]) -> pa.RecordBatch:
-    return pa.RecordBatch.from_pylist([trajectory_row(t) for t in trajectories], TRAJECTORY_SCHEMA)
+    rows = [trajectory_row(t) for t in trajectories]
+    base = pa.RecordBatch.from_pylist(rows, _FIRST_RELEASE_SCHEMA)
+    routed = _routed_experts_column([t.routed_experts for t in trajectories])
+    return pa.RecordBatch.from_arrays([*base.columns, routed], schema=TRAJECTORY_SCHEMA)
+
+
+def _routed_experts_column(values: list[RoutedExperts | None]) -> pa.Array:
+    """The nested column from each trajectory's int16 bytes, without Python lists (an array
+    holds tokens x layers x top_k numbers)."""
+    present = [v for v in values if v is not None]
+    if not present:
+        return pa.nulls(len(values), _ROUTED_EXPERTS_TYPE)
+    flat = np.concatenate([v.to_numpy().reshape(-1) for v in present]).astype(np.int16)
+    shapes = [v.shape if v is not None else (0, 0, 0) for v in values]
+    # list lengths at each level, then offsets as their running sums
+    k_lengths = np.concatenate([np.full(r * n_layers, k, np.int64) for r, n_layers, k in shapes])
+    layer_lengths = np.concatenate([np.full(r, n_layers, np.int64) for r, n_layers, _ in shapes])
+    k_offsets = np.concatenate([[0], np.cumsum(k_lengths)])
+    layer_offsets = np.concatenate([[0], np.cumsum(layer_lengths)])
+    token_offsets = np.concatenate([[0], np.cumsum([r for r, _, _ in shapes])])
+    inner = pa.ListArray.from_arrays(pa.array(k_offsets, pa.int32()), pa.array(flat))
+    middle = pa.ListArray.from_arrays(pa.array(layer_offsets, pa.int32()), inner)
+    mask = pa.array([v is None for v in values])
+    return pa.LargeListArray.from_arrays(pa.array(token_offsets, pa.int64()), middle, mask=mask)
+
+
+def routed_experts_of_row(column: pa.Array, row: int) -> RoutedExperts | None:
+    """Row ``row`` of a ``routed_experts`` column as ``RoutedExperts`` (None when null)."""
+    value = column[row]
+    if not value.is_valid:
+        return None
+    tokens = value.values  # list<list<int16>>, one per token
+    if len(tokens) == 0:
+        return RoutedExperts(shape=(0, 0, 0), data=b"")
+    layers = len(tokens[0])
+    flat = tokens.flatten()
+    top_k = len(flat[0]) if len(flat) else 0
+    numbers = flat.flatten().to_numpy(zero_copy_only=False)
+    if numbers.size != len(tokens) * layers * top_k:
+        raise SchemaError("routed_experts rows must all have the same layers and top_k")
+    return RoutedExperts.from_array(numbers.reshape(len(tokens), layers, top_k))
 
 
 def batch_to_trajectories(batch: pa.RecordBatch | pa.Table) -> list[Trajectory]:
     out = []
-    for row in batch.to_pylist():
+    routed = batch.column("routed_experts") if "routed_experts" in batch.schema.names else None
+    if isinstance(routed, pa.ChunkedArray):
+        routed = routed.combine_chunks()
+    for i, row in enumerate(batch.to_pylist()):
+        row.pop("routed_experts", None)
+        if routed is not None:
+            row["routed_experts"] = routed_experts_of_row(routed, i)
         for name in _JSON_COLUMNS:
             row[name] = None if row[name] is None else json.loads(row[name])
         row["metrics"] = {name: row.pop(name) for name in _METRIC_COLUMNS}
@@ -203,7 +271,9 @@ def decode_trajectory_batch(data: bytes) -> pa.RecordBatch:
         batches = list(reader)
     except (pa.ArrowException, OSError, ValueError) as exc:  # ArrowInvalid is all three
         raise SchemaError(f"a trajectory record is not an Arrow IPC stream: {exc}") from exc
-    if reader.schema.metadata is None or not reader.schema.equals(TRAJECTORY_SCHEMA):
+    if reader.schema.metadata is None or not (
+        reader.schema.equals(TRAJECTORY_SCHEMA) or reader.schema.equals(_FIRST_RELEASE_SCHEMA)
+    ):
         raise SchemaError(
             "a trajectory record's Arrow schema is not TRAJECTORY_SCHEMA "
             f"(schema version {SCHEMA_VERSION})"
@@ -214,4 +284,15 @@ def decode_trajectory_batch(data: bytes) -> pa.RecordBatch:
             f"a trajectory record must be one Arrow record batch of one row, "
             f"got {len(batches)} batches of {rows} rows"
         )
-    return batches[0]
+    return _with_added_columns(batches[0])
+
+
+def _with_added_columns(batch: pa.RecordBatch) -> pa.RecordBatch:
+    """A record from before a column was added, with that column null (its default)."""
+    if batch.schema.equals(TRAJECTORY_SCHEMA):
+        return batch
+    columns = [
+        batch.column(f.name) if f.name in batch.schema.names else pa.nulls(batch.num_rows, f.type)
+        for f in TRAJECTORY_SCHEMA
+    ]
+    return pa.RecordBatch.from_arrays(columns, schema=TRAJECTORY_SCHEMA)

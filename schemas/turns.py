@@ -20,7 +20,9 @@ from typing import Annotated, Any, Literal, TypedDict
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from rolloutbus.schemas.agent_loop import AgentLoopMetrics
+from rolloutbus.schemas.routed_experts import RoutedExperts
 from rolloutbus.schemas.tokens import INT32_MAX, Int32, Int64, Logprobs, Mask, TokenIds
+from rolloutbus.schemas.trace import TraceSpan
 from rolloutbus.schemas.version import SCHEMA_VERSION
 
 
@@ -97,6 +99,10 @@ class Generation(_SessionEvent):
     # the TokenOutput's extra_fields (finish reason, replica, weight version ...): a session
     # resumed from the log gets back exactly what the replica returned
     extra_fields: dict[str, Any] = Field(default_factory=dict)
+    # the turn's MoE routed experts (rollout.enable_rollout_routing_replay): every token the
+    # engine fed through the model, prompt included; None without routing replay (and in
+    # logs written before this field existed)
+    routed_experts: RoutedExperts | None = None
 
 
 class Observation(_SessionEvent):
@@ -125,6 +131,9 @@ class OutputSummary(BaseModel):
 class SessionFinished(_SessionEvent):
     type: Literal["session_finished"] = "session_finished"
     outputs: list[OutputSummary]
+    # the session's trace (the loop's run, each generate and tool call); [] in logs written
+    # before this field existed
+    spans: list[TraceSpan] = Field(default_factory=list)
 
 
 class SessionFailed(_SessionEvent):
@@ -134,6 +143,7 @@ class SessionFailed(_SessionEvent):
     agent_name: str | None = None
     error: str
     retriable: bool = False
+    spans: list[TraceSpan] = Field(default_factory=list)  # what ran before it failed
 
 
 TurnEvent = Annotated[

@@ -110,6 +110,9 @@ class GenerationResult(BaseModel):
     # Which weight version sampled which tokens, as vLLM's weight_versions: one span per
     # version in order; a version change while the request ran (pause mode "keep") splits it.
     weight_versions: list[VersionSpan] = Field(default_factory=list)
+    # MoE routed experts (tokens fed through the model, layers, top_k), as vLLM returns
+    # them for routing replay; only the scripted test double fills it (no MoE model here)
+    routed_experts: list[list[list[int]]] | None = None
 
 
 @dataclass

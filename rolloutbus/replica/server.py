@@ -21,7 +21,9 @@ makes ``/health`` answer 503.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
+import io
 import json
 import logging
 import signal
@@ -33,6 +35,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import numpy as np
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -487,6 +490,7 @@ def _completion_response(
         token_ids=result.token_ids if body.return_token_ids else None,
         prompt_token_ids=result.prompt_ids if body.return_token_ids else None,
         prompt_logprobs=None,
+        routed_experts=_routed_experts(result),
         **versions,
     )
     return VllmCompletionResponse(
@@ -552,6 +556,7 @@ async def vllm_generate(request: web.Request) -> web.Response:
         token_ids=result.token_ids,
         logprobs=_generate_logprobs(result) if sp.logprobs is not None else None,
         weight_versions=_version_spans(result),
+        routed_experts=_routed_experts(result),
     )
     return web.json_response(
         VllmGenerateResponse(
@@ -564,6 +569,15 @@ async def vllm_generate(request: web.Request) -> web.Response:
             prompt_logprobs=None,
         ).to_json()
     )
+
+
+def _routed_experts(result: GenerationResult) -> str | None:
+    """vLLM's wire form of routed experts: base64 of the ``.npy`` bytes of the array."""
+    if result.routed_experts is None:
+        return None
+    buffer = io.BytesIO()
+    np.save(buffer, np.asarray(result.routed_experts, dtype=np.int16), allow_pickle=False)
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
 def _version_spans(result: GenerationResult) -> list[WeightVersionSpan]:

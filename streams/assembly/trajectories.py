@@ -357,6 +357,8 @@ def _output_trajectory(
         reward_extra_info=summary.extra_fields.get("reward_extra_info"),
         min_global_steps=min(versions) if versions else None,
         max_global_steps=max(versions) if versions else None,
+        # routing replay: the last generation's routing within the output, as verl keeps it
+        routed_experts=seg.routed_experts_until(end),
         **(_prompt_columns(group) if columns is None else columns),
     )
 

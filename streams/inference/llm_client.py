@@ -45,7 +45,7 @@ from rolloutbus.streams.inference.multimodal import (
     image_urls,
     refuse_video_and_audio,
 )
-from rolloutbus.streams.inference.routing import LoadBalancer
+from rolloutbus.streams.inference.routing import LoadBalancer, load_balancer
 
 __all__ = ["ClientMetrics", "LLMClient", "ReplicaRequestError", "per_turn_max_tokens"]
 
@@ -183,8 +183,9 @@ class LLMClient:
         self._config = replicas
         self._rollout = rollout
         self._backend: Backend = backend_for(replicas.backend)
-        self._balancer = LoadBalancer(
+        self._balancer = load_balancer(
             (_normalize(url) for url in replicas.urls),
+            router_config_path=rollout.router_config_path,
             sticky_cache_size=replicas.sticky_cache_size,
             full_determinism=rollout.full_determinism,
             rng=rng,

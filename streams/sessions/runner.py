@@ -28,6 +28,7 @@ from rolloutbus.errors import (
 )
 from rolloutbus.schemas.agent_loop import AgentLoopOutput
 from rolloutbus.schemas.prompts import GroupSamplingParams, PromptGroup
+from rolloutbus.schemas.trace import TraceSpan
 from rolloutbus.schemas.turns import (
     GroupStarted,
     SessionFailed,
@@ -38,6 +39,7 @@ from rolloutbus.schemas.turns import (
 from rolloutbus.streams.agent_loop import registry
 from rolloutbus.streams.agent_loop.base import DictConfigWrap, ToolListWrap
 from rolloutbus.streams.agent_loop.tools import load_tool_catalog
+from rolloutbus.streams.agent_loop.tracing import collect_spans, trace_span
 from rolloutbus.streams.reward import reward_fn_from_config, score_outputs_async
 from rolloutbus.streams.sessions.recorder import Emit, RecordingLLMClient
 from rolloutbus.streams.sessions.recovery import LoggedAttempt
@@ -67,12 +69,23 @@ class SessionContext:
     # called with (original bytes, reason) for a session whose row names no usable agent
     dead_letter: Callable[[bytes, str], None] | None = None
     stats: SessionStats = field(default_factory=lambda: SessionStats())
+    # the tool catalog, loaded on first use and then kept: once per worker, as verl's
+    # AgentLoopWorker loads it (a load builds new YAML tool instances)
+    tools: list[Any] | None = None
 
     def __post_init__(self) -> None:
         if self.processor is None:
             from rolloutbus.replica.models import load_processor
 
             self.processor = load_processor(self.config.model)
+
+    def tool_catalog(self) -> list[Any]:
+        if self.tools is None:
+            multi_turn = self.config.rollout.multi_turn
+            self.tools = load_tool_catalog(
+                multi_turn.tool_config_path, multi_turn.function_tool_path
+            )
+        return self.tools
 
 
 def new_attempt_id() -> str:
@@ -181,6 +194,7 @@ async def _run_attempt(
 ) -> BaseModel:
     ids = SessionIds(uid=group.uid, session_id=session_id, attempt=attempt)
     agent_name: str | None = None
+    spans: list[TraceSpan] = []  # the trace of the agent loop's run, into the terminal event
     seq = itertools.count()  # this attempt's event sequence numbers
 
     async def checked_emit(event: BaseModel) -> None:
@@ -208,17 +222,19 @@ async def _run_attempt(
             **ids,
             replay=resume.events if resume else (),
             tokenizer=ctx.tokenizer,
+            routing_replay=ctx.config.rollout.enable_rollout_routing_replay,
         )
         try:
-            outputs = await _within_deadline(
-                _run_agent_loop(ctx, group, session_id, agent_name, recorder),
-                ctx.config.deadlines.session_s,
-            )
+            with collect_spans() as spans:
+                outputs = await _within_deadline(
+                    _run_agent_loop(ctx, group, session_id, agent_name, recorder),
+                    ctx.config.deadlines.session_s,
+                )
             recorder.check_replayed()
         finally:
             ctx.stats.replayed_generations += recorder.replayed_generations
         summaries = recorder.summarize(outputs, ctx.config.rollout.response_length)
-        terminal: BaseModel = SessionFinished(**ids, outputs=summaries)
+        terminal: BaseModel = SessionFinished(**ids, outputs=summaries, spans=spans)
     except (EmitError, SessionDivergedError):
         raise
     except Exception as exc:  # the loop failed: an explicit record, siblings go on
@@ -235,6 +251,7 @@ async def _run_attempt(
             agent_name=agent_name,
             error=_describe(exc),
             retriable=not isinstance(exc, AgentLoopError | ValueError),
+            spans=spans,
         )
         if isinstance(exc, UnknownAgentLoopError) and ctx.dead_letter is not None:
             ctx.dead_letter(
@@ -258,9 +275,8 @@ async def _run_agent_loop(
     agent_name: str | None,
     recorder: RecordingLLMClient,
 ) -> list[AgentLoopOutput]:
-    multi_turn = ctx.config.rollout.multi_turn
-    # what verl's AgentLoopWorker hands every loop; the tools are loaded once per process
-    tools = load_tool_catalog(multi_turn.tool_config_path, multi_turn.function_tool_path)
+    # what verl's AgentLoopWorker hands every loop; the tools are loaded once per worker
+    tools = ctx.tool_catalog()
     loop = registry.create_agent_loop(
         agent_name,
         trainer_config=DictConfigWrap(ctx.config),
@@ -277,7 +293,8 @@ async def _run_agent_loop(
         log.warning("agent loop %r returned no output for %s_%s", agent_name, group.uid, session_id)
     if outputs and group.row.get("reward_model") is not None:
         scorer = reward_fn_from_config(ctx.config)  # custom_reward_function, or verl's default
-        await score_outputs_async(outputs, group.row, ctx.tokenizer, scorer)
+        with trace_span("compute_score", data_source=str(group.row.get("data_source", ""))):
+            await score_outputs_async(outputs, group.row, ctx.tokenizer, scorer)
     return outputs
 
 
