@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -14,6 +16,7 @@ from helpers import free_port, unique_name
 from pipeline import write_config
 
 from rolloutbus.cli import build_parser
+from rolloutbus.cli.data import log_time
 from rolloutbus.config import Config
 from rolloutbus.config_loading import split_overrides
 
@@ -92,6 +95,18 @@ def test_an_override_never_lands_in_a_positional_and_other_tokens_are_usage_erro
     assert unknown.returncode == 2 and "unrecognized arguments: bogus" in unknown.stderr
     typo = _cli("config", "rollout.nn=8")
     assert typo.returncode == 2 and "did you mean `n`?" in typo.stderr and typo.stdout == ""
+
+
+def test_replay_times_are_epoch_seconds_iso_or_ago_and_anything_else_is_a_usage_error():
+    now = time.time()
+    assert log_time("1700000000.5") == 1700000000.5
+    assert log_time("2026-12-01T10:00:00+00:00") == 1796119200.0
+    assert now - 7200 - 5 < log_time("-2h") <= time.time() - 7200
+    assert log_time("-30m") < log_time("-30s")
+    with pytest.raises(argparse.ArgumentTypeError, match="not a time"):
+        log_time("yesterday")
+    bad = _cli("replay", "--since", "yesterday")
+    assert bad.returncode == 2 and "not a time" in bad.stderr
 
 
 def test_dataset_command_writes_verl_rows(tmp_path):
