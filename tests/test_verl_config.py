@@ -49,6 +49,8 @@ def verl_site() -> Path:
     site = verl_side_env()
     if isinstance(site, str):
         pytest.skip(site)
+    if not (site / "verl" / "trainer" / "config" / "_generated_ppo_trainer.yaml").is_file():
+        pytest.skip(f"verl's generated trainer configs are not in {site}")
     return site
 
 
