@@ -51,8 +51,33 @@ class SessionIds(TypedDict):
     attempt: str
 
 
+class GroupSettings(BaseModel):
+    """The session worker's settings that decide what a group's trajectories are: their
+    budgets (a response that reaches ``response_length`` is ``truncated``; a prompt or
+    response over its budget breaks an invariant), whether logprobs were asked for, and
+    which loop and reward function made them. Recorded in ``group_started``, so the replay
+    buffer and ``rolloutbus replay`` fold a group with the settings it ran under, whatever
+    their own config says. (n and the sampling parameters are ``group_started``'s own fields.)
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    prompt_length: int = Field(ge=1)  # rollout.prompt_length, tokens
+    response_length: int = Field(ge=1)  # rollout.response_length, tokens
+    max_model_len: int | None = None  # rollout.max_model_len
+    calculate_log_probs: bool = True  # rollout.calculate_log_probs
+    # rollout.agent.default_agent_loop: the loop of a row without agent_name (a row's own
+    # agent_name is in the row; the loop a session ran is its session_started's agent_name)
+    default_agent_loop: str = "single_turn_agent"
+    # the reward function: "default_compute_score" (verl's table), or "PATH:NAME" of the
+    # custom_reward_function in effect, with its reward_kwargs
+    reward_function: str = "default_compute_score"
+    reward_kwargs: dict[str, Any] = Field(default_factory=dict)
+
+
 class GroupStarted(_Event):
-    """A worker took a prompt group: the replay buffer learns n and the prompt columns."""
+    """A worker took a prompt group: the replay buffer learns n, the prompt columns and the
+    settings the group runs under."""
 
     type: Literal["group_started"] = "group_started"
     attempt: str
@@ -64,6 +89,9 @@ class GroupStarted(_Event):
     # the prompt group's sampling settings, so a worker that resumes the group from the log
     # samples as the one that started it (empty in logs written before this field existed)
     sampling_params: dict[str, Any] = Field(default_factory=dict)
+    # the worker's settings that shape the group's trajectories; None in logs written before
+    # this field existed (the fold then falls back to its own config's, with a warning)
+    settings: GroupSettings | None = None
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 

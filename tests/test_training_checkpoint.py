@@ -251,3 +251,11 @@ def test_step_log_writes_jsonl_csv_prometheus_and_a_progress_line(tmp_path):
     assert (
         registry.get_sample_value("rolloutbus_trainer_reward_mean", {"data_source": "all"}) is None
     )
+    # without verl's "console" in trainer.logger: no progress line, the file and series stay
+    out = io.StringIO()
+    quiet = StepLog(
+        tmp_path / "quiet.jsonl", TrainerMetrics(CollectorRegistry()), out, console=False
+    )
+    quiet.write(record)
+    quiet.close()
+    assert out.getvalue() == "" and (tmp_path / "quiet.jsonl").read_text().strip()

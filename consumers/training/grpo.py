@@ -50,6 +50,7 @@ from rolloutbus.consumers.training.checkpoint import (
 )
 from rolloutbus.consumers.training.policy import load_policy, pad_token_id, response_log_probs
 from rolloutbus.consumers.training.step_log import StepLog
+from rolloutbus.errors import ConfigError
 from rolloutbus.kafka.control import PolicyVersionPublisher, latest_policy_version
 from rolloutbus.metrics import TrainerMetrics, start_metrics_server
 from rolloutbus.schemas.control import PolicyVersionPublished
@@ -73,6 +74,11 @@ class GRPOTrainer:
     """One trainer process: its model, optimizer, client and checkpoints."""
 
     def __init__(self, cfg: Config, *, stream: Any = None):
+        if cfg.algorithm.adv_estimator != "grpo":  # a whole verl config loads with "gae"
+            raise ConfigError(
+                f"algorithm.adv_estimator = {cfg.algorithm.adv_estimator!r}: `rolloutbus train` "
+                "implements grpo only (set algorithm.adv_estimator=grpo)"
+            )
         self.cfg = cfg
         self.trainer_id = f"{socket.gethostname()}-{os.getpid()}"
         self.root = Path(cfg.trainer.default_local_dir)
@@ -96,7 +102,9 @@ class GRPOTrainer:
         self.checkpoint = resume
         self.pad_token_id = pad_token_id(self.lm)
         self.metrics = TrainerMetrics()
-        self.step_log = StepLog(cfg.trainer.metrics_log, self.metrics, stream)
+        self.step_log = StepLog(
+            cfg.trainer.metrics_log, self.metrics, stream, console="console" in cfg.trainer.logger
+        )
 
     # -- the loop ----------------------------------------------------------------------
     def run(self, stop: threading.Event | None = None) -> TrainSummary:

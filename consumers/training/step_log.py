@@ -30,10 +30,18 @@ class StepLog:
     series and prints a progress line. Opened for append: a restarted trainer continues
     the same file (steps after the last checkpoint appear twice, the later one counts)."""
 
-    def __init__(self, path: Path | None, metrics: TrainerMetrics, stream: IO[str] | None = None):
+    def __init__(
+        self,
+        path: Path | None,
+        metrics: TrainerMetrics,
+        stream: IO[str] | None = None,
+        *,
+        console: bool = True,  # the progress line (verl's "console" in trainer.logger)
+    ):
         self.path = path
         self.metrics = metrics
         self.stream = stream if stream is not None else sys.stderr
+        self.console = console
         self._file: IO[str] | None = None
         self._csv: csv.DictWriter | None = None
         if path is not None:
@@ -43,7 +51,8 @@ class StepLog:
     def write(self, record: dict[str, Any]) -> None:
         self._write_file(record)
         self._export(record)
-        self._print(record)
+        if self.console:
+            self._print(record)
 
     def close(self) -> None:
         if self._file is not None:

@@ -4,6 +4,11 @@ Exit codes: 0 success, 1 a runtime failure (broker down, replica error), 2 bad u
 configuration (argparse's convention). One module per group of subcommands; each adds its
 parsers in ``register`` and imports what its commands need inside them, so ``--help``
 stays fast.
+
+Every command takes hydra-style ``dotted.key=value`` overrides anywhere on its command line,
+in verl's or our key names (``rolloutbus train actor_rollout_ref.rollout.n=8``). They are
+taken out before argparse sees the line, so a subcommand's positionals never swallow one;
+any other unknown token is still a usage error.
 """
 
 from __future__ import annotations
@@ -12,20 +17,24 @@ import argparse
 import logging
 import sys
 
-from rolloutbus.cli import data, monitoring, services, training
+from rolloutbus.cli import configuration, data, monitoring, services, training
 from rolloutbus.config import load_config
+from rolloutbus.config_loading import split_overrides
 from rolloutbus.errors import ConfigError, RolloutBusError
 
 __all__ = ["build_parser", "main"]
 
 log = logging.getLogger("rolloutbus")
-COMMAND_GROUPS = (services, data, training, monitoring)
+COMMAND_GROUPS = (services, data, training, monitoring, configuration)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rolloutbus",
         description="verl's Agent Loop as an event-sourced streaming system on Kafka",
+        epilog="Every command also takes KEY=VALUE config overrides (rollout.n=8, or verl's "
+        "actor_rollout_ref.rollout.n=8); precedence: config file < ROLLOUTBUS__SECTION__KEY "
+        "env vars < KEY=VALUE.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for group in COMMAND_GROUPS:
@@ -34,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    overrides, rest = split_overrides(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(rest)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         stream=sys.stderr,
@@ -43,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.verbose:  # one INFO line per HTTP request (health probes every few seconds)
         logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
-        cfg = load_config(args.config)
+        cfg = load_config(args.config, overrides=overrides)
     except ConfigError as exc:
         print(f"rolloutbus: {exc}", file=sys.stderr)
         return 2

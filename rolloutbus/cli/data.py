@@ -107,7 +107,13 @@ def cmd_replay(args: argparse.Namespace, cfg: Config) -> int:
 
     check_reachable(cfg.kafka)
     result = replay_turns(
-        cfg, partitions=args.partition, start_offset=args.start_offset, end_offset=args.end_offset
+        cfg,
+        partitions=args.partition,
+        start_offset=args.start_offset,
+        end_offset=args.end_offset,
+        uids=args.uid,
+        since=args.since,
+        until=args.until,
     )
     if args.out is not None:
         write_trajectories(result.trajectories, args.out)
@@ -118,7 +124,39 @@ def cmd_replay(args: argparse.Namespace, cfg: Config) -> int:
         f"{len(result.open_groups)} groups not settled in range, {result.undecodable} undecodable",
         file=sys.stderr,
     )
+    if result.groups_without_settings:
+        print(
+            f"{result.groups_without_settings} groups were logged without their settings: "
+            "folded with this config's rollout.prompt_length/response_length",
+            file=sys.stderr,
+        )
+    if result.missing_uids:
+        print(f"not in the turn log range: {', '.join(result.missing_uids)}", file=sys.stderr)
     return 0
+
+
+def log_time(text: str) -> float:
+    """A point in time for ``--since``/``--until``: seconds since the epoch, an ISO 8601 time
+    (without a zone: local time), or a time ago: ``-30s``, ``-15m``, ``-2h``, ``-1d``."""
+    import re
+    import time
+    from datetime import datetime
+
+    ago = re.fullmatch(r"-(\d+(?:\.\d+)?)([smhd])", text.strip())
+    if ago:
+        unit_s = {"s": 1, "m": 60, "h": 3600, "d": 86400}[ago[2]]
+        return time.time() - float(ago[1]) * unit_s
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    try:
+        return datetime.fromisoformat(text).timestamp()
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a time: give seconds since the epoch, an ISO 8601 time "
+            "(2026-12-01T10:00:00, local unless it names a zone) or a time ago (-30m, -2h)"
+        ) from None
 
 
 def register(sub: Subcommands) -> None:
@@ -190,9 +228,27 @@ def register(sub: Subcommands) -> None:
         default=None,
         help="partition to replay (repeatable; default all)",
     )
-    p.add_argument("--start-offset", type=int, default=0)
+    p.add_argument("--start-offset", type=int, default=0, help="first turn-log offset read")
     p.add_argument(
         "--end-offset", type=int, default=None, help="exclusive; default the current end"
+    )
+    p.add_argument(
+        "--uid",
+        action="append",
+        default=None,
+        help="replay only this prompt group (repeatable); only its partition is read",
+    )
+    p.add_argument(
+        "--since",
+        type=log_time,
+        default=None,
+        help="only groups started at or after this time (epoch seconds, ISO 8601, or -2h)",
+    )
+    p.add_argument(
+        "--until",
+        type=log_time,
+        default=None,
+        help="only groups started before this time (same forms as --since)",
     )
     p.add_argument("--out", type=Path, default=None, help="write an Arrow file instead of a table")
 

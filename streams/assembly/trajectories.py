@@ -17,11 +17,18 @@ short and bad input never stops a worker. In particular:
   session of the group, the records carrying no prompt columns;
 * a record that cannot be encoded, or is larger than ``max_record_bytes``, is replaced by
   a failed record without tokens.
+
+The budgets a group is checked against (``prompt_length``, ``response_length``: what makes
+a trajectory ``truncated``, or breaks an invariant) are the ones its ``group_started``
+recorded (``GroupSettings``), never the folding process's own config: the log alone decides.
+Only a group logged before groups recorded their settings is folded with the ``rollout``
+config it is given, and the first such group per process logs a warning.
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+import logging
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 import pyarrow as pa
@@ -53,6 +60,40 @@ DATA_ERRORS = (
 )
 # bytes a record of kafka.max_message_bytes leaves for Kafka's record and batch headers
 RECORD_HEADROOM_BYTES = 1024
+log = logging.getLogger(__name__)
+
+
+class Budgets(Protocol):
+    """The token budgets a trajectory is checked against: a group's recorded
+    ``GroupSettings``, or (logs written before they were recorded) a ``RolloutConfig``."""
+
+    @property
+    def prompt_length(self) -> int: ...
+
+    @property
+    def response_length(self) -> int: ...
+
+
+# what has been warned about once in this process (see budgets_of)
+_WARNED: set[str] = set()
+
+
+def budgets_of(group: GroupStarted, fallback: RolloutConfig) -> Budgets:
+    """The budgets ``group`` ran under: its recorded settings, else ``fallback`` (a log
+    written before groups recorded them), with one warning per process."""
+    if group.settings is not None:
+        return group.settings
+    if "budgets" not in _WARNED:
+        _WARNED.add("budgets")
+        log.warning(
+            "group %s was logged before groups recorded their settings: it and every such "
+            "group are folded with this process's rollout.prompt_length = %d and "
+            "rollout.response_length = %d, so their trajectories depend on this config",
+            group.uid,
+            fallback.prompt_length,
+            fallback.response_length,
+        )
+    return fallback
 
 
 def max_record_bytes(kafka: KafkaConfig) -> int:
@@ -77,7 +118,10 @@ class FinalizedGroup(NamedTuple):
 def finalize_group(
     released: ReleasedGroup, rollout: RolloutConfig, *, max_record_bytes: int | None = None
 ) -> FinalizedGroup:
-    """Build, check and encode a released group's trajectories; never raises on bad data."""
+    """Build, check and encode a released group's trajectories; never raises on bad data.
+
+    ``rollout``: the budgets of a group whose ``group_started`` recorded none (a log written
+    before it did); a group's recorded settings always win."""
     group = released.group
     if released.rejected:
         return FinalizedGroup(
@@ -92,8 +136,9 @@ def finalize_group(
                 _original(released),
             )
         )
+    budgets = rollout if released.kind == "head_missing" else budgets_of(group, rollout)
     try:
-        trajectories = _build(released, rollout, letters)
+        trajectories = _build(released, budgets, letters)
         records = _encode(trajectories, max_record_bytes, letters)
     except DATA_ERRORS as exc:  # not expected: every step above contains its own failures
         reason = f"the group cannot be released as built: {short_error(exc)}"
@@ -103,9 +148,7 @@ def finalize_group(
     return FinalizedGroup(trajectories, records, letters)
 
 
-def _build(
-    released: ReleasedGroup, rollout: RolloutConfig, letters: list[Letter]
-) -> list[Trajectory]:
+def _build(released: ReleasedGroup, budgets: Budgets, letters: list[Letter]) -> list[Trajectory]:
     group = released.group
     columns, problem = _checked_prompt_columns(group)
     reason = ""
@@ -121,13 +164,13 @@ def _build(
     per_session = []
     for fold in sorted(released.sessions, key=lambda s: s.session_id):
         failure = reason if problem is not None else released.failed.get(fold.session_id)
-        per_session.append(_session_trajectories(group, fold, columns, failure, rollout, letters))
+        per_session.append(_session_trajectories(group, fold, columns, failure, budgets, letters))
     group_size = sum(len(ts) for ts in per_session)
     out = []
     for ts in per_session:
         for t in ts:
             t = t.model_copy(update={"group_size": group_size})
-            problems = violations(t, rollout)
+            problems = violations(t, budgets)
             if problems:
                 letters.append(
                     Letter(
@@ -146,7 +189,7 @@ def _session_trajectories(
     fold: SessionFold,
     columns: dict[str, Any],
     failure: str | None,
-    rollout: RolloutConfig,
+    budgets: Budgets,
     letters: list[Letter],
 ) -> list[Trajectory]:
     """The records of one session, group_size 0 (set once every session is built)."""
@@ -171,7 +214,7 @@ def _session_trajectories(
     try:
         return [
             _output_trajectory(
-                group, fold, i, len(outputs), summary, 0, rollout.response_length, columns
+                group, fold, i, len(outputs), summary, 0, budgets.response_length, columns
             )
             for i, summary in enumerate(outputs)
         ]
@@ -444,8 +487,9 @@ def _encoded_or_empty(t: Trajectory) -> bytes:
         return b""
 
 
-def violations(t: Trajectory, rollout: RolloutConfig) -> list[str]:
-    """Every invariant ``t`` breaks, as sentences that name the numbers."""
+def violations(t: Trajectory, rollout: Budgets) -> list[str]:
+    """Every invariant ``t`` breaks, as sentences that name the numbers (``rollout``: the
+    group's budgets, see :func:`budgets_of`)."""
     if t.status == TrajectoryStatus.FAILED:
         return []
     found = []

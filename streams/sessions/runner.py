@@ -30,6 +30,7 @@ from rolloutbus.schemas.agent_loop import AgentLoopOutput
 from rolloutbus.schemas.prompts import GroupSamplingParams, PromptGroup
 from rolloutbus.schemas.trace import TraceSpan
 from rolloutbus.schemas.turns import (
+    GroupSettings,
     GroupStarted,
     SessionFailed,
     SessionFinished,
@@ -101,8 +102,9 @@ class SessionStats:
     diverged_sessions: int = 0  # resumed loops that did not match their log: re-run
 
 
-def group_started(group: PromptGroup) -> GroupStarted:
-    """The first event of a group in the turn log; once written, the group belongs to the log."""
+def group_started(group: PromptGroup, config: Config) -> GroupStarted:
+    """The first event of a group in the turn log; once written, the group belongs to the log,
+    with the settings (``config``'s, the worker's) that shape its trajectories."""
     return GroupStarted(
         uid=group.uid,
         attempt=new_attempt_id(),
@@ -112,6 +114,23 @@ def group_started(group: PromptGroup) -> GroupStarted:
         global_steps=group.global_steps,
         policy_version=group.policy_version,
         sampling_params=group.sampling_params.model_dump(),
+        settings=group_settings(config),
+    )
+
+
+def group_settings(config: Config) -> GroupSettings:
+    """What ``config`` decides about a group's trajectories, as the turn log records it."""
+    rollout = config.rollout
+    reward = config.reward_function
+    return GroupSettings(
+        prompt_length=rollout.prompt_length,
+        response_length=rollout.response_length,
+        max_model_len=rollout.max_model_len,
+        calculate_log_probs=rollout.calculate_log_probs,
+        default_agent_loop=rollout.agent.default_agent_loop,
+        # as reward_fn_for chooses: the custom function when a path is set
+        reward_function=f"{reward.path}:{reward.name}" if reward.path else "default_compute_score",
+        reward_kwargs=dict(reward.reward_kwargs) if reward.path else {},
     )
 
 
@@ -130,7 +149,7 @@ def prompt_group_of(started: GroupStarted) -> PromptGroup:
 
 async def run_group(ctx: SessionContext, group: PromptGroup, emit: Emit) -> list[BaseModel]:
     """Log GroupStarted, run n sessions concurrently; siblings survive a failed session."""
-    started = group_started(group)
+    started = group_started(group, ctx.config)
     await emit(started)
     return await run_sessions(ctx, group, started.attempt, emit)
 

@@ -239,7 +239,7 @@ class SessionWorker:
             # next to its new owner's and log turns after that owner's scan
             self._slots.release()
             return
-        started = group_started(group)
+        started = group_started(group, self.cfg)
         try:
             await self.turn_log.emit(started)
         except RecordTooLargeError as exc:
