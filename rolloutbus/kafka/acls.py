@@ -28,25 +28,30 @@ printed as ``kafka-acls.sh`` commands (``--print``) for an operator to run.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
+from typing import Any
 
 from confluent_kafka import KafkaException
 from confluent_kafka.admin import (
     AclBinding,
+    AclBindingFilter,
     AclOperation,
     AclPermissionType,
+    AdminClient,
     ResourcePatternType,
     ResourceType,
 )
 
 from rolloutbus.config import ACL_ROLES, Config, KafkaConfig
-from rolloutbus.errors import ConfigError
+from rolloutbus.errors import BrokerError, ConfigError
 from rolloutbus.kafka.clients import admin_client, broker_error
 from rolloutbus.topics import Topics
 
 __all__ = ["Grant", "acl_bindings", "apply_acls", "kafka_acls_commands", "role_grants"]
 
 ACL_TIMEOUT_S = 30.0  # seconds for the controller to commit the ACLs (milliseconds when idle)
+ACL_POLL_S = 0.1  # seconds between checks that new ACLs are in force
 ANY_HOST = "*"
 
 READ, WRITE, DESCRIBE = AclOperation.READ, AclOperation.WRITE, AclOperation.DESCRIBE
@@ -184,7 +189,52 @@ def apply_acls(
                 f"{admin.sasl_username or 'an anonymous client'}: a super user or Alter on "
                 "the cluster is needed)",
             ) from exc
+    _wait_until_in_force(client, admin, bindings)
     return len(bindings)
+
+
+def _binding_key(binding: AclBinding) -> tuple[Any, ...]:
+    return (
+        binding.restype,
+        binding.name,
+        binding.resource_pattern_type,
+        binding.principal,
+        binding.host,
+        binding.operation,
+        binding.permission_type,
+    )
+
+
+def _wait_until_in_force(client: AdminClient, admin: KafkaConfig, bindings: list[AclBinding]):
+    """create_acls returns once the controller committed them; a broker authorizes with
+    them once it has applied that metadata, a moment later (up to seconds on a busy host).
+    Wait until the broker answering describe_acls lists them all, so the caller's next
+    client is not refused."""
+    wanted = {_binding_key(b) for b in bindings}
+    everything = AclBindingFilter(
+        ResourceType.ANY,
+        None,
+        ResourcePatternType.ANY,
+        None,
+        None,
+        AclOperation.ANY,
+        AclPermissionType.ANY,
+    )
+    deadline = time.monotonic() + ACL_TIMEOUT_S
+    while True:
+        try:
+            found = client.describe_acls(everything, request_timeout=ACL_TIMEOUT_S).result()
+        except KafkaException as exc:
+            raise broker_error(exc, f"listing ACLs on {admin.bootstrap_servers}") from exc
+        missing = wanted - {_binding_key(b) for b in found}
+        if not missing:
+            return
+        if time.monotonic() > deadline:
+            raise BrokerError(
+                f"{len(missing)} ACLs created on {admin.bootstrap_servers} are not in force "
+                f"after {ACL_TIMEOUT_S:.0f} s"
+            )
+        time.sleep(ACL_POLL_S)
 
 
 _CLI_RESOURCE = {
