@@ -2,7 +2,7 @@
 
 - **poison on every topic**: junk written to prompts, turns, trajectories, released and
   control while a run goes on, and released records forged for a group still running and
-  for a uid that never started, read back by a replay buffer killed and restarted around
+  for a uid that never started, read back by a replay buffer stopped and started around
   them. Every junk record becomes a dead letter of the stage that read it (the control
   readers ignore theirs); nothing is lost, duplicated or sampled twice, and the trainer
   client receives every group once.
@@ -116,11 +116,14 @@ def _junk_everywhere(ctx: FaultContext, poison: Poison) -> None:
 
 
 def _forge_released(ctx: FaultContext, poison: Poison, buffer: Service) -> None:
-    """With the replay buffer down: released records forged for a group still running and
+    """With the replay buffer stopped: released records forged for a group still running and
     for a uid that never started, each naming a turn-log offset past the buffer's committed
     one (so the restarted buffer's fold passes it and must refuse it), plus junk."""
     cfg, topics = ctx.pipeline.cfg, ctx.pipeline.topics
-    ctx.retire(buffer)
+    # stopped, not killed: it leaves its group at once, so its next start is assigned the
+    # partitions without waiting out a dead member's session (the kill rows measure that)
+    buffer.stop()
+    ctx.note(f"stopped {buffer.name}")
     committed = _committed(cfg, cfg.replay_buffer.group_id, topics.turns)
     released_keys = set(ctx.pipeline.watcher.keys)
     log = [m for m in read_topic(cfg, topics.turns) if _is_event(m)]
@@ -239,7 +242,9 @@ def run_poison_row(bootstrap: str, workdir: Path, workload: Workload) -> PoisonR
         _forge_released(ctx, poison, pipeline.buffers[0])
         ctx.wait_for_released(workload.sessions)
         ctx.note("every key arrived")
-        if not _settle(pipeline):
+        if _settle(pipeline):
+            ctx.note("turn log folded to its end")
+        else:
             row.notes.append(f"turn log not folded to its end within {SETTLE_TIMEOUT_S:.0f} s")
     finally:
         pipeline.close()
