@@ -64,6 +64,7 @@ from rolloutbus.kafka.clients import (
     translate_kafka_errors,
 )
 from rolloutbus.kafka.control import PolicyVersionFollower, latest_policy_version
+from rolloutbus.kafka.dead_letters import DeadLetterWriter
 from rolloutbus.metrics import DeliveryMetrics, StalenessMetrics
 from rolloutbus.schemas.trajectories import TRAJECTORY_SCHEMA, decode_trajectory_batch
 from rolloutbus.topics import Topics, uid_of_key
@@ -202,8 +203,9 @@ class PartitionProgress:
         uid = uid_of_key(key)
         if uid in self.yielded:
             return None  # yielded by this client or by the one whose position it resumed
+        row = decode_trajectory_batch(value)  # before the group exists: junk opens none
         group = self.pending.setdefault(uid, _PendingGroup(first_offset=offset))
-        group.add(key, decode_trajectory_batch(value))
+        group.add(key, row)
         if not group.complete:
             return None
         del self.pending[uid]
@@ -337,6 +339,9 @@ class TrainerClient:
         registry: CollectorRegistry | None = None,
     ):
         self.topic = Topics.from_config(kafka).trajectories
+        self._kafka = kafka
+        self._letters: DeadLetterWriter | None = None  # made on the first junk record
+        self.dead_letters = 0  # junk records on the trajectory topic, dead-lettered
         # the staleness bound: off unless the async_training section is given
         self.staleness = (
             StalenessFilter(async_training, registry) if async_training is not None else None
@@ -469,6 +474,7 @@ class TrainerClient:
         if self._closed:
             return
         self._closing = True
+        self._letters = None  # its producer flushed every letter: nothing left to deliver
         try:
             if self._control is not None:
                 self._control.close()
@@ -511,20 +517,20 @@ class TrainerClient:
         return None if isinstance(item, PartitionEnd) else item
 
     def _accept(self, msg: Message) -> TrajectoryGroup | None:
-        raw_key, value = msg.key(), msg.value()
-        if raw_key is None or value is None:  # the replay buffer writes neither
-            raise SchemaError(
-                f"record at {message_location(msg)} has no key or no value: not a trajectory"
-            )
         partition, offset = record_position(msg)
         progress = self._progress.get(partition)
         if progress is None:
             return None  # revoked meanwhile: the next owner reads it
-        key = raw_key.decode()
-        if key in self._seen:
+        try:
+            key, value = _key_and_value(msg)
+            if key in self._seen:
+                progress.consumed(offset)
+                return None
+            group = progress.add(offset, key, value)
+        except (SchemaError, ValidationError) as exc:  # what the decoders raise on junk
             progress.consumed(offset)
+            self._dead_letter(msg, f"not a trajectory record: {exc}")
             return None
-        group = progress.add(offset, key, value)
         if group is None:
             return None
         for k in group.keys:
@@ -539,6 +545,16 @@ class TrainerClient:
             assignment=self._assignment[partition],
             sequence=self._yield_count,
         )
+
+    def _dead_letter(self, msg: Message, reason: str) -> None:
+        """Junk on the trajectory topic (the replay buffer writes none: another writer, or
+        a corrupted record) goes to the dead-letter topic and is skipped, never trained on
+        and never the end of the trainer."""
+        if self._letters is None:
+            self._letters = DeadLetterWriter(self._kafka, stage="trainer")
+        key = (msg.key() or b"").decode("utf-8", "replace")
+        self._letters.write(msg.value() or b"", reason, source=message_location(msg), key=key)
+        self.dead_letters += 1
 
     def _remember(self, key: str) -> None:
         self._seen[key] = None
@@ -664,6 +680,16 @@ def _later(a: PartitionPosition | None, b: PartitionPosition | None) -> Partitio
     if a.offset != b.offset:
         return a if a.offset > b.offset else b
     return PartitionPosition(offset=a.offset, yielded={**a.yielded, **b.yielded})
+
+
+def _key_and_value(msg: Message) -> tuple[str, bytes]:
+    raw_key, value = msg.key(), msg.value()
+    if raw_key is None or value is None:  # the replay buffer writes neither
+        raise SchemaError(f"record at {message_location(msg)} has no key or no value")
+    try:
+        return raw_key.decode(), value
+    except UnicodeDecodeError as exc:
+        raise SchemaError(f"record at {message_location(msg)} has a key that is not UTF-8") from exc
 
 
 def _checked_position(position: TrainerPosition | Mapping[str, Any], topic: str) -> TrainerPosition:

@@ -28,7 +28,15 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from rolloutbus.config_loading import ENV_PREFIX as ENV_PREFIX
 from rolloutbus.config_loading import KeyTree, read_tree, suggest, to_our_layout
@@ -58,13 +66,23 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+# The roles Kafka ACLs tell apart (rolloutbus/kafka/acls.py): who writes which topic.
+AclRole = Literal["publisher", "sessions", "replay_buffer", "trainer", "weight_sync"]
+ACL_ROLES: tuple[str, ...] = ("publisher", "sessions", "replay_buffer", "trainer", "weight_sync")
+
+
 class KafkaConfig(_Section):
     bootstrap_servers: str = "127.0.0.1:9092"
     topic_prefix: str = "rollout"
     # One count for every rollout topic: a uid maps to the same partition number on
     # each topic, which the replay buffer's exactly-once recovery relies on.
     partitions: int = Field(default=4, ge=1)
-    replication_factor: int = Field(default=1, ge=1)
+    # None: min(3, brokers in the cluster), read when the topics are created. Every topic of
+    # a cluster of three or more then survives the loss of a broker (docs/production.md).
+    replication_factor: int | None = Field(default=None, ge=1)
+    # None: 2 on topics whose replication factor is 3 or more (an acks=all write then
+    # waits for a second copy, and one broker may be down), else the broker's default
+    min_insync_replicas: int | None = Field(default=None, ge=1)
     retention_ms: int = 7 * 24 * 3600 * 1000  # ms; a week of turns stays replayable
     max_message_bytes: int = 16 * 1024 * 1024  # bytes; a long trajectory as one record
     security_protocol: str | None = None  # e.g. SASL_SSL; passed through to clients
@@ -72,6 +90,10 @@ class KafkaConfig(_Section):
     sasl_username: str | None = None
     sasl_password: SecretStr | None = None
     ssl_ca_location: str | None = None
+    # The SASL user each role logs in as, for the ACLs that `rolloutbus broker acls` and the
+    # embedded broker with broker.acls grant (rolloutbus/kafka/acls.py, docs/security.md);
+    # a role not named here is granted to the user of its own name (e.g. "sessions").
+    role_users: dict[AclRole, str] = Field(default_factory=dict)
 
     def client_settings(self) -> dict[str, Any]:
         """librdkafka settings shared by every producer, consumer and admin client."""
@@ -113,6 +135,14 @@ class BrokerConfig(_Section):
     # a user or changing a password is a restart. SCRAM keeps credentials in the KRaft
     # metadata log (set at format time, then through the admin API): not supported yet.
     sasl_mechanism: Literal["PLAIN"] = "PLAIN"
+    # Kafka's StandardAuthorizer: with it, a client may do only what an ACL grants it. The
+    # first of sasl_users is the super user (the broker itself, topic and ACL admin); the
+    # role ACLs for kafka.role_users are granted on every start. Needs sasl_users.
+    acls: bool = False
+    # 1: one JVM, broker and controller. 3 (or more): a KRaft cluster of combined nodes on
+    # this host; node i (0-based) listens on port + 2i and controller_port + 2i, with its
+    # data in data_dir/node{i+1}. Topics then get min(3, nodes) replicas.
+    nodes: int = Field(default=1, ge=1, le=9)
 
     @field_validator("sasl_users")
     @classmethod
@@ -128,6 +158,17 @@ class BrokerConfig(_Section):
                     'characters other than space, " and \\'
                 )
         return users
+
+    @model_validator(mode="after")
+    def _acls_need_users(self) -> BrokerConfig:
+        # without logins every client is the same anonymous principal: ACLs could only
+        # refuse everyone or no one
+        if self.acls and not self.sasl_users:
+            raise ValueError(
+                "broker.acls needs broker.sasl_users: the first user is the super user, "
+                "the others are the roles' logins (kafka.role_users)"
+            )
+        return self
 
 
 class ValKwargs(_Section):

@@ -41,7 +41,7 @@ from hypothesis import strategies as st
 from pipeline import dead_letters, read_topic, receive_groups, running, spawn, write_config
 from pydantic import BaseModel, ValidationError
 
-from rolloutbus.config import Config, with_overrides
+from rolloutbus.config import Config, KafkaConfig, with_overrides
 from rolloutbus.errors import RolloutBusError
 from rolloutbus.kafka.admin import ensure_topics
 from rolloutbus.kafka.clients import idempotent_producer, record_location
@@ -523,3 +523,33 @@ def test_replay_buffer_survives_schema_valid_events_it_cannot_fold(
     assert any(bad_uid.encode() in original for original in letters), (
         "the bad events were not dead-lettered"
     )
+
+
+# -- the trainer client, on junk in the trajectory topic -----------------------------------
+
+
+def test_the_trainer_client_dead_letters_junk_on_the_trajectory_topic(
+    kafka_config: KafkaConfig,
+) -> None:
+    """Only the replay buffer writes trajectories, but a record another writer put there (or
+    one corrupted on the way) must not end the trainer: each bad record is dead-lettered
+    by the trainer client, once, and the good group around them is yielded whole."""
+    from fuzz_records import UID
+
+    from rolloutbus.consumers.trainer import TrainerClient
+
+    cfg = Config(kafka=kafka_config)
+    topic = Topics.from_config(kafka_config).trajectories
+    bad = rejected(generate(bad_trajectory_record, 40), decode_trajectory_batch)
+    home = partition_for(UID, kafka_config.partitions)
+    junk = [(topic, j % kafka_config.partitions, KEYS[j % len(KEYS)], v) for j, v in enumerate(bad)]
+    good = (topic, home, trajectory_key(UID, 0, 0).encode(), TRAJECTORY)
+    _produce(cfg, [*junk[: len(junk) // 2], good, *junk[len(junk) // 2 :]])
+
+    with TrainerClient(kafka_config, unique_name("trainer")) as client:
+        groups = list(client.groups(timeout_s=10.0))
+    assert [(g.uid, len(g)) for g in groups] == [(UID, 1)]
+    assert client.dead_letters == len(bad)
+    letters = [d for d in dead_letters(cfg) if d["stage"] == "trainer"]
+    assert sorted(base64.b64decode(d["original_b64"]) for d in letters) == sorted(bad)
+    assert all(d["source"].startswith(f"{topic}[") for d in letters)

@@ -76,7 +76,13 @@ from rolloutbus.streams.assembly.release_metrics import (
     observe_open_groups,
     observe_release,
 )
-from rolloutbus.streams.assembly.released import read_released_uids, released_record
+from rolloutbus.streams.assembly.released import (
+    BadRecord,
+    ReleasedClaims,
+    TurnLogProbe,
+    read_released,
+    released_record,
+)
 from rolloutbus.streams.assembly.session_fold import short_error
 from rolloutbus.streams.assembly.trajectories import (
     RECORD_HEADROOM_BYTES,
@@ -161,6 +167,10 @@ class ReplayBuffer:
         self.limits = FoldLimits.from_config(cfg)
         self.max_record_bytes = max_record_bytes(cfg.kafka)
         self.partitions: dict[int, PartitionFold] = {}  # ready: recovered, being folded
+        # released records read on recovery, until the turn log backs them (released.py)
+        self._claims: dict[int, ReleasedClaims] = {}
+        self._probes: dict[int, TurnLogProbe] = {}
+        self._recovery_letters: list[Outgoing] = []  # bad released records, next transaction
         self._pending: dict[int, float] = {}  # assigned, not yet recovered -> since (monotonic)
         self._paused: set[int] = set()
         self._generation = 0  # bumped by every rebalance callback
@@ -194,6 +204,8 @@ class ReplayBuffer:
                 self.step()
         finally:
             self._consumer.close()
+            for probe in self._probes.values():
+                probe.close()
             self._flush_quietly()
 
     def _flush_quietly(self) -> None:
@@ -214,7 +226,7 @@ class ReplayBuffer:
         if generation != self._generation:
             self._seek_ready_partitions_back()
             return 0
-        outgoing: list[Outgoing] = []
+        outgoing, self._recovery_letters = self._recovery_letters, []
         for msg in messages:
             self._fold_message(msg, outgoing)
         idle_commit = self._dirty and time.monotonic() - self._last_commit > COMMIT_IDLE_S
@@ -296,6 +308,7 @@ class ReplayBuffer:
             event = decode_turn_event(msg.value() or b"")  # a null value is dead-lettered too
         except (ValidationError, RolloutBusError) as exc:
             fold.next_offset = offset + 1
+            self._settle_claims(part, offset, None, fold, outgoing)
             outgoing.append(
                 self._dead_letter(
                     msg,
@@ -305,6 +318,7 @@ class ReplayBuffer:
             )
             return
         self.metrics.events.labels(type=event.type).inc()
+        self._settle_claims(part, offset, event.uid, fold, outgoing)
         ignored_before = fold.ignored
         try:
             released = fold.fold(offset, event)
@@ -321,12 +335,38 @@ class ReplayBuffer:
         for group in released:
             outgoing.extend(self._release(part, group))
 
+    def _settle_claims(
+        self, part: int, offset: int, uid: str | None, fold: PartitionFold, out: list[Outgoing]
+    ) -> None:
+        """Released records read on recovery are obeyed only where the turn log backs them:
+        the event at ``offset`` settles those that name it as their group's start, and an
+        event about to be ignored as released settles its uid's (released.py). A refused
+        record is dead-lettered; a uid with no claim left is no longer released."""
+        claims = self._claims.get(part)
+        if claims is None or not len(claims):
+            return
+        refused = claims.passed(offset, uid)
+        if uid is not None and uid in fold.released and claims.pending(uid):
+            probe = self._probes.get(part)
+            if probe is None:
+                probe = self._probes[part] = TurnLogProbe(self.cfg.kafka, self.topics.turns, part)
+            refused += claims.suppressing(offset, uid, probe)
+        out.extend(self._bad_released_letter(bad) for bad in refused)
+        for freed in claims.take_freed():
+            fold.released.pop(freed, None)
+
+    def _bad_released_letter(self, bad: BadRecord) -> Outgoing:
+        key = (bad.key or b"").decode("utf-8", "replace")
+        return self._letter(bad.value, bad.reason, source=bad.source, key=key)
+
     def _release(self, part: int, released: ReleasedGroup) -> list[Outgoing]:
         """Trajectories, dead letters and the released record of one group."""
         done = finalize_group(released, self.cfg.rollout, max_record_bytes=self.max_record_bytes)
         observe_release(released, done.trajectories, self.cfg.rollout)  # RL figures (Prometheus)
         stamp = last_turn_timestamp_ms(released)  # trainer clients measure last turn -> trainer
         uid = released.group.uid
+        if (claims := self._claims.get(part)) is not None:
+            claims.forget(uid)  # released here and now: no earlier record decides about it
         self.metrics.groups.inc()
         if released.kind != "completed":
             self.metrics.groups_released_early.labels(kind=released.kind).inc()
@@ -615,11 +655,13 @@ class ReplayBuffer:
             raise broker_error(
                 committed.error, "reading the committed offset", topic=tp.topic, partition=part
             )
-        released, read = read_released_uids(
-            self.cfg.kafka, self.topics.released, part, self.limits.max_released
-        )
         start = max(committed.offset, low) if committed.offset >= 0 else low
-        fold = PartitionFold(start, released=released, limits=self.limits)
+        released = read_released(
+            self.cfg.kafka, self.topics.released, part, self.limits.max_released, start
+        )
+        self._claims[part] = released.claims
+        self._recovery_letters += [self._bad_released_letter(bad) for bad in released.bad]
+        fold = PartitionFold(start, released=released.uids, limits=self.limits)
         with translate_kafka_errors(
             "seeking to the committed offset", topic=tp.topic, partition=part, offset=start
         ):
@@ -630,8 +672,8 @@ class ReplayBuffer:
             tp.topic,
             part,
             start,
-            len(released),
-            read,
+            len(released.uids),
+            released.read,
         )
         return fold
 
