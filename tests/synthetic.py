@@ -8,6 +8,7 @@ import uuid
 
 from rolloutbus.schemas.agent_loop import AgentLoopMetrics, AgentLoopOutput, TokenOutput
 from rolloutbus.schemas.turns import (
+    GroupSettings,
     GroupStarted,
     SessionFinished,
     SessionStarted,
@@ -17,6 +18,9 @@ from rolloutbus.streams.sessions.recorder import RecordingLLMClient
 from rolloutbus.topics import session_key
 
 N, TURNS, GEN_TOKENS, OBS_TOKENS, PROMPT_TOKENS = 4, 3, 128, 32, 256
+# what a worker records with every group since groups record their settings (the rollout
+# config's default budgets: these groups fit them)
+SETTINGS = GroupSettings(prompt_length=1024, response_length=512)
 
 
 class InstantReplica:
@@ -67,7 +71,11 @@ async def _session_events(uid: str, session_id: int, attempt: str) -> list[tuple
 def group_events(uid: str, attempt: str = "a") -> list[tuple[str, str, bytes]]:
     """(uid, key, value) for every event of one group of N sessions, in log order."""
     started = GroupStarted(
-        uid=uid, attempt=attempt, n=N, row={"prompt": [{"role": "user", "content": "q"}]}
+        uid=uid,
+        attempt=attempt,
+        n=N,
+        row={"prompt": [{"role": "user", "content": "q"}]},
+        settings=SETTINGS,
     )
     out = [(uid, uid, encode_turn_event(started))]
     for s in range(N):
