@@ -40,9 +40,12 @@ from helpers import free_port  # noqa: E402
 
 from rolloutbus.config import BrokerConfig, Config, KafkaConfig  # noqa: E402
 from rolloutbus.errors import BrokerError  # noqa: E402
+from rolloutbus.kafka.clients import admin_client, idempotent_producer  # noqa: E402
+from rolloutbus.topics import partition_for  # noqa: E402
 
 PORT_RETRIES = 3  # a free port can be taken by another process before the JVM binds it
 ADMIN_DRAIN_S = 0.5  # seconds an admin client serves its queue after deleting topics
+READY_TIMEOUT_S = 300.0  # seconds for k replay buffers to start and share the partitions
 
 
 @dataclass(frozen=True)
@@ -103,8 +106,6 @@ def drop_topics(kafka: KafkaConfig, names: Sequence[str]) -> None:
     before it goes: dropped at once, librdkafka logs that it purged them."""
     from confluent_kafka import KafkaError, KafkaException
 
-    from rolloutbus.kafka.clients import admin_client
-
     admin = admin_client(kafka)
     for future in admin.delete_topics(list(names), operation_timeout=30).values():
         try:
@@ -113,6 +114,44 @@ def drop_topics(kafka: KafkaConfig, names: Sequence[str]) -> None:
             if exc.args[0].code() != KafkaError.UNKNOWN_TOPIC_OR_PART:
                 raise
     admin.poll(ADMIN_DRAIN_S)
+
+
+# -- writing and reading ------------------------------------------------------------------
+
+
+def produce_all(kafka: KafkaConfig, topic: str, events: list[tuple[str, str, bytes]]) -> None:
+    """Write ``(uid, key, value)`` events to their uid's partitions, as fast as a producer can."""
+    p = idempotent_producer(kafka, {"linger.ms": 5})  # ms of batching, as the replay buffer does
+    for uid, key, value in events:
+        while True:
+            try:
+                p.produce(
+                    topic, key=key, value=value, partition=partition_for(uid, kafka.partitions)
+                )
+                break
+            except BufferError:
+                p.poll(0.05)
+        p.poll(0)
+    p.flush(60)
+
+
+def wait_assigned(kafka: KafkaConfig, group_id: str, members: int) -> None:
+    """Until the group has ``members`` members and every partition is assigned."""
+    admin = admin_client(kafka)
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        [future] = admin.describe_consumer_groups([group_id]).values()
+        try:
+            group = future.result()
+        except Exception:  # noqa: BLE001 - not known yet: keep waiting
+            time.sleep(1.0)
+            continue
+        assigned = sum(len(m.assignment.topic_partitions) for m in group.members)
+        if len(group.members) == members and assigned == kafka.partitions:
+            admin.poll(0.5)
+            return
+        time.sleep(1.0)
+    raise SystemExit(f"{members} replay buffers did not share the partitions")
 
 
 # -- CPU -------------------------------------------------------------------------------

@@ -144,7 +144,9 @@ def start_replica_process(kind: str, cfg: Config, config_path: Path, work: Path,
 # -- in-process ----------------------------------------------------------------------------
 
 
-async def run_in_process(cfg: Config, groups: list[PromptGroup], warmup: list[PromptGroup]) -> Way:
+async def run_in_process(
+    cfg: Config, groups: list[PromptGroup], warmup: list[PromptGroup], replica_pid: int
+) -> Way:
     from rolloutbus.replica.models import load_tokenizer
     from rolloutbus.streams.agent_loop import registry
     from rolloutbus.streams.inference.llm_client import LLMClient
@@ -171,11 +173,11 @@ async def run_in_process(cfg: Config, groups: list[PromptGroup], warmup: list[Pr
             raise SystemExit(f"in-process: {failed[0].uid} failed: {failed[0].error}")
 
     await asyncio.gather(*(one(g, []) for g in warmup))
-    meter = CpuMeter().start()
+    meter = CpuMeter({"replica": replica_pid}).start()
     await asyncio.gather(*(one(g, way.group_s) for g in groups))
     meter.stop()
     await client.close()
-    way.wall_s, way.cpu_s = meter.wall_s, {"this process": meter.own_s}
+    way.wall_s, way.cpu_s = meter.wall_s, {"this process": meter.own_s, **meter.others_s}
     return way
 
 
@@ -192,7 +194,7 @@ def run_through_bus(cfg: Config, config_path: Path, work: Path, groups, warmup, 
     way = Way("bus")
     yielded: dict[str, float] = {}
     try:
-        with TrainerClient(cfg.kafka, f"{cfg.replay_buffer.group_id}-trainer") as client:
+        with TrainerClient(cfg.kafka, f"tax-trainer-{uuid.uuid4().hex[:6]}") as client:
             received = client.groups(timeout_s=READY_TIMEOUT_S)
             _publish(publisher, warmup)
             _take(received, len(warmup), {})
@@ -265,27 +267,46 @@ def run_replica(kind: str, bootstrap: str, args, work: Path) -> tuple[Way, Way]:
     ensure_topics(cfg.kafka)
     replica = start_replica_process(kind, cfg, config_path, work, args)
     try:
-        tag = f"{kind[:3]}{uuid.uuid4().hex[:4]}"
         make = lambda rows_: [build_group(cfg, r) for r in rows_]  # noqa: E731
-        inproc = asyncio.run(
-            run_in_process(
-                cfg,
-                make(rows(args.groups, args, f"{tag}i")),
-                make(rows(WARMUP_GROUPS, args, f"{tag}w")),
+        inprocs, buses = [], []
+        for r in range(args.rounds):  # alternating: a change of the machine's load hits both
+            tag = f"{kind[:3]}{r}{uuid.uuid4().hex[:4]}"
+            inprocs.append(
+                asyncio.run(
+                    run_in_process(
+                        cfg,
+                        make(rows(args.groups, args, f"{tag}i")),
+                        make(rows(WARMUP_GROUPS, args, f"{tag}w")),
+                        replica.pid,
+                    )
+                )
             )
-        )
-        bus = run_through_bus(
-            cfg,
-            config_path,
-            work,
-            make(rows(args.groups, args, f"{tag}b")),
-            make(rows(WARMUP_GROUPS, args, f"{tag}v")),
-            replica,
-        )
+            buses.append(
+                run_through_bus(
+                    cfg,
+                    config_path,
+                    work,
+                    make(rows(args.groups, args, f"{tag}b")),
+                    make(rows(WARMUP_GROUPS, args, f"{tag}v")),
+                    replica,
+                )
+            )
     finally:
         stop(replica)
         drop_topics(cfg.kafka, Topics.from_config(cfg.kafka).all())
-    return inproc, bus
+    return combined(inprocs), combined(buses)
+
+
+def combined(ways: list[Way]) -> Way:
+    """Rounds of one way: the median wall and CPU, every group's times."""
+    return Way(
+        ways[0].name,
+        wall_s=median([w.wall_s for w in ways]),
+        group_s=[g for w in ways for g in w.group_s],
+        delivery_s=[d for w in ways for d in w.delivery_s],
+        cpu_s={name: median([w.cpu_s[name] for w in ways]) for name in ways[0].cpu_s},
+        events=int(median([w.events for w in ways])),
+    )
 
 
 def report(kind: str, inproc: Way, bus: Way, args) -> None:
@@ -293,7 +314,8 @@ def report(kind: str, inproc: Way, bus: Way, args) -> None:
     turns = args.turns
     print(
         f"\nreplica: {kind}; {args.groups} groups x n={args.n}, {turns} turns of "
-        f"{args.tokens_per_turn} tokens, concurrency {args.concurrency} groups"
+        f"{args.tokens_per_turn} tokens, concurrency {args.concurrency} groups; "
+        f"median of {args.rounds} rounds"
     )
     print(f"{'way':<12} {'sessions/s':>10} {'group s (mean)':>15} {'delivery ms p50':>16}")
     for way in (inproc, bus):
@@ -312,8 +334,9 @@ def report(kind: str, inproc: Way, bus: Way, args) -> None:
         f"({added_group * 1000 / turns:.2f} ms per turn), + {delivery * 1000:.1f} ms delivery "
         f"(p50) = {(added_group + delivery) * 1000:.1f} ms per group to the trainer"
     )
-    cpu = ", ".join(f"{name} {s * 1e6 / bus.events:.0f}" for name, s in bus.cpu_s.items())
-    print(f"CPU us per turn event ({bus.events} events), bus: {cpu}")
+    for way in (inproc, bus):
+        cpu = ", ".join(f"{name} {s * 1e6 / bus.events:.0f}" for name, s in way.cpu_s.items())
+        print(f"CPU us per turn event ({bus.events} events), {way.name}: {cpu}")
 
 
 def main() -> int:
@@ -328,6 +351,7 @@ def main() -> int:
     ap.add_argument("--turns", type=int, default=3)
     ap.add_argument("--tokens-per-turn", type=int, default=32)
     ap.add_argument("--concurrency", type=int, default=8, help="groups in flight")
+    ap.add_argument("--rounds", type=int, default=2, help="of each way, alternating (2)")
     ap.add_argument("--serve-instant", nargs=2, type=int, help=argparse.SUPPRESS)
     add_common_args(ap)
     args = ap.parse_args()
@@ -335,7 +359,7 @@ def main() -> int:
         serve_instant(*args.serve_instant)
         return 0
     if args.quick:
-        args.replicas, args.groups, args.concurrency = ["instant"], 4, 2
+        args.replicas, args.groups, args.concurrency, args.rounds = ["instant"], 4, 2, 1
     results = {}
     with broker(args.bootstrap) as bus, tempfile.TemporaryDirectory() as tmp:
         for kind in args.replicas:

@@ -9,14 +9,15 @@ recovery and the first fetches are start-up, not throughput):
 
 * baseline: one producer thread writes the events to a plain topic while a consumer reads
   them back;
-* pipeline: the producer thread writes them to rollout.turns while the replay buffer (a
-  thread of this process) folds them into trajectories, transactionally, and the trainer
-  client yields the groups.
+* pipeline: the producer thread writes them to rollout.turns while the replay buffer folds
+  them into trajectories, transactionally, and a trainer client in this process yields the
+  groups. The replay buffer runs as it does in production: its own process
+  (``rolloutbus replay-buffer run``), started before the round.
 
 Printed: events/s, MB/s and groups/s (medians over rounds), the ratio pipeline/baseline
-(of the median times), and CPU µs per event: this process (producer, consumer or replay
-buffer and trainer client, librdkafka's threads included) and, when the run started the
-broker, the broker's JVM.
+(of the median times), and CPU µs per event: the bus's processes (this one: producer and
+consumer, or producer and trainer client, librdkafka's threads included; plus the replay
+buffer's) and, when the run started the broker, the broker's JVM.
 
     python benchmarks/pipeline_throughput.py [--groups 2000] [--rounds 3] [--bootstrap HOST:PORT]
 """
@@ -25,10 +26,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 import threading
 import time
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 
 from bench_harness import (
     Broker,
@@ -38,7 +41,10 @@ from bench_harness import (
     drop_topics,
     machine_line,
     median,
+    produce_all,
+    wait_assigned,
 )
+from pipeline import spawn, stop, write_config
 from synthetic import TURNS, N, make_events
 
 from rolloutbus.config import Config, KafkaConfig, ReplayBufferConfig
@@ -47,11 +53,9 @@ from rolloutbus.kafka.admin import ensure_topics
 from rolloutbus.kafka.clients import (
     admin_client,
     consume_records,
-    idempotent_producer,
     read_committed_consumer,
 )
-from rolloutbus.streams.assembly.replay_buffer import ReplayBuffer
-from rolloutbus.topics import Topics, partition_for
+from rolloutbus.topics import Topics
 
 WARMUP_GROUPS = 20  # groups through each path before the clock starts
 READY_TIMEOUT_S = 120.0  # seconds for the warm-up (group joins on a busy machine)
@@ -69,21 +73,6 @@ class Run:
     broker_cpu_s: float
 
 
-def produce_all(kafka: KafkaConfig, topic: str, events: list[Event]) -> None:
-    p = idempotent_producer(kafka, {"linger.ms": 5})  # ms of batching, as the replay buffer does
-    for uid, key, value in events:
-        while True:
-            try:
-                p.produce(
-                    topic, key=key, value=value, partition=partition_for(uid, kafka.partitions)
-                )
-                break
-            except BufferError:
-                p.poll(0.05)
-        p.poll(0)
-    p.flush(60)
-
-
 def _producer_thread(kafka: KafkaConfig, topic: str, events: list[Event]) -> threading.Thread:
     thread = threading.Thread(target=produce_all, args=(kafka, topic, events), name="producer")
     thread.start()
@@ -91,33 +80,40 @@ def _producer_thread(kafka: KafkaConfig, topic: str, events: list[Event]) -> thr
 
 
 def run_pipeline(
-    kafka: KafkaConfig, warmup: list[Event], events: list[Event], groups: int, bus: Broker
+    kafka: KafkaConfig,
+    warmup: list[Event],
+    events: list[Event],
+    groups: int,
+    bus: Broker,
+    work: Path,
+    settings: list[str],
+    replay_buffers: int = 1,
 ) -> Run:
-    cfg = Config(
-        kafka=kafka,
-        replay_buffer=ReplayBufferConfig(
-            group_id=f"bench-rb-{uuid.uuid4().hex[:6]}",
-            transactional_id=f"bench-tx-{uuid.uuid4().hex[:6]}",
-        ),
-    )
+    group_id = f"{kafka.topic_prefix}-rb"
+    cfg = Config(kafka=kafka, replay_buffer=ReplayBufferConfig(group_id=group_id))
+    config = write_config(cfg, work / f"{kafka.topic_prefix}.yaml")
+    buffers = [
+        spawn(["replay-buffer", "run", *settings], config, work / f"{kafka.topic_prefix}.rb{i}.log")
+        for i in range(replay_buffers)
+    ]
     topic = Topics.from_config(kafka).turns
-    buffer = ReplayBuffer(cfg)
-    thread = threading.Thread(target=buffer.run, name="replay-buffer")
-    thread.start()
     try:
+        wait_assigned(kafka, group_id, replay_buffers)
         with TrainerClient(kafka, f"bench-trainer-{uuid.uuid4().hex[:6]}") as client:
             received = client.groups(timeout_s=READY_TIMEOUT_S)
             _producer_thread(kafka, topic, warmup).join()
             _take(received, WARMUP_GROUPS, "warm-up")
-            meter = CpuMeter({"broker": bus.pid}).start()
+            pids = {f"rb{i}": b.pid for i, b in enumerate(buffers)}
+            meter = CpuMeter({"broker": bus.pid, **pids}).start()
             producer = _producer_thread(kafka, topic, events)
             _take(received, groups, "pipeline")
             meter.stop()
             producer.join()
     finally:
-        buffer.stop()
-        thread.join(60)
-    return Run(meter.wall_s, meter.own_s, meter.others_s["broker"])
+        for buffer in buffers:
+            stop(buffer)
+    own = meter.own_s + sum(meter.others_s[name] for name in pids)
+    return Run(meter.wall_s, own, meter.others_s["broker"])
 
 
 def _take(received, count: int, what: str) -> None:
@@ -182,11 +178,12 @@ def print_table(args, events: list[Event], pipe: list[Run], base: list[Run], bus
     n = len(events)
     print(
         f"events: {n} ({total_bytes / 1e6:.1f} MB), groups: {args.groups}, "
-        f"trajectories: {args.groups * N}, rounds: {args.rounds}; {machine_line()}"
+        f"trajectories: {args.groups * N}, rounds: {args.rounds}, replay-buffer processes: "
+        f"{args.replay_buffers}; {machine_line()}"
     )
     print(
         f"{'path':<50} {'events/s':>9} {'MB/s':>6} {'groups/s':>9} "
-        f"{'CPU us/event':>13} {'broker CPU us/event':>20}"
+        f"{'bus CPU us/event':>17} {'broker CPU us/event':>20}"
     )
     for label, runs in (
         ("plain confluent-kafka produce->consume (baseline)", base),
@@ -197,7 +194,7 @@ def print_table(args, events: list[Event], pipe: list[Run], base: list[Run], bus
         broker_cpu = median([r.broker_cpu_s for r in runs]) * 1e6 / n if bus.pid else float("nan")
         print(
             f"{label:<50} {n / wall:>9.0f} {total_bytes / 1e6 / wall:>6.1f} "
-            f"{args.groups / wall:>9.1f} {own:>13.1f} {broker_cpu:>20.1f}"
+            f"{args.groups / wall:>9.1f} {own:>17.1f} {broker_cpu:>20.1f}"
         )
     ratio = median([r.wall_s for r in base]) / median([r.wall_s for r in pipe])
     print(f"ratio pipeline/baseline throughput: {ratio:.2f}")
@@ -207,6 +204,18 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--groups", type=int, default=2000)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument(
+        "--settings",
+        nargs="*",
+        default=[],
+        help="replay-buffer config overrides (KEY=VALUE), e.g. replay_buffer.batch_max_records=500",
+    )
+    ap.add_argument(
+        "--replay-buffers",
+        type=int,
+        default=1,
+        help=f"replay-buffer processes sharing the {PARTITIONS} partitions (1)",
+    )
     add_common_args(ap)
     args = ap.parse_args()
     if args.quick:
@@ -214,7 +223,7 @@ def main() -> int:
     print(f"generating {args.groups} groups x {N} sessions x {TURNS} turns", file=sys.stderr)
     events = make_events(args.groups)
     warmup = make_events(WARMUP_GROUPS)
-    with broker(args.bootstrap) as bus:
+    with broker(args.bootstrap) as bus, tempfile.TemporaryDirectory() as tmp:
         pipe: list[Run] = []
         base: list[Run] = []
         for r in range(args.rounds):
@@ -226,7 +235,18 @@ def main() -> int:
             ensure_topics(kafka)
             try:
                 base.append(run_baseline(kafka, warmup, events, bus))
-                pipe.append(run_pipeline(kafka, warmup, events, args.groups, bus))
+                pipe.append(
+                    run_pipeline(
+                        kafka,
+                        warmup,
+                        events,
+                        args.groups,
+                        bus,
+                        Path(tmp),
+                        args.settings,
+                        args.replay_buffers,
+                    )
+                )
             finally:
                 drop_topics(kafka, Topics.from_config(kafka).all())
             print(

@@ -13,8 +13,9 @@ The harness is a fault injector: nothing in it stands in for the product.
 Per kill, from the logs themselves (record timestamps of rollout.turns and of the released
 groups topic, so nothing relies on the killed process):
 
-* kill → first turn: the first turn event written after the kill (a session worker kill:
-  the restarted worker's first; the kill stops every session of the worker);
+* kill → first turn: the first generation event written after the kill (a session worker
+  kill: the restarted worker's first sampled turn; the kill stops every session of the
+  worker);
 * kill → first release: the first group released after the kill.
 
 Over the run: tokens re-sampled (a (session, turn) sampled under more than one engine
@@ -143,9 +144,9 @@ def _analyse_logs(pipeline: Pipeline, outcome: Outcome) -> None:
     samples: dict[tuple[str, int, int], dict[str, tuple[int, float]]] = defaultdict(dict)
     for part in range(cfg.kafka.partitions):
         for msg in read_partition(cfg.kafka, topics.turns, part, 0):
-            turn_times.append(msg.timestamp()[1] / 1000)
             event = decode_turn_event(msg.value() or b"")
             if event.type == "generation":
+                turn_times.append(msg.timestamp()[1] / 1000)
                 turn = samples[(event.uid, event.session_id, event.turn)]
                 turn.setdefault(event.engine_request_id, (len(event.token_ids), event.latency_s))
     release_times = [

@@ -27,9 +27,8 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench_harness import add_common_args, broker, drop_topics, machine_line, median
+from bench_harness import add_common_args, broker, drop_topics, machine_line, median, produce_all
 from pipeline import write_config
-from pipeline_throughput import produce_all
 from synthetic import N, make_events
 
 from rolloutbus.config import Config, KafkaConfig

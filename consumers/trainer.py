@@ -66,7 +66,7 @@ from rolloutbus.kafka.clients import (
 from rolloutbus.kafka.control import PolicyVersionFollower, latest_policy_version
 from rolloutbus.kafka.dead_letters import DeadLetterWriter
 from rolloutbus.metrics import DeliveryMetrics, StalenessMetrics
-from rolloutbus.schemas.trajectories import TRAJECTORY_SCHEMA, decode_trajectory_batch
+from rolloutbus.schemas.trajectories import decode_trajectory_batch
 from rolloutbus.topics import Topics, uid_of_key
 
 log = logging.getLogger(__name__)
@@ -180,7 +180,7 @@ class _PendingGroup:
         return len(self.rows) >= self.group_size
 
     def batch(self) -> pa.RecordBatch:
-        return pa.Table.from_batches(self.rows, TRAJECTORY_SCHEMA).combine_chunks().to_batches()[0]
+        return pa.concat_batches(self.rows)  # every row has TRAJECTORY_SCHEMA (the decoder's)
 
 
 class PartitionProgress:

@@ -17,6 +17,7 @@ after the first release: a record written before it decodes with the column null
 
 from __future__ import annotations
 
+import itertools
 import json
 from enum import StrEnum
 from typing import Any
@@ -155,26 +156,72 @@ _JSON_COLUMNS = (
 _METRIC_COLUMNS = ("generate_sequences", "tool_calls", "compute_score", "num_preempted")
 
 
-def trajectory_row(t: Trajectory) -> dict[str, Any]:
-    """The Arrow row of ``t``, ``routed_experts`` aside (built as a column: see below)."""
-    row = t.model_dump(by_alias=True, exclude={"metrics", "routed_experts"})
-    for name in _JSON_COLUMNS:
-        row[name] = None if row[name] is None else json.dumps(row[name], sort_keys=True)
-    for name in _METRIC_COLUMNS:
-        row[name] = getattr(t.metrics, name)
-    row["status"] = t.status.value
-    row["loss_mask"] = t.response_mask
-    row["prompt_len"] = t.prompt_len
-    row["response_len"] = t.response_len
-    row["seq_len"] = t.prompt_len + t.response_len
-    return row
+# Trajectory fields that are Arrow list columns (loss_mask repeats response_mask), with the
+# numpy type of their items
+_LIST_COLUMNS = {
+    "prompts": ("prompts", np.int32),
+    "responses": ("responses", np.int32),
+    "response_mask": ("response_mask", np.int8),
+    "loss_mask": ("response_mask", np.int8),
+    "rollout_log_probs": ("rollout_log_probs", np.float32),
+    "rm_scores": ("rm_scores", np.float32),
+}
+_DERIVED_COLUMNS = {
+    "status": lambda t: t.status.value,
+    "validate": lambda t: t.validate_,
+    "prompt_len": lambda t: t.prompt_len,
+    "response_len": lambda t: t.response_len,
+    "seq_len": lambda t: t.prompt_len + t.response_len,
+}
 
 
 def trajectories_to_batch(trajectories: list[Trajectory]) -> pa.RecordBatch:
-    rows = [trajectory_row(t) for t in trajectories]
-    base = pa.RecordBatch.from_pylist(rows, _FIRST_RELEASE_SCHEMA)
-    routed = _routed_experts_column([t.routed_experts for t in trajectories])
-    return pa.RecordBatch.from_arrays([*base.columns, routed], schema=TRAJECTORY_SCHEMA)
+    """One Arrow row per trajectory, built column by column: token lists are flattened
+    into one numpy array per column (a row-wise ``from_pylist`` converted every token
+    through a Python dict and was most of the replay buffer's time)."""
+    dumped = [t.model_dump(include=set(_JSON_COLUMNS)) for t in trajectories]
+    columns = []
+    for field in TRAJECTORY_SCHEMA:
+        name = field.name
+        if name in _LIST_COLUMNS:
+            attr, dtype = _LIST_COLUMNS[name]
+            columns.append(_list_column([getattr(t, attr) for t in trajectories], dtype))
+        elif name == "routed_experts":
+            columns.append(_routed_experts_column([t.routed_experts for t in trajectories]))
+        else:
+            columns.append(pa.array(_scalars(name, trajectories, dumped), field.type))
+    return pa.RecordBatch.from_arrays(columns, schema=TRAJECTORY_SCHEMA)
+
+
+def _scalars(name: str, trajectories: list[Trajectory], dumped: list[dict[str, Any]]) -> list:
+    if name in _JSON_COLUMNS:  # as model_dump gives them: nested models as dicts
+        return [None if d[name] is None else json.dumps(d[name], sort_keys=True) for d in dumped]
+    if name in _METRIC_COLUMNS:
+        return [getattr(t.metrics, name) for t in trajectories]
+    if name in _DERIVED_COLUMNS:
+        return [_DERIVED_COLUMNS[name](t) for t in trajectories]
+    return [getattr(t, name) for t in trajectories]
+
+
+def _list_column(values: list[list[Any] | None], dtype: type) -> pa.Array:
+    """A ``large_list`` column of ``dtype`` items; None is a null list. An item outside the
+    type raises OverflowError (a float beyond float32 becomes inf, as Arrow's own
+    conversion does)."""
+    nulls = [v is None for v in values]
+    if all(nulls):  # e.g. rm_scores of a group without rewards: no mask to invert
+        return pa.nulls(len(values), pa.large_list(pa.from_numpy_dtype(dtype)))
+    lengths = np.fromiter((0 if v is None else len(v) for v in values), np.int64, len(values))
+    offsets = np.zeros(len(values) + 1, np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    with np.errstate(over="ignore"):
+        flat: np.ndarray = np.fromiter(
+            itertools.chain.from_iterable(v for v in values if v is not None),
+            dtype,
+            int(offsets[-1]),
+        )
+    return pa.LargeListArray.from_arrays(
+        pa.array(offsets), pa.array(flat), mask=pa.array(nulls) if any(nulls) else None
+    )
 
 
 def _routed_experts_column(values: list[RoutedExperts | None]) -> pa.Array:
@@ -244,18 +291,21 @@ def encode_trajectory(t: Trajectory) -> bytes:
 
 def encode_trajectories(trajectories: list[Trajectory]) -> list[bytes]:
     """One record value per trajectory; the Arrow batch is built once for all of them
-    (per-call overhead dominates one-row batches) and each row is written as a slice."""
+    (per-call overhead dominates one-row batches) and each row is written as a slice.
+
+    A record is an Arrow IPC stream: the schema message (the same bytes for every record,
+    serialized once), the row's record-batch message, the end-of-stream marker; byte for
+    byte what ``pa.ipc.new_stream`` writes.
+    """
     batch = trajectories_to_batch(trajectories)
-    out = []
-    for i in range(batch.num_rows):
-        sink = pa.BufferOutputStream()
-        with pa.ipc.new_stream(sink, TRAJECTORY_SCHEMA, options=_IPC_OPTIONS) as writer:
-            writer.write_batch(batch.slice(i, 1))
-        out.append(sink.getvalue().to_pybytes())
-    return out
+    return [
+        b"".join((_SCHEMA_MESSAGE, batch.slice(i, 1).serialize().to_pybytes(), _END_OF_STREAM))
+        for i in range(batch.num_rows)
+    ]
 
 
-_IPC_OPTIONS = pa.ipc.IpcWriteOptions(use_legacy_format=False)
+_SCHEMA_MESSAGE = TRAJECTORY_SCHEMA.serialize().to_pybytes()
+_END_OF_STREAM = b"\xff\xff\xff\xff\x00\x00\x00\x00"  # continuation marker, length 0
 
 
 def decode_trajectory_batch(data: bytes) -> pa.RecordBatch:
@@ -266,6 +316,9 @@ def decode_trajectory_batch(data: bytes) -> pa.RecordBatch:
     """
     if not isinstance(data, bytes | bytearray | memoryview):
         raise SchemaError(f"a trajectory record must be bytes, got {type(data).__name__}")
+    batch = _as_written(data)
+    if batch is not None:
+        return batch
     try:
         reader = pa.ipc.open_stream(pa.py_buffer(data))
         batches = list(reader)
@@ -285,6 +338,27 @@ def decode_trajectory_batch(data: bytes) -> pa.RecordBatch:
             f"got {len(batches)} batches of {rows} rows"
         )
     return _with_added_columns(batches[0])
+
+
+def _as_written(data: bytes | bytearray | memoryview) -> pa.RecordBatch | None:
+    """The row of a record as this release writes it (``_SCHEMA_MESSAGE``, one record-batch
+    message, the end of stream), read without parsing the schema again; None for anything
+    else (an older record, or junk), which takes the general path."""
+    buffer = pa.py_buffer(data)
+    head, end = len(_SCHEMA_MESSAGE), len(buffer) - len(_END_OF_STREAM)
+    if end <= head or buffer[:head] != _SCHEMA_MESSAGE or buffer[end:] != _END_OF_STREAM:
+        return None
+    stream = pa.BufferReader(buffer)
+    stream.seek(head)
+    try:
+        message = pa.ipc.read_message(stream)
+        if message.type != "record batch" or stream.tell() != end:
+            return None
+        batch = pa.ipc.read_record_batch(message, TRAJECTORY_SCHEMA)
+        batch.validate()
+    except (pa.ArrowException, OSError, ValueError):
+        return None  # the general path raises the SchemaError
+    return batch if batch.num_rows == 1 else None
 
 
 def _with_added_columns(batch: pa.RecordBatch) -> pa.RecordBatch:
