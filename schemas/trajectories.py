@@ -180,12 +180,15 @@ def trajectories_to_batch(trajectories: list[Trajectory]) -> pa.RecordBatch:
     into one numpy array per column (a row-wise ``from_pylist`` converted every token
     through a Python dict and was most of the replay buffer's time)."""
     dumped = [t.model_dump(include=set(_JSON_COLUMNS)) for t in trajectories]
-    columns = []
+    columns: list[pa.Array] = []
+    built: dict[str, pa.Array] = {}  # by attribute: loss_mask is response_mask's array again
     for field in TRAJECTORY_SCHEMA:
         name = field.name
         if name in _LIST_COLUMNS:
             attr, dtype = _LIST_COLUMNS[name]
-            columns.append(_list_column([getattr(t, attr) for t in trajectories], dtype))
+            if attr not in built:
+                built[attr] = _list_column([getattr(t, attr) for t in trajectories], dtype)
+            columns.append(built[attr])
         elif name == "routed_experts":
             columns.append(_routed_experts_column([t.routed_experts for t in trajectories]))
         else:
