@@ -1,7 +1,7 @@
 """P2: the durability tax. The same prompt groups run two ways against the same replica:
 
-* in-process: the session runner in one asyncio process, no Kafka (as verl's
-  AgentLoopWorker runs its loops): ``run_group`` for every group, at most
+* in-process: the session runner in one asyncio process (a fresh one, as a worker is), no
+  Kafka, as verl's AgentLoopWorker runs its loops: ``run_group`` for every group, at most
   ``--concurrency`` groups at a time, turns handed to a no-op;
 * through the bus: the same groups published to rollout.prompts; a session worker
   (``rolloutbus sessions run``) runs them with the same concurrency and logs every turn
@@ -19,13 +19,14 @@ with real decoding); the mean group time (slot taken → last turn; bus: ``group
 last turn, from the log's timestamps), the added time per group and per turn, the delivery
 (last turn → trainer) and CPU seconds per turn event of the bus processes.
 
-    python benchmarks/durability_tax.py [--replicas smollm2 instant] [--groups 16]
+    python benchmarks/durability_tax.py [--replicas smollm2 instant] [--groups 8]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import sys
 import tempfile
 import time
@@ -37,7 +38,6 @@ from typing import Any
 import yaml
 from bench_harness import ROOT, CpuMeter, add_common_args, broker, drop_topics, machine_line, median
 from helpers import free_port
-from pipeline import spawn, stop, wait_http_ok
 
 from rolloutbus.config import Config
 from rolloutbus.kafka.admin import ensure_topics
@@ -48,7 +48,7 @@ from rolloutbus.topics import Topics
 
 FIXTURES = ROOT / "tests" / "fixtures"
 LOOP_NAME, LOOP_TARGET = "benchpaced", "paced_loop.PacedToolLoop"
-WARMUP_GROUPS = 2  # groups through each path before the clock starts
+WARMUP_GROUPS = 1  # groups through each path before the clock starts
 READY_TIMEOUT_S = 600.0  # seconds; the first SmolLM2 start dequantizes its GGUF
 INSTANT_TOKEN = 1000  # the instant replica's token ids start here
 
@@ -128,6 +128,8 @@ def serve_instant(port: int, tokens: int) -> None:
 
 
 def start_replica_process(kind: str, cfg: Config, config_path: Path, work: Path, args):
+    from pipeline import spawn, wait_http_ok
+
     port = cfg.replica_server.port
     log = work / f"replica-{kind}.log"
     if kind == "instant":
@@ -142,6 +144,38 @@ def start_replica_process(kind: str, cfg: Config, config_path: Path, work: Path,
 
 
 # -- in-process ----------------------------------------------------------------------------
+
+
+def in_child_process(
+    config: Path, measured: list, warmup: list, replica_pid: int, work: Path
+) -> Way:
+    """The in-process way in a fresh process of its own, as a session worker is (this
+    process imports much more, whose objects the garbage collector would walk)."""
+    import subprocess
+
+    request = work / f"inproc-{uuid.uuid4().hex[:6]}.json"
+    request.write_text(json.dumps({"measured": measured, "warmup": warmup, "replica": replica_pid}))
+    done = subprocess.run(
+        [sys.executable, __file__, "--run-in-process", str(config), str(request)],
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode != 0:
+        raise SystemExit(f"the in-process run failed:\n{done.stderr[-3000:]}")
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    return Way("in-process", result["wall_s"], result["group_s"], [], result["cpu_s"])
+
+
+def run_in_process_main(config: Path, request: Path) -> None:
+    """The child process: run the groups, print what it measured as one JSON line."""
+    from rolloutbus.producers.publish import build_group
+
+    cfg = Config.model_validate(yaml.safe_load(config.read_text()))
+    spec = json.loads(request.read_text())
+    groups = [build_group(cfg, r) for r in spec["measured"]]
+    warmup = [build_group(cfg, r) for r in spec["warmup"]]
+    way = asyncio.run(run_in_process(cfg, groups, warmup, spec["replica"]))
+    print(json.dumps({"wall_s": way.wall_s, "group_s": way.group_s, "cpu_s": way.cpu_s}))
 
 
 async def run_in_process(
@@ -185,6 +219,8 @@ async def run_in_process(
 
 
 def run_through_bus(cfg: Config, config_path: Path, work: Path, groups, warmup, replica) -> Way:
+    from pipeline import spawn, stop
+
     from rolloutbus.consumers.trainer import TrainerClient
     from rolloutbus.producers.publish import PromptPublisher
 
@@ -197,11 +233,11 @@ def run_through_bus(cfg: Config, config_path: Path, work: Path, groups, warmup, 
         with TrainerClient(cfg.kafka, f"tax-trainer-{uuid.uuid4().hex[:6]}") as client:
             received = client.groups(timeout_s=READY_TIMEOUT_S)
             _publish(publisher, warmup)
-            _take(received, len(warmup), {})
+            _take(received, {g.uid for g in warmup}, {})
             pids = {"session worker": worker.pid, "replay buffer": buffer.pid}
             meter = CpuMeter({**pids, "replica": replica.pid}).start()
             _publish(publisher, groups)
-            _take(received, len(groups), yielded)
+            _take(received, {g.uid for g in groups}, yielded)
             meter.stop()
     finally:
         publisher.flush()
@@ -222,15 +258,20 @@ def _publish(publisher, groups: list[PromptGroup]) -> None:
     publisher.flush()
 
 
-def _take(received, count: int, yielded: dict[str, float]) -> None:
-    got = 0
-    for _, group in zip(range(count), received, strict=False):
+def _take(received, uids: set[str], yielded: dict[str, float]) -> None:
+    """Until every group of ``uids`` came (a client reads the topic from its start: the
+    earlier rounds' groups come first and are skipped)."""
+    missing = set(uids)
+    for group in received:
+        if group.uid not in missing:
+            continue
+        missing.discard(group.uid)
         yielded[group.uid] = time.time()
-        got += 1
         if "failed" in group.batch.column("status").to_pylist():
             raise SystemExit(f"bus: group {group.uid} has failed sessions")
-    if got < count:
-        raise SystemExit(f"the trainer client received {got} of {count} groups")
+        if not missing:
+            return
+    raise SystemExit(f"the trainer client never received {len(missing)} of {len(uids)} groups")
 
 
 def _group_times(cfg: Config, uids: set[str]) -> tuple[dict[str, float], dict[str, float], int]:
@@ -257,6 +298,8 @@ def _group_times(cfg: Config, uids: set[str]) -> tuple[dict[str, float], dict[st
 
 
 def run_replica(kind: str, bootstrap: str, args, work: Path) -> tuple[Way, Way]:
+    from pipeline import stop
+
     from rolloutbus.producers.publish import build_group
 
     model = "smollm2-135m" if kind == "smollm2" else "tiny-qwen3"
@@ -272,13 +315,12 @@ def run_replica(kind: str, bootstrap: str, args, work: Path) -> tuple[Way, Way]:
         for r in range(args.rounds):  # alternating: a change of the machine's load hits both
             tag = f"{kind[:3]}{r}{uuid.uuid4().hex[:4]}"
             inprocs.append(
-                asyncio.run(
-                    run_in_process(
-                        cfg,
-                        make(rows(args.groups, args, f"{tag}i")),
-                        make(rows(WARMUP_GROUPS, args, f"{tag}w")),
-                        replica.pid,
-                    )
+                in_child_process(
+                    config_path,
+                    rows(args.groups, args, f"{tag}i"),
+                    rows(WARMUP_GROUPS, args, f"{tag}w"),
+                    replica.pid,
+                    work,
                 )
             )
             buses.append(
@@ -323,16 +365,20 @@ def report(kind: str, inproc: Way, bus: Way, args) -> None:
         group = sum(way.group_s) / len(way.group_s)
         print(f"{way.name:<12} {sessions / way.wall_s:>10.2f} {group:>15.3f} {delivery:>16.1f}")
     ratio = inproc.wall_s / bus.wall_s
-    added_group = sum(bus.group_s) / len(bus.group_s) - sum(inproc.group_s) / len(inproc.group_s)
-    delivery = median(bus.delivery_s)
+    goal = " (goal >= 0.98)" if kind == "smollm2" else ""
+    print(f"ratio bus/in-process sessions/s: {ratio:.3f}{goal}")
+    # what the bus adds: wall time per unit of work at this throughput, and CPU per event
+    per_session_ms = (bus.wall_s - inproc.wall_s) * 1000 / sessions
+    events_per_session = bus.events / sessions
+    cpu_ms = (sum(bus.cpu_s.values()) - sum(inproc.cpu_s.values())) * 1000 / bus.events
     print(
-        f"ratio bus/in-process sessions/s: {ratio:.3f}"
-        + (" (goal >= 0.98)" if kind == "smollm2" else "")
-    )
-    print(
-        f"added by the bus: {added_group * 1000:.1f} ms per group while it runs "
-        f"({added_group * 1000 / turns:.2f} ms per turn), + {delivery * 1000:.1f} ms delivery "
-        f"(p50) = {(added_group + delivery) * 1000:.1f} ms per group to the trainer"
+        f"added by the bus: {per_session_ms / turns:.2f} ms per turn and "
+        f"{per_session_ms * args.n:.1f} ms per group of wall time at this throughput; "
+        f"{cpu_ms:.3f} ms of CPU per turn event ({cpu_ms * events_per_session * args.n:.1f} "
+        f"ms per group); delivery, last turn -> trainer: {median(bus.delivery_s) * 1000:.1f} ms "
+        f"(p50); a group's time from group_started to its last turn: "
+        f"{sum(bus.group_s) / len(bus.group_s) * 1000:.0f} ms (in-process: "
+        f"{sum(inproc.group_s) / len(inproc.group_s) * 1000:.0f} ms)"
     )
     for way in (inproc, bus):
         cpu = ", ".join(f"{name} {s * 1e6 / bus.events:.0f}" for name, s in way.cpu_s.items())
@@ -346,17 +392,23 @@ def main() -> int:
     ap.add_argument(
         "--replicas", nargs="+", default=["smollm2", "instant"], choices=["smollm2", "instant"]
     )
-    ap.add_argument("--groups", type=int, default=16)
+    # the default sizes decode ~1,500 tokens per way with SmolLM2: a few minutes on two
+    # busy cores, where the embedded replica samples 10-20 tokens/s
+    ap.add_argument("--groups", type=int, default=8)
     ap.add_argument("--n", type=int, default=4)
     ap.add_argument("--turns", type=int, default=3)
-    ap.add_argument("--tokens-per-turn", type=int, default=32)
-    ap.add_argument("--concurrency", type=int, default=8, help="groups in flight")
+    ap.add_argument("--tokens-per-turn", type=int, default=16)
+    ap.add_argument("--concurrency", type=int, default=4, help="groups in flight")
     ap.add_argument("--rounds", type=int, default=2, help="of each way, alternating (2)")
     ap.add_argument("--serve-instant", nargs=2, type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--run-in-process", nargs=2, type=Path, help=argparse.SUPPRESS)
     add_common_args(ap)
     args = ap.parse_args()
     if args.serve_instant:
         serve_instant(*args.serve_instant)
+        return 0
+    if args.run_in_process:
+        run_in_process_main(*args.run_in_process)
         return 0
     if args.quick:
         args.replicas, args.groups, args.concurrency, args.rounds = ["instant"], 4, 2, 1
