@@ -171,8 +171,8 @@ def main() -> int:
     )
     add_common_args(ap)
     args = ap.parse_args()
-    if args.quick:
-        args.processes, args.partitions, args.groups, args.gen_tokens = [1, 2], 2, 40, 512
+    if args.quick:  # two processes sharing the partitions: the path a scale-out takes
+        args.processes, args.partitions, args.groups, args.gen_tokens = [2], 2, 40, 512
     events = make_events(args.groups)
     scales = []
     with broker(args.bootstrap) as bus, tempfile.TemporaryDirectory() as tmp:

@@ -4,10 +4,17 @@ Their figures are not checked here: speed is shown by the benchmarks themselves 
 a baseline measured in the same run), never by timed asserts. What is checked: each exits
 0, prints its table (a line every full run prints too), and writes no librdkafka error:
 a client that outlives its broker writes ``%3|...|FAIL|`` lines at exit.
+
+CI runs the light ones (the whole file in about a minute). The heavy ones start replicas,
+a model, a supervisor or a trainer and take 20-70 s each even at their quick size; they
+run with ``ROLLOUTBUS_BENCHMARKS=all`` (run that before changing a benchmark or what it
+drives) and skip, saying so, without it. ``pipeline_throughput.py`` runs once, on a broker
+of its own (the clean-exit check), not again on the test broker.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -35,6 +42,9 @@ WITHOUT_BROKER = {
     "tensors.py": r"padded, row slices \(now\) +\d",
     "engines.py": r"\| 2 \| \d+",
 }
+HEAVY = {"durability_tax.py", "recovery.py", "soak.py", "learning_curve.py", "engines.py"}
+ALL_ENV = "ROLLOUTBUS_BENCHMARKS"  # "all": run the heavy ones too
+ON_ITS_OWN_BROKER = "pipeline_throughput.py"  # run once, starting and stopping its broker
 QUICK_TIMEOUT_S = 900  # seconds for one benchmark at its quick size on two busy cores
 LIBRDKAFKA_ERROR = re.compile(r"^%[0-3]\|", re.MULTILINE)  # syslog levels 0-3: errors
 
@@ -44,6 +54,19 @@ def test_every_benchmark_is_run_at_its_quick_size() -> None:
     assert scripts == set(WITH_BROKER) | set(WITHOUT_BROKER), (
         "add a new benchmark to WITH_BROKER or WITHOUT_BROKER (or NOT_BENCHMARKS)"
     )
+
+
+def quick_params(scripts: dict[str, str]) -> list[object]:
+    """The scripts as parameters; a heavy one skips unless ``ROLLOUTBUS_BENCHMARKS=all``."""
+    heavy = pytest.mark.skipif(
+        os.environ.get(ALL_ENV) != "all",
+        reason=f"a heavy benchmark (a replica, model or trainer; 7-70 s at --quick): {ALL_ENV}=all",
+    )
+    return [pytest.param(s, marks=heavy) if s in HEAVY else s for s in sorted(scripts)]
+
+
+def on_the_test_broker() -> dict[str, str]:
+    return {s: line for s, line in WITH_BROKER.items() if s != ON_ITS_OWN_BROKER}
 
 
 def run_quick(script: str, *extra: str) -> subprocess.CompletedProcess[str]:
@@ -58,14 +81,14 @@ def run_quick(script: str, *extra: str) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script", sorted(WITHOUT_BROKER))
+@pytest.mark.parametrize("script", quick_params(WITHOUT_BROKER))
 def test_benchmark_without_broker_runs(script: str) -> None:
     done = run_quick(script)
     assert re.search(WITHOUT_BROKER[script], done.stdout), done.stdout[-3000:]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script", sorted(WITH_BROKER))
+@pytest.mark.parametrize("script", quick_params(on_the_test_broker()))
 def test_benchmark_runs_on_the_test_broker(script: str, kafka_bootstrap: str) -> None:
     done = run_quick(script, "--bootstrap", kafka_bootstrap)
     assert re.search(WITH_BROKER[script], done.stdout), done.stdout[-3000:]
@@ -76,6 +99,6 @@ def test_benchmark_runs_on_the_test_broker(script: str, kafka_bootstrap: str) ->
 @pytest.mark.kafka
 def test_benchmark_with_its_own_broker_exits_cleanly() -> None:
     """The benchmark starts and stops its own broker: no client may outlive it."""
-    done = run_quick("pipeline_throughput.py")
-    assert re.search(WITH_BROKER["pipeline_throughput.py"], done.stdout), done.stdout
+    done = run_quick(ON_ITS_OWN_BROKER)
+    assert re.search(WITH_BROKER[ON_ITS_OWN_BROKER], done.stdout), done.stdout
     assert not LIBRDKAFKA_ERROR.search(done.stderr), done.stderr[-4000:]
