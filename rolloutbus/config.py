@@ -222,6 +222,10 @@ class SessionsConfig(_Section):
     # seconds without a heartbeat before the group gives a dead worker's partitions to the
     # others (Faust's default is 60): how long a crashed worker's groups wait to be resumed
     broker_session_timeout_s: float = Field(default=20.0, gt=0)
+    # seconds a session (or a group waiting for a slot) may go without progress (a logged
+    # event) before it is logged as stalled with what it waits on, and counted; it only
+    # reports. Above a healthy turn: a long decode plus a slow tool on a busy fleet.
+    stall_warn_s: float = Field(default=300.0, gt=0)
     # Faust's local folder (it keeps no tables here, but creates one): {data_dir}/{app_id}.
     # Faust's default, "{app_id}-data" in the working directory, littered checkouts.
     data_dir: Path = Path("var/faust")

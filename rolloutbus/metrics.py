@@ -80,6 +80,17 @@ class SessionMetrics(PerRegistry):
             ["kind"],
             registry=registry,
         )
+        self.stalls = Counter(
+            "rolloutbus_sessions_stalls_total",
+            "Sessions or groups found with no progress for sessions.stall_warn_s (each "
+            "stall counted once; the log line names the key and what it waits on)",
+            registry=registry,
+        )
+        self.stalled = Gauge(
+            "rolloutbus_sessions_stalled",
+            "Sessions or groups stalled now (no progress for sessions.stall_warn_s)",
+            registry=registry,
+        )
 
     def count_event(self, event: object) -> None:
         kind = getattr(event, "type", "unknown")

@@ -54,7 +54,12 @@ from rolloutbus.kafka.partition_reader import read_partition
 from rolloutbus.metrics import SessionMetrics, start_metrics_server
 from rolloutbus.replica.models import load_tokenizer
 from rolloutbus.schemas.prompts import PromptGroup
-from rolloutbus.schemas.turns import SessionFailed, decode_turn_event, encode_turn_event
+from rolloutbus.schemas.turns import (
+    SessionFailed,
+    SessionFinished,
+    decode_turn_event,
+    encode_turn_event,
+)
 from rolloutbus.streams.agent_loop import registry
 from rolloutbus.streams.inference.llm_client import LLMClient
 from rolloutbus.streams.sessions.recovery import TurnLogScan, UnfinishedGroup
@@ -65,6 +70,7 @@ from rolloutbus.streams.sessions.runner import (
     prompt_group_of,
     run_sessions,
 )
+from rolloutbus.streams.sessions.stall import StallWatch, waits_on
 from rolloutbus.topics import Topics, partition_for, session_key
 
 log = logging.getLogger(__name__)
@@ -130,8 +136,12 @@ class SessionWorker:
         self.topics = Topics.from_config(cfg.kafka)
         self.partitions: dict[int, PartitionState] = {}
         self.ready = asyncio.Event()
+        # one slot per group in flight; a slot belongs to the task that runs its group and is
+        # given back when that task ends, however it ends (see _spawn)
         self._slots = asyncio.Semaphore(cfg.sessions.concurrency)
         self.metrics = SessionMetrics()
+        self.stalls = StallWatch(cfg.sessions.stall_warn_s, self.metrics)
+        self._background: set[asyncio.Task[Any]] = set()
 
     async def start(self) -> None:
         self.dlq = DeadLetterWriter(self.cfg.kafka, stage="sessions")
@@ -140,6 +150,7 @@ class SessionWorker:
         self.ctx = _build_context(self.cfg, self.dlq)
         if self.cfg.sessions.metrics_port is not None:
             start_metrics_server(self.cfg.sessions.metrics_port, self.cfg.sessions.metrics_host)
+        self._background.add(asyncio.ensure_future(self.stalls.run()))
         self.ready.set()
 
     # -- assignment --------------------------------------------------------------------
@@ -186,8 +197,8 @@ class SessionWorker:
             len(unfinished),
         )
         for group in unfinished:
-            await self._slots.acquire()
-            self._spawn(state, self._resume_group(group))
+            await self._acquire_slot(group.group.uid)
+            self._spawn(state, group.group.uid, self._resume_group(group))
         state.recovered.set()
 
     def _scan_turn_log(self, partition: int) -> TurnLogScan:
@@ -232,29 +243,40 @@ class SessionWorker:
         if group.uid in state.started_uids:
             log.info("prompt group %s is already in the turn log; not started again", group.uid)
             return
-        await self._slots.acquire()
+        await self._acquire_slot(group.uid)
+        spawned = False
+        try:
+            spawned = await self._start_group(state, partition, group, event)
+        finally:
+            if not spawned:  # however take() ends short of a task, the slot goes back
+                self._slots.release()
+                self.stalls.forget_group(group.uid)
+
+    async def _start_group(
+        self, state: PartitionState, partition: int, group: PromptGroup, event: Any
+    ) -> bool:
+        """Log ``group_started`` and run the group on the slot taken for it; False: not run."""
         if self.partitions.get(partition) is not state:
             # revoked while every slot was busy (on_revoked cancels this partition's tasks,
             # but take() runs in Faust's agent): a group started now would run unowned
             # next to its new owner's and log turns after that owner's scan
-            self._slots.release()
-            return
+            return False
         started = group_started(group)
+        self.stalls.waiting(group.uid, group.uid, "the turn log (writing group_started)")
         try:
             await self.turn_log.emit(started)
         except RecordTooLargeError as exc:
-            self._slots.release()
             self.dlq.write(event.value, str(exc), source=_source(event))
-            return
+            return False
         except BrokerError as exc:
             _exit_unwritable(exc)
         if self.partitions.get(partition) is not state:
             # revoked while group_started was written: on_revoked flushed it before the
             # rebalance went on, so the new owner's scan finds the group and runs it
-            self._slots.release()
-            return
+            return False
         state.remember(group.uid)
-        self._spawn(state, self._run_group(group, started.attempt))
+        self._spawn(state, group.uid, self._run_group(group, started.attempt))
+        return True
 
     def _parse(self, event: Any) -> PromptGroup | None:
         if event.value is None:  # a tombstone: nothing to run, but never silently dropped
@@ -273,10 +295,36 @@ class SessionWorker:
             return None
 
     # -- running -----------------------------------------------------------------------
-    def _spawn(self, state: PartitionState, coro: Any) -> None:
+    async def _acquire_slot(self, uid: str) -> None:
+        """Wait for one of the ``sessions.concurrency`` group slots for group ``uid``."""
+        self.stalls.waiting(
+            uid, uid, f"a free group slot (sessions.concurrency={self.cfg.sessions.concurrency})"
+        )
+        try:
+            await self._slots.acquire()
+        except BaseException:  # cancelled (a revocation) while waiting: nothing was taken
+            self.stalls.forget_group(uid)
+            raise
+
+    def _spawn(self, state: PartitionState, uid: str, coro: Any) -> asyncio.Task[Any]:
+        """Run group ``uid`` as a task of its partition, on the slot its caller acquired.
+
+        The task owns the slot from here: a done callback gives it back. Not a ``finally``
+        in the coroutine: a task cancelled before its first step (on_revoked cancels every
+        task of a revoked partition, and _recover spawns several in one go) never runs its
+        coroutine at all, so a ``finally`` there would leak the slot, and with every slot
+        leaked the worker waits on ``_slots.acquire()`` forever.
+        """
         task = asyncio.ensure_future(coro)
         state.tasks.add(task)
-        task.add_done_callback(state.tasks.discard)
+        self.stalls.settled(uid, uid)  # from here its sessions report their own progress
+        task.add_done_callback(lambda done: self._group_ended(state, uid, done))
+        return task
+
+    def _group_ended(self, state: PartitionState, uid: str, task: asyncio.Task[Any]) -> None:
+        state.tasks.discard(task)
+        self._slots.release()
+        self.stalls.forget_group(uid)
 
     async def _run_group(self, group: PromptGroup, attempt: str) -> None:
         await self._run_logged(group, attempt, None)
@@ -296,11 +344,20 @@ class SessionWorker:
         except EmitError as exc:
             _exit_unwritable(exc)
         finally:
-            self._slots.release()
             self.metrics.count_recovery(before, _stats(self.ctx))
 
     async def _emit(self, event: BaseModel) -> None:
+        """Log a session's event; each one is progress for the stall watch."""
+        uid: str = event.uid  # type: ignore[attr-defined]  # every turn event has one
+        session_id = getattr(event, "session_id", None)
+        key = uid if session_id is None else session_key(uid, session_id)
+        kind = getattr(event, "type", "event")
+        self.stalls.waiting(uid, key, f"the turn log (writing its {kind})")
         await self.turn_log.emit(event)
+        if isinstance(event, SessionFinished | SessionFailed):
+            self.stalls.settled(uid, key)
+        else:
+            self.stalls.waiting(uid, key, waits_on(event))
 
 
 def _stats(ctx: SessionContext) -> dict[str, int]:
