@@ -1,4 +1,4 @@
-"""Fault scenarios against the whole pipeline of real processes (``tests/faults_harness.py``).
+"""Fault scenarios against the whole pipeline of real processes (the harness: ``tests/faults/``).
 
 Each scenario runs the same workload as a fault-free reference run (computed once per
 module) and must lose nothing, duplicate nothing, sample no logged turn again, and release
@@ -13,7 +13,6 @@ replay buffer and the trainer client are hardened behind them.
 from __future__ import annotations
 
 import importlib.util
-import time
 
 import pytest
 from faults_harness import (
@@ -22,9 +21,12 @@ from faults_harness import (
     FaultRow,
     FaultRun,
     Workload,
+    at_spread_moments,
     dedicated_broker,
+    kill_broker,
     restart_broker,
     run_fault_scenario,
+    sigkill_spread,
     turn_log_counts,
 )
 
@@ -37,7 +39,13 @@ fault_scenario = pytest.mark.slow  # and kafka, added by conftest: every scenari
 # the five rows took 405 s in CI at 64 groups and 404-761 s at 100, by the machine's load.
 WORKLOAD = Workload(groups=64, n=4, turns=3, tokens_per_turn=2, tool_delay_s=0.25)
 KILLS = 5
-BROKER_OUTAGE_S = 10.0  # seconds the broker stays down
+BROKER_KILLS = 3
+BROKER_OUTAGE_S = 10.0  # seconds the broker stays down after a graceful stop
+BROKER_KILLED_S = 2.0  # seconds a SIGKILLed broker stays down (its JVM start adds more)
+# sessions.concurrency for the replay-buffer kills: 2 groups in flight instead of 8 makes
+# the run about 4x longer, so all five kills land while groups are still being released
+# and each stall is a takeover, not a wait for the workload
+SLOW_RELEASES_CONCURRENCY = 2
 
 
 @pytest.fixture(scope="module")
@@ -68,36 +76,39 @@ def _assert_exactly_once_and_as_reference(run: FaultRun) -> None:
 # -- scenarios ---------------------------------------------------------------------------------
 
 
-def sigkill_session_worker(kills: int):
-    """SIGKILL the session worker ``kills`` times at random moments spread over the run (each
-    after the restarted worker released at least one more group), restarted each time."""
-
-    def scenario(ctx: FaultContext) -> None:
-        slot = 0.8 / kills  # fractions of the run: kill i lands somewhere in slot i
-        last = 0
-        for i in range(kills):
-            fraction = 0.05 + i * slot + ctx.rng.uniform(0, 0.8 * slot)
-            ctx.wait_for_released(max(int(fraction * ctx.workload.sessions), last + ctx.workload.n))
-            time.sleep(ctx.rng.uniform(0.0, 2.0))  # seconds: a random moment
-            last = ctx.released()
-            ctx.kill(ctx.pipeline.workers[0])
-
-    return scenario
-
-
 @fault_scenario
 def test_sigkill_sessions_x5(kafka_bootstrap, tmp_path, reference):
+    """SIGKILL the session worker five times at random moments spread over the run."""
     run = run_fault_scenario(
         f"sigkill sessions x{KILLS}",
         bootstrap=kafka_bootstrap,
         workdir=tmp_path,
         workload=WORKLOAD,
         seed=5,
-        scenario=sigkill_session_worker(KILLS),
+        scenario=sigkill_spread(lambda pipeline: pipeline.workers[0], KILLS),
         reference=reference,
     )
     _assert_exactly_once_and_as_reference(run)
     assert run.row.resumed > 0, f"no session was resumed from the log\n{run.explain()}"
+
+
+@fault_scenario
+def test_sigkill_replay_buffer_x5_during_releases(kafka_bootstrap, tmp_path, reference):
+    """SIGKILL the replay buffer five times while it releases groups; the supervisor starts
+    it again each time. The row's ``stall s`` is the median time from a kill to the next
+    group released (the takeover)."""
+    run = run_fault_scenario(
+        f"sigkill replay buffer x{KILLS}",
+        bootstrap=kafka_bootstrap,
+        workdir=tmp_path,
+        workload=WORKLOAD,
+        seed=7,
+        scenario=sigkill_spread(lambda pipeline: pipeline.buffers[0], KILLS),
+        concurrency=SLOW_RELEASES_CONCURRENCY,
+        reference=reference,
+    )
+    _assert_exactly_once_and_as_reference(run)
+    assert run.row.stall_s is not None, f"no release after a kill\n{run.explain()}"
 
 
 @fault_scenario
@@ -123,6 +134,36 @@ def test_broker_restart(tmp_path, reference):
             broker=broker,
         )
     _assert_exactly_once_and_as_reference(run)
+
+
+@fault_scenario
+@pytest.mark.kafka  # a broker of its own (the session broker only runs the reference)
+def test_sigkill_broker_x3(tmp_path, reference):
+    """SIGKILL the broker's JVM three times mid-run (no shutdown: transactions open, the
+    coordinators' state as a power cut leaves it), started again each time. No process may
+    exit for a transaction error (a fatal one replaces the replay buffer's producer)."""
+    with dedicated_broker(tmp_path / "broker") as broker:
+
+        def kill(ctx: FaultContext, i: int) -> None:
+            ctx.note(f"SIGKILL the broker ({i + 1} of {BROKER_KILLS})")
+            kill_broker(broker, BROKER_KILLED_S)
+            ctx.note("broker started again")
+
+        run = run_fault_scenario(
+            f"sigkill broker x{BROKER_KILLS}",
+            bootstrap=broker.kafka.bootstrap_servers,
+            workdir=tmp_path,
+            workload=WORKLOAD,
+            seed=3,
+            scenario=at_spread_moments(BROKER_KILLS, kill),
+            reference=reference,
+            broker=broker,
+        )
+    _assert_exactly_once_and_as_reference(run)
+    buffer_exits = {name: codes for name, codes in run.exits.items() if name.startswith("replay")}
+    assert not any(buffer_exits.values()), (
+        f"the replay buffer exited on its own: {buffer_exits}\n{run.explain()}"
+    )
 
 
 @fault_scenario
