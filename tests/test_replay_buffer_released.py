@@ -333,8 +333,10 @@ def test_two_buffers_from_one_config_share_the_work_without_fencing(
 def test_a_pinned_transactional_id_in_two_processes_ends_the_older_with_one_line(
     kafka_config: KafkaConfig, tmp_path
 ):
-    """Pinning replay_buffer.transactional_id and starting it twice fences the first
-    process: a fatal error, which ends it with exit code 1 and one line naming the cause."""
+    """Pinning replay_buffer.transactional_id and starting it twice: each fatal fencing
+    replaces the fenced producer (which fences the other process in turn), so the older
+    process is fenced again and again with no commit between; that ends it with exit code 1
+    and one line naming the cause (a restart or a broker kill fences only once)."""
     cfg = _config(kafka_config, **{"replay_buffer.transactional_id": unique_name("pinned")})
     config_path = write_config(cfg, tmp_path / "c.yaml")
     first_log, second_log = tmp_path / "rb1.log", tmp_path / "rb2.log"
