@@ -152,6 +152,8 @@ class TransactionalProducer:
                 )
                 return
             except TransactionAborted as failure:
+                if self._stop.is_set():
+                    return  # stopping: nothing more will be produced with it
                 if time.monotonic() > give_up:
                     raise BrokerError(f"transactional producer: {failure}") from failure
                 if failure.cause in ("wedged", "fatal"):

@@ -15,7 +15,7 @@ from pipeline import wait_http_ok
 
 from faults.services import Service
 from faults.workload import LOOP_NAME, LOOP_TARGET, Workload
-from rolloutbus.config import Config, ReplayBufferConfig
+from rolloutbus.config import Config
 from rolloutbus.kafka.admin import delete_topics, ensure_topics
 from rolloutbus.producers.datasets import write_jsonl
 from rolloutbus.producers.publish import PromptPublisher
@@ -126,9 +126,7 @@ class Pipeline:
         own ``replay_buffer.group_instance_id``, kept across restarts, from which its
         transactional id follows. With ``metrics``, each instance gets its own /metrics port."""
         index = len(self.buffers)
-        env: dict[str, str] = {}
-        if "group_instance_id" in ReplayBufferConfig.model_fields:
-            env["ROLLOUTBUS__REPLAY_BUFFER__GROUP_INSTANCE_ID"] = f"rb{index}"
+        env = {"ROLLOUTBUS__REPLAY_BUFFER__GROUP_INSTANCE_ID": f"rb{index}"}
         buffer = Service(
             f"replaybuffer{index}",
             ["replay-buffer", "run"],
