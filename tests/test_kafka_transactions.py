@@ -1,56 +1,44 @@
-"""The transaction seam (``rolloutbus/kafka/transactions.py``) and the replay buffer's use of
-it, against the real broker: a fatal transaction error replaces the producer and the next
-transaction commits, with nothing of the failed one visible; a live process holding the
-same transactional id is told apart from a one-off fencing; a static member that restarts
-takes its partitions back without waiting for the dead one's session to expire.
+"""The Kafka seams that outlive fatal errors, against the real broker.
+
+- ``rolloutbus/kafka/transactions.py``: a fatal transaction error replaces the producer and
+  the next transaction commits, with nothing of the failed one visible; a live process
+  holding the same transactional id is told apart from a one-off fencing.
+- ``rolloutbus/kafka/group_member.py``: a consumer fenced by a member with its
+  ``group.instance.id`` (what a lone static member can do to itself after a broker restart)
+  is replaced and goes on consuming.
 
 Fatal errors are provoked the way Kafka makes them: a second producer with the same
 ``transactional.id`` runs ``init_transactions`` (as a restarted process does), which fences
-the first (PRODUCER_FENCED, fatal in librdkafka). A SIGKILLed broker (``INVALID_TXN_STATE``
-from ``abort_transaction``) takes the same path; ``tests/test_faults.py`` kills one.
+the first (PRODUCER_FENCED, fatal in librdkafka); a second consumer joins with the same
+``group.instance.id`` (FENCED_INSTANCE_ID, fatal). A SIGKILLed broker (``INVALID_TXN_STATE``
+from ``abort_transaction``) takes the first path; ``tests/test_faults.py`` kills one.
 """
 
 from __future__ import annotations
 
-import signal
-import threading
 import time
-import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import pytest
 from confluent_kafka import Consumer, KafkaException, TopicPartition
 from helpers import unique_name
-from pipeline import read_topic, running, spawn, write_config
-from prometheus_client import CollectorRegistry
-from synthetic import N, group_events
+from pipeline import read_topic
 
-from rolloutbus.config import Config, KafkaConfig, with_overrides
+from rolloutbus.config import Config, KafkaConfig
 from rolloutbus.errors import BrokerError
 from rolloutbus.kafka.clients import (
     idempotent_producer,
     read_committed_consumer,
     transactional_producer,
 )
+from rolloutbus.kafka.group_member import GroupMember
 from rolloutbus.kafka.transactions import (
     OutgoingRecord,
     TransactionAborted,
     TransactionalProducer,
     TransactionSettings,
 )
-from rolloutbus.metrics import ReplayBufferMetrics
-from rolloutbus.streams.assembly.replay_buffer import (
-    ReplayBuffer,
-    consumer_overrides,
-    transactional_id_of,
-)
-from rolloutbus.topics import Topics, partition_for
+from rolloutbus.topics import Topics
 
-WAIT_S = 120.0  # seconds for a buffer to release what was produced (two busy cores)
-# seconds of replay_buffer.session_timeout_s in the takeover test: far longer than a
-# restart takes, so a release before it expires can only come from static membership
-LONG_SESSION_S = 120.0
 FAST_RETRY = TransactionSettings(retry_backoff_s=0.1, call_timeout_s=20.0)
 
 
@@ -123,121 +111,61 @@ def test_a_live_process_with_the_same_id_ends_the_older_after_repeated_fencing(
     consumer.close()
 
 
-# -- the replay buffer ---------------------------------------------------------------------
+# -- a fenced consumer ---------------------------------------------------------------------
 
 
-def _config(kafka: KafkaConfig, **overrides) -> Config:
-    return with_overrides(
-        Config(kafka=kafka), {"replay_buffer.group_id": unique_name("rb"), **overrides}
+def _static_consumer(kafka: KafkaConfig, group: str, instance: str) -> Consumer:
+    return read_committed_consumer(
+        kafka,
+        group,
+        overrides={"group.instance.id": instance, "auto.offset.reset": "earliest"},
     )
 
 
-def _produce(kafka: KafkaConfig, uids: list[str]) -> None:
-    producer = idempotent_producer(kafka, {"linger.ms": 5})
-    topic = Topics.from_config(kafka).turns
-    for uid in uids:
-        for _, key, value in group_events(uid):
-            producer.produce(
-                topic, key=key, value=value, partition=partition_for(uid, kafka.partitions)
-            )
+def _produce_keys(kafka: KafkaConfig, keys: list[str]) -> None:
+    producer = idempotent_producer(kafka)
+    for key in keys:
+        producer.produce(Topics.from_config(kafka).turns, key=key, value=b"v", partition=0)
     assert producer.flush(30) == 0
 
 
-def _keys(cfg: Config) -> list[str]:
-    return [m.key().decode() for m in read_topic(cfg, Topics.from_config(cfg.kafka).trajectories)]
+def _consume_keys(member: GroupMember, wanted: set[str], timeout_s: float = 60.0) -> set[str]:
+    got: set[str] = set()
+    deadline = time.monotonic() + timeout_s
+    while not wanted <= got and time.monotonic() < deadline:
+        got |= {m.key().decode() for m in member.consume(100, 0.5)}
+    return got
 
 
-def _wait_for_keys(cfg: Config, uids: list[str], alive=lambda: True) -> list[str]:
-    wanted = {f"{uid}_{s}_0" for uid in uids for s in range(N)}
-    deadline = time.monotonic() + WAIT_S
-    while time.monotonic() < deadline:
-        keys = _keys(cfg)
-        if wanted <= set(keys):
-            time.sleep(2)  # a duplicate, if any, has the time to appear
-            return _keys(cfg)
-        assert alive(), "the replay buffer ended"
-        time.sleep(0.5)
-    raise AssertionError(f"not released within {WAIT_S} s: {sorted(wanted - set(_keys(cfg)))[:5]}")
-
-
-@contextmanager
-def _buffer_thread(cfg: Config, metrics: ReplayBufferMetrics) -> Iterator[threading.Thread]:
-    buffer = ReplayBuffer(cfg, metrics=metrics)
-    errors: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            buffer.run()
-        except BaseException as exc:  # reported on the test's thread below
-            errors.append(exc)
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    try:
-        yield thread
-    finally:
-        buffer.stop()
-        thread.join(60)
-    assert not errors, errors
-
-
-def test_the_replay_buffer_replaces_a_fenced_producer_and_releases_each_group_once(
+def test_a_consumer_fenced_by_its_instance_id_is_replaced_and_consumes_on(
     kafka_config: KafkaConfig,
 ):
-    """Before the seam, a fatal transaction error ended the replay buffer's process."""
-    cfg = _config(kafka_config, **{"replay_buffer.transactional_id": unique_name("pinned")})
-    metrics = ReplayBufferMetrics(CollectorRegistry())
-    first = [f"g{uuid.uuid4().hex[:10]}" for _ in range(4)]
-    later = [f"h{uuid.uuid4().hex[:10]}" for _ in range(4)]
-    with _buffer_thread(cfg, metrics) as thread:
-        _produce(kafka_config, first)
-        _wait_for_keys(cfg, first, thread.is_alive)
-        _fence(kafka_config, cfg.replay_buffer.transactional_id)  # once, as a restart does
-        _produce(kafka_config, later)
-        keys = _wait_for_keys(cfg, first + later, thread.is_alive)
-    assert len(keys) == len(set(keys)) == len(first + later) * N  # each exactly once
-    assert metrics.producer_replacements.labels(cause="fatal")._value.get() == 1
-
-
-def test_a_static_member_gets_its_transactional_id_and_membership_from_its_name():
-    cfg = _config(KafkaConfig(), **{"replay_buffer.group_instance_id": "rb-3"})
-    assert transactional_id_of(cfg) == f"{cfg.replay_buffer.group_id}-rb-3"  # same on restart
-    overrides = consumer_overrides(cfg)
-    assert overrides["group.instance.id"] == "rb-3" and overrides["session.timeout.ms"] == 10_000
-    dynamic = _config(KafkaConfig())
-    assert transactional_id_of(dynamic) != transactional_id_of(dynamic)  # one per process
-    assert "group.instance.id" not in consumer_overrides(dynamic)
-
-
-@pytest.mark.slow
-def test_a_restarted_static_member_takes_over_before_the_dead_ones_session_expires(
-    kafka_config: KafkaConfig, tmp_path
-):
-    """SIGKILL a replay buffer with an open transaction likely; restart it under the same
-    ``group_instance_id``. Its partitions come back at once (no rebalance waiting for the
-    dead member's session, here LONG_SESSION_S), and its init_transactions ends the dead
-    process's open transaction, which would otherwise hold the released topic's readers
-    for transaction_timeout_s (also long here)."""
-    cfg = _config(
+    """Before GroupMember, the fatal FENCED_INSTANCE_ID was logged as a transient error and
+    the consumer, dead for good, was polled on: the process consumed nothing, silently."""
+    group, topic = unique_name("gm"), Topics.from_config(kafka_config).turns
+    replaced: list[int] = []
+    member = GroupMember(
         kafka_config,
-        **{
-            "replay_buffer.group_instance_id": "rb0",
-            "replay_buffer.session_timeout_s": LONG_SESSION_S,
-            "replay_buffer.transaction_timeout_s": LONG_SESSION_S,
-        },
+        group,
+        [topic],
+        overrides={"group.instance.id": "m0", "auto.offset.reset": "earliest"},
+        on_assign=lambda consumer, parts: None,
+        on_revoke=lambda consumer, parts: None,
+        on_replaced=lambda: replaced.append(1),
     )
-    config_path = write_config(cfg, tmp_path / "c.yaml")
-    before = [f"g{uuid.uuid4().hex[:10]}" for _ in range(6)]
-    after = [f"h{uuid.uuid4().hex[:10]}" for _ in range(6)]
-    with running([spawn(["replay-buffer", "run"], config_path, tmp_path / "rb.1.log")]) as [dead]:
-        _produce(kafka_config, before)
-        _wait_for_keys(cfg, before, lambda: dead.poll() is None)
-        dead.send_signal(signal.SIGKILL)
-        dead.wait()
-    killed_at = time.monotonic()
-    _produce(kafka_config, after)
-    with running([spawn(["replay-buffer", "run"], config_path, tmp_path / "rb.2.log")]) as [new]:
-        keys = _wait_for_keys(cfg, before + after, lambda: new.poll() is None)
-        took = time.monotonic() - killed_at
-    assert took < LONG_SESSION_S, f"took {took:.0f} s: the dead member's session had to expire"
-    assert len(keys) == len(set(keys)) == len(before + after) * N
+    member.subscribe()
+    _produce_keys(kafka_config, ["a"])
+    assert _consume_keys(member, {"a"}) == {"a"}
+    intruder = _static_consumer(kafka_config, group, "m0")  # the same name joins
+    intruder.subscribe([topic])
+    deadline = time.monotonic() + 30
+    while not intruder.assignment() and time.monotonic() < deadline:
+        intruder.poll(0.5)
+    intruder.close()  # a static member leaves no group: "m0" is the intruder's until rejoined
+    deadline = time.monotonic() + 60
+    while not replaced and time.monotonic() < deadline:  # fenced at its next heartbeat
+        member.consume(100, 0.5)
+    assert replaced == [1], "the fenced consumer was not replaced"
+    _produce_keys(kafka_config, ["b", "c"])
+    assert {"b", "c"} <= _consume_keys(member, {"b", "c"})  # the new consumer's
+    member.close()

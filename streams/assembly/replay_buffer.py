@@ -53,7 +53,7 @@ import threading
 import time
 from typing import Any
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
+from confluent_kafka import Consumer, KafkaException, Message, TopicPartition
 from pydantic import ValidationError
 
 from rolloutbus.config import Config
@@ -62,12 +62,11 @@ from rolloutbus.kafka.admin import check_partition_counts
 from rolloutbus.kafka.clients import (
     broker_error,
     message_location,
-    read_committed_consumer,
-    record_or_partition_end,
     record_position,
     translate_kafka_errors,
 )
 from rolloutbus.kafka.dead_letters import dead_letter_record
+from rolloutbus.kafka.group_member import GroupMember
 from rolloutbus.kafka.transactions import (
     ANY_PARTITION,
     TransactionAborted,
@@ -103,15 +102,6 @@ BROKER_RETRY_S = 300.0  # seconds of a broker failing every retry before the wor
 RETRY_BACKOFF_S = 0.5  # seconds before retrying a partition's recovery
 LINGER_MS = 5  # ms a record waits to batch; small, since each batch is flushed by its commit
 LETTER_REASON_CHARS = 4000  # characters of a decoder's error kept in a dead letter's reason
-# consumer errors no retry can fix; every other non-fatal one is retried by librdkafka itself
-PERMANENT_CONSUMER_ERRORS = frozenset(
-    {
-        KafkaError.UNKNOWN_TOPIC_OR_PART,
-        KafkaError.TOPIC_AUTHORIZATION_FAILED,
-        KafkaError.GROUP_AUTHORIZATION_FAILED,
-        KafkaError._UNKNOWN_TOPIC,
-    }
-)
 HEAD_MISSING_REASON = (
     "turn event of group {uid}, whose group_started is not in the turn log (deleted by "
     "retention, or never written): the group's sessions are released as failed records once "
@@ -176,8 +166,15 @@ class ReplayBuffer:
         self._paused: set[int] = set()
         self._generation = 0  # bumped by every rebalance callback
         self._stop = threading.Event()
-        self._consumer = read_committed_consumer(
-            cfg.kafka, cfg.replay_buffer.group_id, overrides=consumer_overrides(cfg)
+        self._member = GroupMember(
+            cfg.kafka,
+            cfg.replay_buffer.group_id,
+            [self.topics.turns],
+            overrides=consumer_overrides(cfg),
+            on_assign=self._on_assign,
+            on_revoke=self._on_revoke,
+            on_replaced=self._drop_every_partition,
+            fenced_hint=FENCED_HINT,
         )
         self._transactions = TransactionalProducer(
             cfg.kafka, self.transactional_id, transaction_settings(cfg), stop=self._stop
@@ -194,17 +191,12 @@ class ReplayBuffer:
         try:
             check_partition_counts(self.cfg.kafka)
             self._transactions.init()
-            self._consumer.subscribe(
-                [self.topics.turns],
-                on_assign=self._on_assign,
-                on_revoke=self._on_revoke,
-                on_lost=self._on_revoke,
-            )
+            self._member.subscribe()
             log.info("replay buffer %s consuming %s", self.transactional_id, self.topics.turns)
             while not self._stop.is_set():
                 self.step()
         finally:
-            self._consumer.close()
+            self._member.close()
             self._transactions.close()
 
     def step(self) -> int:
@@ -245,22 +237,7 @@ class ReplayBuffer:
         return messages, generation
 
     def _consume(self, timeout_s: float) -> list[Message]:
-        """Records only; a transient consumer error (the broker restarting) is logged and
-        left to librdkafka's own retries, a fatal or permanent one raises BrokerError."""
-        with translate_kafka_errors("consuming", topic=self.topics.turns):
-            batch = self._consumer.consume(POLL_BATCH, timeout_s)
-        records = []
-        for msg in batch:
-            err = msg.error()
-            if err is None:
-                records.append(msg)
-            elif err.code() == KafkaError._PARTITION_EOF:
-                continue
-            elif err.fatal() or err.code() in PERMANENT_CONSUMER_ERRORS:
-                record_or_partition_end(msg)  # raises the BrokerError
-            else:
-                log.warning("consumer: %s (%s); the client retries", err.str(), err.name())
-        return records
+        return self._member.consume(POLL_BATCH, timeout_s)
 
     def _pause_pending(self) -> None:
         """Stop fetching partitions that are not recovered yet (their records are dropped
@@ -269,7 +246,7 @@ class ReplayBuffer:
         if not todo:
             return
         try:
-            self._consumer.pause([TopicPartition(self.topics.turns, p) for p in todo])
+            self._member.consumer.pause([TopicPartition(self.topics.turns, p) for p in todo])
         except KafkaException as exc:  # only saves fetches: recovery seeks back anyway
             log.debug("pausing %s failed: %s", todo, exc)
         self._paused.update(todo)
@@ -284,7 +261,9 @@ class ReplayBuffer:
                 partition=part,
                 offset=fold.next_offset,
             ):
-                self._consumer.seek(TopicPartition(self.topics.turns, part, fold.next_offset))
+                self._member.consumer.seek(
+                    TopicPartition(self.topics.turns, part, fold.next_offset)
+                )
 
     # -- folding ---------------------------------------------------------------------------
     def _fold_message(self, msg: Message, outgoing: list[Outgoing]) -> None:
@@ -372,10 +351,11 @@ class ReplayBuffer:
     def _commit(self, outgoing: list[Outgoing]) -> None:
         """Steps 2-4 in one transaction: the records, then the offsets (the low watermarks)."""
         try:
-            self._transactions.commit(outgoing, self._offsets(), self._consumer)
+            self._transactions.commit(outgoing, self._offsets(), self._member.consumer)
         except TransactionAborted as failure:
             self._rewind(failure)
             return
+        self._member.committed()
         self._dirty = False
         self._last_commit = time.monotonic()
 
@@ -404,6 +384,15 @@ class ReplayBuffer:
         self._paused.clear()
         self._dirty = False  # the recovered folds are what was committed
 
+    def _drop_every_partition(self) -> None:
+        """The consumer was replaced (a fatal consumer error): its assignment is gone, and
+        the new one comes through _on_assign; nothing polled before is folded after."""
+        self._generation += 1
+        self.partitions.clear()
+        self._pending.clear()
+        self._paused.clear()
+        self._dirty = False
+
     # -- rebalancing: record only; the main loop does the work ----------------------------
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         self._generation += 1
@@ -425,7 +414,7 @@ class ReplayBuffer:
     def _recover_pending(self) -> None:
         for part, since in sorted(self._pending.items()):
             try:
-                fold = recover_partition(self._consumer, self.cfg, part, self.limits)
+                fold = recover_partition(self._member.consumer, self.cfg, part, self.limits)
             except BrokerError as exc:
                 if time.monotonic() - since > BROKER_RETRY_S:
                     raise
