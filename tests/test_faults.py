@@ -24,6 +24,7 @@ from faults_harness import (
     at_spread_moments,
     dedicated_broker,
     kill_broker,
+    release_stall,
     restart_broker,
     run_fault_scenario,
     sigkill_spread,
@@ -31,6 +32,7 @@ from faults_harness import (
 )
 
 from rolloutbus.schemas.turns import Generation, GroupStarted, SessionStarted
+from rolloutbus.streams.assembly.released import ReleasedRecord
 
 fault_scenario = pytest.mark.slow  # and kafka, added by conftest: every scenario needs the broker
 
@@ -258,3 +260,17 @@ def test_turn_seeds_are_stable_and_distinct(monkeypatch):
         turn_seed(f"fault{g:05d}", s, t) for g in range(100) for s in range(4) for t in range(3)
     }
     assert len(seeds) == 1200 and all(0 <= seed < 2**31 for seed in seeds)
+
+
+def test_the_release_stall_waits_for_every_partition_to_release_again():
+    def released(partition: int, at_s: float) -> ReleasedRecord:
+        return ReleasedRecord(
+            uid=f"u{partition}{at_s}",
+            partition=partition,
+            trajectories=1,
+            released_at_ms=int(at_s * 1000),
+        )
+
+    records = [released(0, 99.0), released(0, 103.0), released(1, 107.5), released(0, 104.0)]
+    assert release_stall(records, killed_at=100.0) == 7.5  # partition 1 came back last
+    assert release_stall(records, killed_at=110.0) is None  # nothing released after it

@@ -37,7 +37,7 @@ session gets a fresh one, and so does every session of every run).
 """
 
 from faults.broker_control import dedicated_broker, kill_broker, restart_broker
-from faults.measure import explain_lost, turn_log_counts
+from faults.measure import explain_lost, release_stall, turn_log_counts
 from faults.processes import Pipeline
 from faults.run import FaultRun, run_fault_scenario
 from faults.scenario import (
@@ -67,6 +67,7 @@ __all__ = [
     "explain_lost",
     "format_table",
     "kill_broker",
+    "release_stall",
     "restart_broker",
     "run_fault_scenario",
     "sigkill_spread",

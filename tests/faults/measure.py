@@ -17,10 +17,12 @@
 - ``restarts``: processes the harness restarted after they exited, as a supervisor
   (systemd, Kubernetes) would;
 - ``differ``: trajectories not equal, column for column, to the fault-free reference run;
-- ``stall s``: per replay-buffer kill, the seconds from the SIGKILL to the next group
-  released, by the ``released_at_ms`` of the records on the released-groups topic (set
-  when the group is released, in the transaction that commits it: a record built before
-  the kill died with the process), median over the kills.
+- ``stall s``: per replay-buffer kill, the seconds from the SIGKILL until every partition
+  released a group again (the latest of the partitions' first releases after the kill; a
+  partition with no release after it does not count), by the ``released_at_ms`` of the
+  records on the released-groups topic (set when the group is released, in the transaction
+  that commits it: a record built before the kill died with the process); median over the
+  kills.
 """
 
 from __future__ import annotations
@@ -102,20 +104,26 @@ def _release_stalls(pipeline: Pipeline, row: FaultRow, ctx: FaultContext) -> Non
     kills = [at for name, at in ctx.killed_at if name.startswith("replaybuffer")]
     if not kills:
         return
-    released_ms = sorted(
-        ReleasedRecord.model_validate_json(m.value()).released_at_ms
+    records = [
+        ReleasedRecord.model_validate_json(m.value())
         for m in read_topic(pipeline.cfg, pipeline.topics.released)
-    )
-    stalls = []
-    for at in kills:
-        after = [ms for ms in released_ms if ms > at * 1000]
-        if after:
-            stalls.append(after[0] / 1000 - at)
+    ]
+    stalls = [s for s in (release_stall(records, at) for at in kills) if s is not None]
     if stalls:
         row.stall_s = statistics.median(stalls)
         row.notes.append(f"release stall after each replay-buffer kill (s): {_seconds(stalls)}")
     if len(stalls) < len(kills):
         row.notes.append(f"{len(kills) - len(stalls)} replay-buffer kills after the last release")
+
+
+def release_stall(records: list[ReleasedRecord], killed_at: float) -> float | None:
+    """Seconds from ``killed_at`` (wall clock) until every partition with a release after
+    it released again; None if none did."""
+    first: dict[int, int] = {}
+    for record in records:
+        if record.released_at_ms > killed_at * 1000:
+            first[record.partition] = min(first.get(record.partition, 2**63), record.released_at_ms)
+    return max(first.values()) / 1000 - killed_at if first else None
 
 
 def _seconds(values: list[float]) -> str:
@@ -216,4 +224,4 @@ def _replayed_as_logged(start: Any, generations: dict[tuple[str, int, str], list
     return bool(old) and replayed == [(g.engine_request_id, list(g.token_ids)) for g in old]
 
 
-__all__ = ["explain_lost", "measure_run", "turn_log_counts"]
+__all__ = ["explain_lost", "measure_run", "release_stall", "turn_log_counts"]

@@ -46,6 +46,7 @@ class Service:
         self._started_at = 0.0
         self._down_since: float | None = None
         self._delay = RESTART_DELAY_S
+        self._injected = False  # the running incarnation was killed by the fault injector
 
     @property
     def log_path(self) -> Path:
@@ -70,12 +71,14 @@ class Service:
             )
         self._started_at = time.monotonic()
         self._down_since = None
+        self._injected = False
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         with self.lock:
             if self.popen is not None and self.popen.poll() is None:
                 self.popen.send_signal(sig)
                 self.popen.wait()
+                self._injected = True
 
     def retire(self) -> None:
         """Kill it for good: the supervisor leaves it down."""
@@ -83,7 +86,9 @@ class Service:
         self.kill()
 
     def supervise(self) -> None:
-        """Restart the process if it exited (after a delay that grows while it crash-loops)."""
+        """Restart the process if it exited (after a delay that grows while it crash-loops;
+        a kill by the fault injector is no crash of its own: restarted after the base delay,
+        so the injector's kills in quick succession measure the takeover, not a backoff)."""
         with self.lock:
             if self.retired or self.popen is None or self.popen.poll() is None:
                 return
@@ -91,7 +96,7 @@ class Service:
             if self._down_since is None:
                 self._down_since = now
                 self.exits.append(self.popen.returncode)
-                fast = now - self._started_at < CRASH_LOOP_S
+                fast = now - self._started_at < CRASH_LOOP_S and not self._injected
                 self._delay = min(self._delay * 2, RESTART_DELAY_MAX_S) if fast else RESTART_DELAY_S
             if now - self._down_since >= self._delay:
                 self.restarts += 1
