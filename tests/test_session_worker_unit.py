@@ -77,7 +77,14 @@ def _worker(monkeypatch) -> SessionWorker:
     worker.ctx = SessionContext(config=Config(), tokenizer=None, llm_client=None)
     state = worker.partitions[0] = PartitionState()
     state.recovered.set()
+    worker.assignment_settled.set()  # partition 0 assigned, as on_assigned leaves it
     return worker
+
+
+def _scan_finds(worker: SessionWorker, monkeypatch, started: set[str]) -> None:
+    """Test double for the turn-log scan on (re)assignment: these groups started, none open."""
+    scan = SimpleNamespace(started_uids=started, events=len(started), unfinished=lambda: [])
+    monkeypatch.setattr(worker, "_scan_turn_log", lambda partition: scan)
 
 
 def _group() -> bytes:
@@ -127,6 +134,10 @@ async def test_a_prompt_of_a_revoked_partition_is_left_for_its_new_owner(monkeyp
     waiting = asyncio.ensure_future(worker.take(_event(_group())))
     await asyncio.sleep(0)
     await worker.on_revoked({TP(worker.topics.prompts, 0)})
+    await asyncio.sleep(0)
+    assert not waiting.done()  # whose the prompt is shows only after the rebalance
+    _scan_finds(worker, monkeypatch, started=set())
+    worker.on_assigned({TP(worker.topics.prompts, 1)})  # partition 0 went to another worker
     await waiting  # returns without writing: the new owner reads the prompt again
     assert worker.turn_log.attempts == 0
 
@@ -146,6 +157,7 @@ async def test_a_prompt_waiting_for_a_slot_when_its_partition_is_revoked_is_not_
     await asyncio.sleep(0)
     await worker.on_revoked({TP(worker.topics.prompts, 0)})
     worker._slots.release()  # a running group ends
+    worker.on_assigned(set())  # partition 0 went to another worker
     await waiting
     assert worker.turn_log.attempts == 0  # no group_started written by the old owner
     assert worker._slots._value == 1  # the slot it took was given back
@@ -181,6 +193,7 @@ async def test_a_group_whose_partition_is_revoked_while_group_started_is_written
     assert [e.type for e in worker.turn_log.events] == ["group_started"]
     await worker.on_revoked({TP(worker.topics.prompts, 0)})
     worker.turn_log.done.set()
+    worker.on_assigned(set())  # partition 0 went to another worker
     await waiting
     assert started == []  # not run by the old owner
     assert worker._slots._value == worker.cfg.sessions.concurrency  # its slot was given back
@@ -323,3 +336,56 @@ async def test_the_worker_reports_a_group_waiting_for_a_slot_and_a_session_on_th
         "g1": f"a free group slot (sessions.concurrency={worker.cfg.sessions.concurrency})",
     }
     waiting.cancel()
+
+
+async def test_a_prompt_revoked_while_waiting_for_a_slot_starts_when_its_partition_comes_back(
+    monkeypatch,
+):
+    """An eager rebalance revokes every partition and may hand one straight back. The
+    prompt that waited for a slot meanwhile used to return unstarted, and Faust committed its
+    acknowledgement once the partition was back: a crash before the prompt came round again
+    lost its group for good (4 sessions lost in the rebalance fault row)."""
+    worker = _worker(monkeypatch)
+    worker.ready.set()
+    worker.producer = SimpleNamespace(flush=lambda timeout: 0)  # test double: nothing queued
+    worker.turn_log = SlowTurnLog()  # type: ignore[assignment]
+    worker.turn_log.done.set()  # every write acknowledged at once
+    spawned = []
+    monkeypatch.setattr(
+        worker, "_spawn", lambda state, uid, coro: (spawned.append(uid), coro.close())
+    )
+    for _ in range(worker.cfg.sessions.concurrency):
+        await worker._slots.acquire()  # every slot taken by groups already running
+    waiting = asyncio.ensure_future(worker.take(_event(_group())))
+    await asyncio.sleep(0)
+    await worker.on_revoked({TP(worker.topics.prompts, 0)})
+    _scan_finds(worker, monkeypatch, started=set())  # the group is not in the turn log
+    worker.on_assigned({TP(worker.topics.prompts, 0)})  # ... and the partition comes back
+    worker._slots.release()  # a running group ends
+    await asyncio.wait_for(waiting, timeout=5)
+    assert [e.type for e in worker.turn_log.events] == ["group_started"]
+    assert spawned == ["g1"]  # run here, under the partition's new state
+
+
+async def test_a_group_started_during_a_revocation_is_not_started_twice_when_it_comes_back(
+    monkeypatch,
+):
+    """group_started was being written when the partition was revoked: on_revoked flushed
+    it, the partition's next scan finds it, and the prompt is not started a second time."""
+    worker = _worker(monkeypatch)
+    worker.ready.set()
+    worker.producer = SimpleNamespace(flush=lambda timeout: 0)  # test double: nothing queued
+    worker.turn_log = SlowTurnLog()  # type: ignore[assignment]
+    spawned = []
+    monkeypatch.setattr(
+        worker, "_spawn", lambda state, uid, coro: (spawned.append(uid), coro.close())
+    )
+    waiting = asyncio.ensure_future(worker.take(_event(_group())))
+    await asyncio.sleep(0)
+    await worker.on_revoked({TP(worker.topics.prompts, 0)})
+    worker.turn_log.done.set()
+    _scan_finds(worker, monkeypatch, started={"g1"})  # the flushed group_started
+    worker.on_assigned({TP(worker.topics.prompts, 0)})
+    await asyncio.wait_for(waiting, timeout=5)
+    assert [e.type for e in worker.turn_log.events] == ["group_started"]  # written once
+    assert spawned == []  # the new state's recovery resumes it (its scan found it)

@@ -142,6 +142,9 @@ class SessionWorker:
         self.metrics = SessionMetrics()
         self.stalls = StallWatch(cfg.sessions.stall_warn_s, self.metrics)
         self._background: set[asyncio.Task[Any]] = set()
+        # set once an assignment is in place, cleared when a rebalance revokes: a prompt is
+        # never let go (acknowledged) in between, when it cannot be known whose it will be
+        self.assignment_settled = asyncio.Event()
 
     async def start(self) -> None:
         self.dlq = DeadLetterWriter(self.cfg.kafka, stage="sessions")
@@ -160,6 +163,7 @@ class SessionWorker:
         for partition in sorted(mine - set(self.partitions)):
             state = self.partitions[partition] = PartitionState()
             state.tasks.add(asyncio.ensure_future(self._recover(partition, state)))
+        self.assignment_settled.set()
 
     async def on_revoked(self, revoked: set[Any]) -> None:
         """Stop the groups of partitions we lost: their new owner resumes them from the log.
@@ -168,6 +172,7 @@ class SessionWorker:
         is durable before any worker (this one included) scans the log again: otherwise
         their last turns would land after the scan and be sampled a second time.
         """
+        self.assignment_settled.clear()  # first: take() must not let a prompt go from here
         stopped: list[asyncio.Task[Any]] = []
         for tp in revoked:
             state = (
@@ -228,55 +233,78 @@ class SessionWorker:
 
     # -- prompts -----------------------------------------------------------------------
     async def take(self, event: Any) -> None:
-        """Write the group's ``group_started``, then run it in the background."""
+        """Write the group's ``group_started``, then run it in the background.
+
+        Returns (and so lets Faust acknowledge the prompt) only when the group is in the turn
+        log, the prompt was dead-lettered, or after a rebalance the partition is another
+        worker's. Never in between: Faust keeps an acknowledgement made while the partition
+        is revoked, and if the partition comes back to this worker it commits it, past a
+        prompt whose group never started; a later crash then lost that group for good.
+        """
         partition = event.message.partition
-        state = self.partitions.get(partition)
-        if state is None:  # the assignment signal has not come yet
-            self.on_assigned({event.message.tp})
-            state = self.partitions[partition]
-        await state.recovered.wait()
-        if self.partitions.get(partition) is not state:
-            return  # revoked meanwhile: its new owner gets the prompt (not committed here)
-        group = self._parse(event)
-        if group is None:
-            return
-        if group.uid in state.started_uids:
-            log.info("prompt group %s is already in the turn log; not started again", group.uid)
-            return
+        group: PromptGroup | None = None
+        while (state := await self._owned_state(partition)) is not None:
+            await state.recovered.wait()
+            if self.partitions.get(partition) is not state:
+                continue  # revoked while it recovered: whose it is shows after the rebalance
+            group = group or self._parse(event)
+            if group is None:
+                return  # dead-lettered
+            if group.uid in state.started_uids:
+                log.info("prompt group %s is already in the turn log; not started again", group.uid)
+                return
+            if await self._start_on_a_slot(state, partition, group, event):
+                return
+        # another worker's after the rebalance: it reads the prompt from the committed offset
+
+    async def _owned_state(self, partition: int) -> PartitionState | None:
+        """This worker's state of ``partition`` once no rebalance is under way; None when the
+        partition is another worker's."""
+        await self.assignment_settled.wait()
+        return self.partitions.get(partition)
+
+    async def _start_on_a_slot(
+        self, state: PartitionState, partition: int, group: PromptGroup, event: Any
+    ) -> bool:
+        """Start the group on a free slot. True when the prompt is done with (the group
+        started, or dead-lettered); False when its partition was revoked first."""
         await self._acquire_slot(group.uid)
-        spawned = False
+        outcome = "revoked"
         try:
-            spawned = await self._start_group(state, partition, group, event)
+            outcome = await self._start_group(state, partition, group, event)
         finally:
-            if not spawned:  # however take() ends short of a task, the slot goes back
+            if outcome != "started":  # however it ends short of a task, the slot goes back
                 self._slots.release()
                 self.stalls.forget_group(group.uid)
+        return outcome != "revoked"
 
     async def _start_group(
         self, state: PartitionState, partition: int, group: PromptGroup, event: Any
-    ) -> bool:
-        """Log ``group_started`` and run the group on the slot taken for it; False: not run."""
+    ) -> str:
+        """Log ``group_started`` and run the group on the slot taken for it: "started",
+        "dead_lettered" (too large to log) or "revoked" (not run)."""
         if self.partitions.get(partition) is not state:
             # revoked while every slot was busy (on_revoked cancels this partition's tasks,
             # but take() runs in Faust's agent): a group started now would run unowned
             # next to its new owner's and log turns after that owner's scan
-            return False
+            return "revoked"
         started = group_started(group)
         self.stalls.waiting(group.uid, group.uid, "the turn log (writing group_started)")
         try:
             await self.turn_log.emit(started)
         except RecordTooLargeError as exc:
             self.dlq.write(event.value, str(exc), source=_source(event))
-            return False
+            return "dead_lettered"
         except BrokerError as exc:
             _exit_unwritable(exc)
         if self.partitions.get(partition) is not state:
             # revoked while group_started was written: on_revoked flushed it before the
-            # rebalance went on, so the new owner's scan finds the group and runs it
-            return False
+            # rebalance went on, so the next scan of this partition (by whichever worker
+            # owns it then) finds the group and runs it; not here, under a revoked state
+            return "revoked"
         state.remember(group.uid)
         self._spawn(state, group.uid, self._run_group(group, started.attempt))
-        return True
+        return "started"
 
     def _parse(self, event: Any) -> PromptGroup | None:
         if event.value is None:  # a tombstone: nothing to run, but never silently dropped

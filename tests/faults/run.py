@@ -71,6 +71,8 @@ def run_fault_scenario(
     exits = {s.name: list(s.exits) for s in pipeline.services()}
     row.wall_s = time.monotonic() - started
     ROWS.append(row)
+    # the row and its notes beside the logs at once (the table prints only at the end)
+    (workdir / "row.txt").write_text("\n".join([f"{row}", *row.notes]) + "\n")
     pipeline.delete_topics()
     return FaultRun(row, trajectories, ctx.timeline, logs, exits)
 
