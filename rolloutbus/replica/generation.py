@@ -9,11 +9,14 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from rolloutbus.errors import ReplicaError
+
+if TYPE_CHECKING:  # pause_gate imports this module
+    from rolloutbus.replica.pause_gate import PauseGate
 
 __all__ = [
     "Engine",
@@ -156,9 +159,16 @@ class Engine(Protocol):
     @property
     def is_paused(self) -> bool: ...
 
-    async def pause(self, mode: PauseMode = "abort") -> None:
+    @property
+    def pause_gate(self) -> PauseGate:
+        """The pause state: mode, since when, its lease, reloads not yet labelled."""
+        ...
+
+    async def pause(self, mode: PauseMode = "abort", lease_s: float | None = None) -> None:
         """Stop admitting requests; abort, drain or freeze running ones (per ``mode``);
-        return once that is done. Requests submitted meanwhile wait for ``resume()``."""
+        return once that is done. Requests submitted meanwhile wait for ``resume()``.
+        ``lease_s``: the pause ends by itself that long after the last pause or renewal
+        (see ``pause_gate``); None: it lasts until ``resume()``."""
         ...
 
     async def resume(self) -> None: ...
