@@ -60,6 +60,13 @@ class SessionMetrics(PerRegistry):
         self.sessions = Counter(
             "rolloutbus_sessions_total", "Sessions run, by outcome", ["outcome"], registry=registry
         )
+        self.failures = Counter(
+            "rolloutbus_sessions_failed",
+            "Sessions that failed, by class: infrastructure (replica, broker, hung tool, "
+            "deadline), loop, reward",
+            ["failure_class"],
+            registry=registry,
+        )
         self.turn_events = Counter(
             "rolloutbus_sessions_turn_events_total",
             "Events written to the turn log, by type",
@@ -101,6 +108,9 @@ class SessionMetrics(PerRegistry):
 
     def count_session(self, *, failed: bool) -> None:
         self.sessions.labels(outcome="failed" if failed else "finished").inc()
+
+    def count_failure(self, failure_class: str | None) -> None:
+        self.failures.labels(failure_class=failure_class or "unknown").inc()
 
     def count_recovery(self, before: dict[str, int], after: dict[str, int]) -> None:
         """Add what resuming from the log did since ``before`` (SessionStats as a dict)."""

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from rolloutbus.errors import SchemaError
 from rolloutbus.schemas.agent_loop import AgentLoopMetrics
+from rolloutbus.schemas.turns import FailureClass
 from rolloutbus.schemas.version import SCHEMA_VERSION
 
 
@@ -64,6 +65,9 @@ class Trajectory(BaseModel):
     global_steps: int = 0
     min_global_steps: int | None = None  # policy version at the first generation
     max_global_steps: int | None = None  # policy version at the last generation
+    # a failed record's cause (turns.FailureClass); None for other statuses, and in records
+    # written before the column existed
+    failure_class: FailureClass | None = None
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
@@ -119,9 +123,15 @@ TRAJECTORY_SCHEMA = pa.schema(
         ("prompt_len", pa.int32()),
         ("response_len", pa.int32()),
         ("seq_len", pa.int32()),
+        # columns added since, always at the end and nullable (ADDED_COLUMNS)
+        ("failure_class", pa.string()),
     ],
     metadata={"rolloutbus.schema_version": str(SCHEMA_VERSION)},
 )
+# Columns added to TRAJECTORY_SCHEMA after records were already released, oldest first. A
+# record written before one of them lacks it (and every later one): it decodes with them
+# null, and the model fields take their defaults. Topics are never rewritten.
+ADDED_COLUMNS = ("failure_class",)
 
 _JSON_COLUMNS = (
     "extra_fields",
@@ -203,7 +213,8 @@ def decode_trajectory_batch(data: bytes) -> pa.RecordBatch:
         batches = list(reader)
     except (pa.ArrowException, OSError, ValueError) as exc:  # ArrowInvalid is all three
         raise SchemaError(f"a trajectory record is not an Arrow IPC stream: {exc}") from exc
-    if reader.schema.metadata is None or not reader.schema.equals(TRAJECTORY_SCHEMA):
+    missing = _missing_added_columns(reader.schema)
+    if missing is None:
         raise SchemaError(
             "a trajectory record's Arrow schema is not TRAJECTORY_SCHEMA "
             f"(schema version {SCHEMA_VERSION})"
@@ -214,4 +225,27 @@ def decode_trajectory_batch(data: bytes) -> pa.RecordBatch:
             f"a trajectory record must be one Arrow record batch of one row, "
             f"got {len(batches)} batches of {rows} rows"
         )
-    return batches[0]
+    return _with_added_columns(batches[0], missing)
+
+
+def _missing_added_columns(schema: pa.Schema) -> int | None:
+    """How many of the last ``ADDED_COLUMNS`` a record's schema lacks (0: today's), or None
+    when it is no schema this code ever wrote."""
+    if schema.metadata is None:
+        return None
+    for missing in range(len(ADDED_COLUMNS) + 1):
+        kept = len(TRAJECTORY_SCHEMA) - missing
+        older = pa.schema(list(TRAJECTORY_SCHEMA)[:kept], metadata=TRAJECTORY_SCHEMA.metadata)
+        if schema.equals(older):
+            return missing
+    return None
+
+
+def _with_added_columns(batch: pa.RecordBatch, missing: int) -> pa.RecordBatch:
+    """An older record's row with the columns added since, null: today's schema."""
+    if not missing:
+        return batch
+    columns = list(batch.columns)
+    for field in list(TRAJECTORY_SCHEMA)[len(TRAJECTORY_SCHEMA) - missing :]:
+        columns.append(pa.nulls(batch.num_rows, field.type))
+    return pa.RecordBatch.from_arrays(columns, schema=TRAJECTORY_SCHEMA)
