@@ -9,14 +9,12 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
+from typing import Literal, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from rolloutbus.errors import ReplicaError
-
-if TYPE_CHECKING:  # pause_gate imports this module
-    from rolloutbus.replica.pause_gate import PauseGate
+from rolloutbus.replica.pause_gate import EngineNotPausedError, PauseGate, PauseMode
 
 __all__ = [
     "Engine",
@@ -34,9 +32,7 @@ __all__ = [
 ]
 
 FinishReason = Literal["stop", "length", "abort"]
-# vLLM's PauseMode: abort in-flight requests (default), wait for them, or keep them frozen.
-PauseMode = Literal["abort", "wait", "keep"]
-PAUSE_MODES: tuple[PauseMode, ...] = ("abort", "wait", "keep")
+# PauseMode and EngineNotPausedError live in pause_gate, with the pause (re-exported here).
 MAX_TOP_LOGPROBS = 20  # vLLM's --max-logprobs default
 
 
@@ -47,10 +43,6 @@ class RequestRejectedError(ReplicaError, ValueError):
 class WeightsRejectedError(ReplicaError, ValueError):
     """A weight folder that cannot be loaded into the running model (missing, wrong names or
     shapes): the caller's mistake, an HTTP 400; the served weights are left unchanged."""
-
-
-class EngineNotPausedError(ReplicaError):
-    """A weight reload was asked of an engine that is not paused: an HTTP 409."""
 
 
 class EngineSampling(BaseModel):

@@ -32,16 +32,29 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import Literal, Protocol
 
-from rolloutbus.replica.generation import PAUSE_MODES, Engine, EngineNotPausedError, PauseMode
+from rolloutbus.errors import ReplicaError
 
 __all__ = [
+    "PAUSE_MODES",
     "UNKNOWN_LABEL_PREFIX",
+    "EngineNotPausedError",
     "PauseGate",
+    "PauseMode",
     "check_pause_mode",
     "resume_after_lease",
     "watch_pause_lease",
 ]
+
+# vLLM's PauseMode: abort in-flight requests (default), wait for them, or keep them frozen.
+PauseMode = Literal["abort", "wait", "keep"]
+PAUSE_MODES: tuple[PauseMode, ...] = ("abort", "wait", "keep")
+
+
+class EngineNotPausedError(ReplicaError):
+    """A weight reload was asked of an engine that is not paused: an HTTP 409."""
+
 
 log = logging.getLogger(__name__)
 
@@ -161,7 +174,19 @@ class PauseGate:
 # -- the lease's end (the server runs this in its event loop) ----------------------------
 
 
-async def watch_pause_lease(engine: Engine) -> None:
+class _Leased(Protocol):
+    """What ending a lease needs of an engine (``generation.Engine`` has it)."""
+
+    model_name: str
+    weight_version: int | str
+
+    @property
+    def pause_gate(self) -> PauseGate: ...
+
+    async def resume(self) -> None: ...
+
+
+async def watch_pause_lease(engine: _Leased) -> None:
     """Forever: resume ``engine`` when its pause lease has run out."""
     while True:
         await asyncio.sleep(LEASE_CHECK_S)
@@ -169,7 +194,7 @@ async def watch_pause_lease(engine: Engine) -> None:
             await resume_after_lease(engine)
 
 
-async def resume_after_lease(engine: Engine) -> None:
+async def resume_after_lease(engine: _Leased) -> None:
     """Resume on the weights served now, labelled truthfully, and say so in the log."""
     gate = engine.pause_gate
     paused_s = time.time() - (gate.paused_since or time.time())

@@ -44,7 +44,6 @@ from rolloutbus.config import Config
 from rolloutbus.errors import ReplicaError
 from rolloutbus.replica.generation import (
     MAX_TOP_LOGPROBS,
-    PAUSE_MODES,
     Engine,
     EngineNotPausedError,
     EngineSampling,
@@ -53,7 +52,7 @@ from rolloutbus.replica.generation import (
     RequestRejectedError,
     WeightsRejectedError,
 )
-from rolloutbus.replica.pause_gate import watch_pause_lease
+from rolloutbus.replica.pause_gate import PAUSE_MODES, watch_pause_lease
 from rolloutbus.schemas.inference import (
     SglangGenerateRequest,
     SglangGenerateResponse,
