@@ -439,9 +439,11 @@ class ReplicaFleet:
 
 
 def _went_back(before: Any, probe: Probe) -> bool:
-    """The weight label moved backwards, or to no version at all: the replica restarted (on
-    its initial weights) or resumed on weights it cannot name."""
+    """The weight label moved to a lower version: the replica restarted on its initial
+    weights between two probes. (A label that names no version, as after a pause lease ran
+    out over an unlabelled reload, is no restart: its tokens carry no version, and it keeps
+    serving.)"""
     if not probe.reports_version or before is None:
         return False
     old, new = as_policy_version(before), as_policy_version(probe.label)
-    return old is not None and (new is None or new < old)
+    return old is not None and new is not None and new < old
