@@ -20,17 +20,20 @@ from typing import Any
 
 import httpx
 import pytest
-from helpers import free_port
+from helpers import free_port, unique_name
+from pipeline import spawn, stop, write_config
 from prometheus_client import CollectorRegistry
 
 from rolloutbus.config import (
     Config,
+    KafkaConfig,
     ModelConfig,
     ReplicasConfig,
     ReplicaServerConfig,
     RolloutConfig,
 )
 from rolloutbus.errors import NoReplicaAvailableError
+from rolloutbus.kafka.admin import ensure_topics
 from rolloutbus.replica.models import load_tokenizer
 from rolloutbus.replica.scripted import ScriptedEngine
 from rolloutbus.replica.server import start_replica
@@ -104,6 +107,33 @@ async def test_a_dead_replica_is_named_at_start(caplog):
     assert f"replica {dead} is unreachable: cannot connect" in caplog.text
     assert "1 of 2 replicas reachable" in caplog.text
     assert not client.balancer.is_healthy(dead) and client.balancer.is_healthy(live.url)
+
+
+def test_sessions_run_names_a_dead_replica_as_it_starts(kafka_config: KafkaConfig, tmp_path):
+    """``rolloutbus sessions run`` with a replica URL that is down: the worker says so, by
+    name, before any prompt arrives (it used to start without complaint)."""
+    dead = _dead_url()
+    cfg = Config.model_validate(
+        {
+            "kafka": kafka_config.model_dump(),
+            "model": {"name": "tiny-qwen3"},
+            "replicas": {"urls": [dead]},
+            "sessions": {"app_id": unique_name("s"), "data_dir": str(tmp_path / "faust")},
+        }
+    )
+    ensure_topics(cfg.kafka)
+    log_path = tmp_path / "sessions.log"
+    worker = spawn(["sessions", "run"], write_config(cfg, tmp_path / "config.yaml"), log_path)
+    try:
+        deadline = time.monotonic() + 120  # seconds: a Faust worker's start on a busy machine
+        while f"replica {dead} is unreachable" not in log_path.read_text(errors="replace"):
+            assert worker.poll() is None, log_path.read_text()[-3000:]
+            assert time.monotonic() < deadline, log_path.read_text()[-3000:]
+            time.sleep(0.2)
+    finally:
+        stop(worker)
+    text = log_path.read_text(errors="replace")
+    assert "cannot connect" in text and "no replica is reachable (1 configured" in text
 
 
 async def test_no_reachable_replica_at_start_says_what_will_happen(caplog):

@@ -72,6 +72,11 @@ FOLLOW_POLL_S = 0.5  # seconds one control-topic poll waits: the stop latency of
 
 Outcome = Literal["applied", "labelled", "failed"]  # labelled: version 0, no weights to load
 HISTORY = 1000  # sync outcomes kept in SyncReport.history (a forever process)
+_UNREACHABLE = "replica %s is unreachable: %s (it gets the current version once it answers /health)"
+_LEFT_PAUSED = (
+    "replica %s was paused when the weight sync started (a weight sync stopped between its "
+    "pause and its resume?) and is still paused: resuming it"
+)
 
 
 @dataclass(frozen=True)
@@ -382,39 +387,25 @@ class WeightSync:
     async def check_replicas_at_start(self) -> dict[str, str | None]:
         """Probe every replica once; log by name each one that cannot be reached and why.
         Returns url -> the problem (None: it answers). Remembers those found paused."""
-        problems = dict(
-            zip(
-                self.replicas,
-                await asyncio.gather(*(self._first_look(r) for r in self.replicas.values())),
-                strict=True,
-            )
-        )
-        down = [url for url, problem in problems.items() if problem is not None]
-        for url in down:
-            log.error(
-                "replica %s is unreachable: %s (it gets the current version once it answers "
-                "/health)",
-                url,
-                problems[url],
-            )
-        log.info(
-            "weight sync: %d of %d replicas reachable", len(problems) - len(down), len(problems)
-        )
+        looks = await asyncio.gather(*(self._first_look(r) for r in self.replicas.values()))
+        problems = dict(zip(self.replicas, looks, strict=True))
+        for url, problem in problems.items():
+            if problem is not None:
+                log.error(_UNREACHABLE, url, problem)
+        reachable = sum(1 for problem in looks if problem is None)
+        log.info("weight sync: %d of %d replicas reachable", reachable, len(looks))
         return problems
 
     async def _first_look(self, replica: ReplicaSyncState) -> str | None:
         _, problem = await get_health(self._http, replica.url, HEALTH_TIMEOUT_S)
         replica.healthy = problem is None
-        if problem is None and self.backend != "sglang" and await self._is_paused(replica.url):
+        if (
+            problem is None
+            and self.backend != "sglang"
+            and await is_paused(self._http, replica.url)
+        ):
             self._found_paused.add(replica.url)
         return problem
-
-    async def _is_paused(self, url: str) -> bool:
-        try:
-            response = await self._http.get(url + "/is_paused", timeout=HEALTH_TIMEOUT_S)
-            return response.status_code == 200 and response.json().get("is_paused") is True
-        except (httpx.HTTPError, ValueError, AttributeError):
-            return False  # no dev-mode control surface, or not JSON: nothing to resume
 
     async def resume_left_paused(self) -> list[str]:
         """vLLM's pause has no lease: a replica a killed weight sync left paused stays so.
@@ -422,13 +413,9 @@ class WeightSync:
         current version was applied, so it resumes on the right weights when it can)."""
         resumed = []
         for url in sorted(self._found_paused):
-            if not await self._is_paused(url):
+            if not await is_paused(self._http, url):
                 continue
-            log.warning(
-                "replica %s was paused when the weight sync started (a weight sync stopped "
-                "between its pause and its resume?) and is still paused: resuming it",
-                url,
-            )
+            log.warning(_LEFT_PAUSED, url)
             try:
                 await self._call(url, SyncStep("resume", "/resume"), HEALTH_TIMEOUT_S)
             except ReplicaError as exc:
@@ -437,6 +424,15 @@ class WeightSync:
             resumed.append(url)
         self._found_paused.clear()
         return resumed
+
+
+async def is_paused(http: httpx.AsyncClient, url: str) -> bool:
+    """vLLM's (and the embedded replica's) ``GET /is_paused``; False when it cannot say."""
+    try:
+        response = await http.get(url + "/is_paused", timeout=HEALTH_TIMEOUT_S)
+        return response.status_code == 200 and response.json().get("is_paused") is True
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return False  # no dev-mode control surface, or not JSON: nothing to resume
 
 
 class _LeaseRenewal:
