@@ -33,12 +33,15 @@ from rolloutbus.schemas.control import PolicyVersionPublished
 # (at 32 groups the restarted weight sync was done with 84 of 128 sessions left)
 WORKLOAD = Workload(groups=24, n=4, turns=3, tokens_per_turn=2, tool_delay_s=0.25)
 LEASE_S = 5.0  # seconds; replicas.pause_lease_s of the weight sync killed
-KILL_TRIES = 5  # versions published until one kill lands between a pause and its resume
-POLL_S = 0.002  # seconds between /health looks while waiting for the pause
+# versions published until one kill lands between a pause and its resume: a sync of the
+# tiny model is paused for ~0.1 s, and a look at /health can miss that on a loaded machine
+KILL_TRIES = 20
 WAIT_S = 120.0  # seconds; generous deadline for each step of the scenario
 
 
-def _health(url: str) -> dict:
+def _health(url: str, http: httpx.Client | None = None) -> dict:
+    if http is not None:
+        return http.get("/health").json()
     return httpx.get(f"{url}/health", timeout=10).json()
 
 
@@ -51,19 +54,22 @@ def _wait(condition, what: str) -> float:
     return time.monotonic() - started
 
 
-def _catch_paused(service: Service, url: str) -> bool:
+def _catch_paused(service: Service, url: str, version: int) -> bool:
     """Freeze the weight sync as soon as the replica is paused; True (and SIGKILLed) when
-    the replica is still paused once it is frozen, else thawed and False."""
+    the replica is still paused once it is frozen. False when the sync of ``version`` got
+    through first (no look fell inside its pause, or it resumed before the freeze)."""
     assert service.popen is not None
     deadline = time.monotonic() + WAIT_S
-    while not _health(url)["is_paused"]:
-        if time.monotonic() > deadline:
-            raise AssertionError("the weight sync never paused the replica")
-        time.sleep(POLL_S)
-    os.kill(service.popen.pid, signal.SIGSTOP)
-    if _health(url)["is_paused"]:
-        service.kill()
-        return True
+    with httpx.Client(base_url=url, timeout=10) as http:  # one connection: quick looks
+        while not (health := _health(url, http))["is_paused"]:
+            if health["weight_version"] == str(version):
+                return False
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the weight sync never synced version {version}")
+        os.kill(service.popen.pid, signal.SIGSTOP)
+        if _health(url, http)["is_paused"]:
+            service.kill()
+            return True
     os.kill(service.popen.pid, signal.SIGCONT)  # it had already resumed: try the next version
     return False
 
@@ -81,7 +87,7 @@ def kill_weight_sync_mid_reload(weights: Path):
             for version in range(1, KILL_TRIES + 1):
                 event = PolicyVersionPublished(policy_version=version, weights_path=str(weights))
                 publish_policy_version(pipeline.cfg, event)
-                if _catch_paused(sync, url):
+                if _catch_paused(sync, url, version):
                     ctx.kills += 1
                     ctx.note(f"SIGKILL weightsync while the replica was paused (v{version})")
                     break

@@ -280,12 +280,14 @@ class LLMClient:
         priority = int(kwargs.get("priority") or 0)
         if not self._backend.name.startswith("vllm"):
             priority = 0
+        # the turn's one wait for a routable replica, over its retries and resumed pieces
+        wait = TurnWait(self._config.unavailable_wait_s)
         out = await self._generate_once(
-            request_id, prompt_ids, params, max_tokens, priority, images
+            request_id, prompt_ids, params, max_tokens, priority, images, wait
         )
         if out.stop_reason == "aborted" and self._config.resume_aborted:
             out = await self._resume_aborted(
-                request_id, prompt_ids, params, max_tokens, priority, out, images
+                request_id, prompt_ids, params, max_tokens, priority, out, images, wait
             )
         return out
 
@@ -298,6 +300,7 @@ class LLMClient:
         priority: int,
         out: TokenOutput,
         images: tuple[str, ...] = (),
+        wait: TurnWait | None = None,
     ) -> TokenOutput:
         """Partial rollout: continue an aborted turn from prompt + tokens so far.
 
@@ -318,7 +321,7 @@ class LLMClient:
             await asyncio.sleep(self._config.abort_retry_delay_s)
             resumes += 1
             out = await self._generate_once(
-                request_id, prompt_ids + tokens, params, remaining, priority, images
+                request_id, prompt_ids + tokens, params, remaining, priority, images, wait
             )
             tokens += out.token_ids
             logprobs += out.log_probs or []
@@ -346,11 +349,13 @@ class LLMClient:
         max_tokens: int,
         priority: int,
         images: tuple[str, ...] = (),
+        wait: TurnWait | None = None,
     ) -> TokenOutput:
         """One turn on one replica, retried on others when a replica fails; waiting for a
-        routable replica at most ``replicas.unavailable_wait_s`` over all its tries."""
+        routable replica at most ``replicas.unavailable_wait_s`` over all its tries (and,
+        with the turn's ``wait``, over all its pieces)."""
         last_error: ReplicaRequestError | None = None
-        wait = TurnWait(self._config.unavailable_wait_s)
+        wait = wait or TurnWait(self._config.unavailable_wait_s)
         for attempt in range(self._config.max_retries + 1):
             replica = await self._fleet.acquire(request_id, wait, last_error)
             call = EngineCall(
