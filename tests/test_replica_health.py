@@ -368,6 +368,29 @@ async def test_a_replica_that_restarted_between_two_probes_is_held_back():
     assert admitted == 2  # at first sight, and after the restart
 
 
+async def test_admit_stale_s_counts_from_when_a_replica_is_back_not_from_when_it_went_down():
+    port = free_port()
+    client = _client(
+        [f"http://127.0.0.1:{port}"], versions=FixedVersions(current=3), admit_stale_s=0.5
+    )
+    replica = None
+    try:
+        await client.check_health()  # down
+        await asyncio.sleep(0.7)  # longer down than admit_stale_s
+        engine = ScriptedEngine(lambda prompt: [11, 12])
+        replica = await start_replica(Config(replica_server=ReplicaServerConfig(port=port)), engine)
+        await client.check_health()
+        held = not client.balancer.is_healthy(replica.url)
+        await asyncio.sleep(0.6)
+        await client.check_health()
+        admitted = client.balancer.is_healthy(replica.url)
+    finally:
+        await client.close()
+        if replica is not None:
+            await replica.stop()
+    assert held and admitted  # back on version 0: held its own admit_stale_s, then let in
+
+
 async def test_without_a_published_version_every_replica_is_admitted_at_once():
     replica = await _scripted_replica()
     client = _client([replica.url], versions=FixedVersions(current=None))

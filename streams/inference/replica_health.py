@@ -322,6 +322,8 @@ class ReplicaFleet:
         if not probe.up:
             if was_up:
                 log.warning("replica %s is unhealthy: %s", state.url, probe.problem)
+            if self._versions is not None:  # admit_stale_s counts from when it is back
+                state.admitted, state.held_since = False, None
             self._balancer.mark_unhealthy(state.url)
             self._publish(state.url)
             return
