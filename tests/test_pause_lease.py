@@ -194,6 +194,19 @@ def test_a_reload_under_way_holds_the_pause_past_its_lease():
     assert gate.label_after_lease(7) == 7
 
 
+def test_a_reload_whose_caller_left_before_it_ran_is_dropped_and_the_engine_lives(replica):
+    """The caller of a reload (a weight sync killed mid-reload) hangs up while the work
+    still waits for the decode thread: its future is cancelled, the work must not run, and
+    the decode loop must not die on the cancelled future (it used to: InvalidStateError)."""
+    engine, ran = replica.engine, []
+    with engine._cond:  # re-entrant: the decode thread cannot take the work meanwhile
+        work = engine._run_in_loop(lambda: ran.append(True))
+        assert work.cancel()
+    probe = engine._run_in_loop(lambda: None)  # the next control work still runs
+    probe.result(timeout=WAIT_S)
+    assert ran == [] and engine.healthy
+
+
 # -- the weight sync that holds the lease ------------------------------------------------------
 
 
