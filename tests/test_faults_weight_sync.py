@@ -29,9 +29,9 @@ from rolloutbus.kafka.control import publish_policy_version
 from rolloutbus.replica.weights import load_causal_lm
 from rolloutbus.schemas.control import PolicyVersionPublished
 
-# 24 groups x 4 sessions: long enough for the kill, the lease and the restart to land mid-run
-# (at 32 groups the restarted weight sync was done with 84 of 128 sessions left)
-WORKLOAD = Workload(groups=24, n=4, turns=3, tokens_per_turn=2, tool_delay_s=0.25)
+# 16 groups x 4 sessions: long enough for the kill, the lease and the restart to land mid-run
+# (at 24 groups the restarted weight sync was done with 64 of 96 sessions left)
+WORKLOAD = Workload(groups=16, n=4, turns=3, tokens_per_turn=2, tool_delay_s=0.25)
 LEASE_S = 5.0  # seconds; replicas.pause_lease_s of the weight sync killed
 # versions published until one kill lands between a pause and its resume: a sync of the
 # tiny model is paused for ~0.1 s, and a look at /health can miss that on a loaded machine
