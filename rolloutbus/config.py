@@ -269,6 +269,19 @@ class ReplicasConfig(_Section):
     resume_aborted: bool = True
     abort_retry_delay_s: float = 1.0  # seconds; verl waits 1 s for the engine to resume
     max_abort_resumes: int = 8  # then the turn ends "aborted": an engine that never resumes
+    # seconds; the lease the weight sync takes on each pause of an embedded replica, renewed
+    # every third of it while the sync works: a weight sync killed mid-reload leaves the
+    # replica paused this long at most (vLLM has no lease: the next weight sync resumes it)
+    pause_lease_s: float = Field(default=30.0, gt=0)
+    # seconds a replica may stay paused before the session workers warn (and count it in
+    # rolloutbus_client_replica_paused_too_long_total); above a slow weight sync (minutes
+    # for a large checkpoint from disk)
+    paused_warn_s: float = Field(default=300.0, gt=0)
+    # seconds a replica that (re)starts waits to report the current policy version (from
+    # rollout.control) before it is routed to anyway, on older weights (counted in
+    # rolloutbus_client_replica_admissions_total{reason="stale_timeout"}); 0: never wait.
+    # Above the weight sync's health_interval_s plus one reload.
+    admit_stale_s: float = Field(default=60.0, ge=0)
 
 
 class SessionsConfig(_Section):

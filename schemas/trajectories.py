@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from rolloutbus.errors import SchemaError
 from rolloutbus.schemas.agent_loop import AgentLoopMetrics
 from rolloutbus.schemas.routed_experts import RoutedExperts
+from rolloutbus.schemas.turns import FailureClass
 from rolloutbus.schemas.version import SCHEMA_VERSION
 
 
@@ -74,6 +75,9 @@ class Trajectory(BaseModel):
     min_global_steps: int | None = None  # policy version at the first generation
     max_global_steps: int | None = None  # policy version at the last generation
     routed_experts: RoutedExperts | None = None  # MoE routing replay (R3); see above
+    # a failed record's cause (turns.FailureClass); None for other statuses, and in records
+    # written before the column existed
+    failure_class: FailureClass | None = None
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
@@ -132,15 +136,19 @@ TRAJECTORY_SCHEMA = pa.schema(
         ("prompt_len", pa.int32()),
         ("response_len", pa.int32()),
         ("seq_len", pa.int32()),
-        # added after the first release (decoders fill it with nulls for older records)
+        # columns added since the first release, always at the end and nullable, oldest
+        # first (ADDED_COLUMNS)
         ("routed_experts", _ROUTED_EXPERTS_TYPE),
+        ("failure_class", pa.string()),
     ],
     metadata={"rolloutbus.schema_version": str(SCHEMA_VERSION)},
 )
-# columns added after the first release, with the value an older record reads as
-_ADDED_COLUMNS = ("routed_experts",)
+# Columns added to TRAJECTORY_SCHEMA after records were already released, oldest first. A
+# record written before one of them lacks it (and every later one): it decodes with them
+# null, and the model fields take their defaults. Topics are never rewritten.
+ADDED_COLUMNS = ("routed_experts", "failure_class")
 _FIRST_RELEASE_SCHEMA = pa.schema(
-    [f for f in TRAJECTORY_SCHEMA if f.name not in _ADDED_COLUMNS],
+    [f for f in TRAJECTORY_SCHEMA if f.name not in ADDED_COLUMNS],
     metadata=TRAJECTORY_SCHEMA.metadata,
 )
 
@@ -174,7 +182,8 @@ def trajectories_to_batch(trajectories: list[Trajectory]) -> pa.RecordBatch:
     rows = [trajectory_row(t) for t in trajectories]
     base = pa.RecordBatch.from_pylist(rows, _FIRST_RELEASE_SCHEMA)
     routed = _routed_experts_column([t.routed_experts for t in trajectories])
-    return pa.RecordBatch.from_arrays([*base.columns, routed], schema=TRAJECTORY_SCHEMA)
+    failure = pa.array([t.failure_class for t in trajectories], pa.string())
+    return pa.RecordBatch.from_arrays([*base.columns, routed, failure], schema=TRAJECTORY_SCHEMA)
 
 
 def _routed_experts_column(values: list[RoutedExperts | None]) -> pa.Array:
@@ -271,9 +280,8 @@ def decode_trajectory_batch(data: bytes) -> pa.RecordBatch:
         batches = list(reader)
     except (pa.ArrowException, OSError, ValueError) as exc:  # ArrowInvalid is all three
         raise SchemaError(f"a trajectory record is not an Arrow IPC stream: {exc}") from exc
-    if reader.schema.metadata is None or not (
-        reader.schema.equals(TRAJECTORY_SCHEMA) or reader.schema.equals(_FIRST_RELEASE_SCHEMA)
-    ):
+    missing = _missing_added_columns(reader.schema)
+    if missing is None:
         raise SchemaError(
             "a trajectory record's Arrow schema is not TRAJECTORY_SCHEMA "
             f"(schema version {SCHEMA_VERSION})"
@@ -284,15 +292,27 @@ def decode_trajectory_batch(data: bytes) -> pa.RecordBatch:
             f"a trajectory record must be one Arrow record batch of one row, "
             f"got {len(batches)} batches of {rows} rows"
         )
-    return _with_added_columns(batches[0])
+    return _with_added_columns(batches[0], missing)
 
 
-def _with_added_columns(batch: pa.RecordBatch) -> pa.RecordBatch:
-    """A record from before a column was added, with that column null (its default)."""
-    if batch.schema.equals(TRAJECTORY_SCHEMA):
+def _missing_added_columns(schema: pa.Schema) -> int | None:
+    """How many of the last ``ADDED_COLUMNS`` a record's schema lacks (0: today's), or None
+    when it is no schema this code ever wrote."""
+    if schema.metadata is None:
+        return None
+    for missing in range(len(ADDED_COLUMNS) + 1):
+        kept = len(TRAJECTORY_SCHEMA) - missing
+        older = pa.schema(list(TRAJECTORY_SCHEMA)[:kept], metadata=TRAJECTORY_SCHEMA.metadata)
+        if schema.equals(older):
+            return missing
+    return None
+
+
+def _with_added_columns(batch: pa.RecordBatch, missing: int) -> pa.RecordBatch:
+    """An older record's row with the columns added since, null: today's schema."""
+    if not missing:
         return batch
-    columns = [
-        batch.column(f.name) if f.name in batch.schema.names else pa.nulls(batch.num_rows, f.type)
-        for f in TRAJECTORY_SCHEMA
-    ]
+    columns = list(batch.columns)
+    for field in list(TRAJECTORY_SCHEMA)[len(TRAJECTORY_SCHEMA) - missing :]:
+        columns.append(pa.nulls(batch.num_rows, field.type))
     return pa.RecordBatch.from_arrays(columns, schema=TRAJECTORY_SCHEMA)

@@ -164,6 +164,14 @@ class SessionFinished(_SessionEvent):
     spans: list[TraceSpan] = Field(default_factory=list)
 
 
+# What a failed session is attributed to, so a trainer and a dashboard can tell an outage
+# from a bad loop: "infrastructure" (a replica, the broker, a hung tool or a deadline; the
+# same session may well succeed when run again), "loop" (the agent loop, its tools' answers
+# or its output), "reward" (the reward function).
+FailureClass = Literal["infrastructure", "loop", "reward"]
+FAILURE_CLASSES: tuple[FailureClass, ...] = ("infrastructure", "loop", "reward")
+
+
 class SessionFailed(_SessionEvent):
     """A session that could not produce a trajectory: an explicit record, never a gap."""
 
@@ -172,6 +180,8 @@ class SessionFailed(_SessionEvent):
     error: str
     retriable: bool = False
     spans: list[TraceSpan] = Field(default_factory=list)  # what ran before it failed
+    # None in logs written before failure classes existed
+    failure_class: FailureClass | None = None
 
 
 TurnEvent = Annotated[

@@ -56,6 +56,7 @@ from rolloutbus.replica.models import load_tokenizer
 from rolloutbus.schemas.prompts import PromptGroup
 from rolloutbus.schemas.turns import SessionFailed, decode_turn_event, encode_turn_event
 from rolloutbus.streams.agent_loop import registry
+from rolloutbus.streams.inference.admission import ControlVersionWatch
 from rolloutbus.streams.inference.llm_client import LLMClient
 from rolloutbus.streams.sessions.recovery import TurnLogScan, UnfinishedGroup
 from rolloutbus.streams.sessions.runner import (
@@ -138,6 +139,7 @@ class SessionWorker:
         self.producer = AsyncProducer(self.cfg.kafka)
         self.turn_log = TurnLog(self.cfg, self.producer, self.metrics)
         self.ctx = _build_context(self.cfg, self.dlq)
+        await self.ctx.llm_client.probe_replicas()  # names every replica it cannot reach
         if self.cfg.sessions.metrics_port is not None:
             start_metrics_server(self.cfg.sessions.metrics_port, self.cfg.sessions.metrics_host)
         self.ready.set()
@@ -327,7 +329,9 @@ def _build_context(cfg: Config, dlq: DeadLetterWriter) -> SessionContext:
     return SessionContext(
         config=cfg,
         tokenizer=load_tokenizer(cfg.model),
-        llm_client=LLMClient(cfg.replicas, cfg.rollout),
+        # following rollout.control: a replica that restarts is routed to once it serves
+        # the current policy version (streams/inference/admission.py)
+        llm_client=LLMClient(cfg.replicas, cfg.rollout, versions=ControlVersionWatch(cfg)),
         dead_letter=lambda original, reason: dlq.write(original, reason),
     )
 
