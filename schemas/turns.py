@@ -64,6 +64,10 @@ class GroupStarted(_Event):
     # the prompt group's sampling settings, so a worker that resumes the group from the log
     # samples as the one that started it (empty in logs written before this field existed)
     sampling_params: dict[str, Any] = Field(default_factory=dict)
+    # who runs the group's sessions: a session worker (taken from rollout.prompts; resumed
+    # by whichever worker owns the partition) or the OpenAI gateway (an agent outside the
+    # bus calls it; only the gateway resumes such a group, when the agent calls again)
+    driven_by: Literal["session_worker", "gateway"] = "session_worker"
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
