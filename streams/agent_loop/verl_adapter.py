@@ -101,7 +101,8 @@ def verl_tools(tools: list[Any]) -> list[Any]:
 def verl_trainer_config(config: Any) -> Any:
     """Our config as the OmegaConf tree verl's loops read (``actor_rollout_ref.rollout``,
     ``data``); keys verl has and we do not are absent, so a loop reading one fails loudly."""
-    from omegaconf import OmegaConf  # type: ignore[import-not-found]
+    # unused-ignore too: the side env's omegaconf may be importable where mypy runs
+    from omegaconf import OmegaConf  # type: ignore[import-not-found, unused-ignore]
 
     return OmegaConf.create(
         {
