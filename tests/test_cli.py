@@ -30,6 +30,7 @@ SUBCOMMANDS = [
     "lag-exporter",
     "top",
     "inspect",
+    "gateway",
 ]
 
 

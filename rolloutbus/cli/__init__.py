@@ -12,14 +12,14 @@ import argparse
 import logging
 import sys
 
-from rolloutbus.cli import data, monitoring, services, training
+from rolloutbus.cli import data, gateway, monitoring, services, training
 from rolloutbus.config import load_config
 from rolloutbus.errors import ConfigError, RolloutBusError
 
 __all__ = ["build_parser", "main"]
 
 log = logging.getLogger("rolloutbus")
-COMMAND_GROUPS = (services, data, training, monitoring)
+COMMAND_GROUPS = (services, data, training, monitoring, gateway)
 
 
 def build_parser() -> argparse.ArgumentParser:
