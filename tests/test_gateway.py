@@ -197,6 +197,9 @@ def _streamed_call_then_abort(tok, gateway_url: str, session: dict) -> None:
         _ids(tok, CALL)
     )
     assert again.choices[0].token_ids == _ids(tok, CALL)
+    metrics = httpx.get(f"{gateway_url}/metrics").text
+    assert 'rolloutbus_gateway_turns_total{outcome="repeated"}' in metrics
+    assert 'rolloutbus_sessions_turn_events_total{type="generation"}' in metrics
     status = httpx.get(f"{gateway_url}/v1/sessions/{session['id']}").json()
     assert (status["state"], status["turns"], status["segments"]) == ("open", 1, 1)
     response = httpx.post(

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from rolloutbus.errors import AgentLoopError, SchemaError
+from rolloutbus.metrics import GatewayMetrics
 from rolloutbus.schemas.prompts import DatasetRow, check_uid_text, group_sampling_params
 from rolloutbus.schemas.turns import GroupStarted
 from rolloutbus.streams.gateway.session import GatewayContext, GatewaySession, SessionClosedError
@@ -129,6 +130,7 @@ class GatewaySessions:
             session = GatewaySession(self.ctx, group, session_id)
             await session.begin(resume=logged)
             self.resumed += 1
+            GatewayMetrics().sessions.labels(event="resumed").inc()
             self.open[key] = session
             log.info(
                 "resumed gateway session %s from the turn log (%d turns replayed)",
