@@ -40,7 +40,12 @@ from rolloutbus.kafka.clients import broker_error, idempotent_producer
 from rolloutbus.kafka.dead_letters import DeadLetterWriter
 from rolloutbus.producers.datasets import BadRow, RawRow, count_rows, read_rows
 from rolloutbus.producers.multimodal import build_multimodal_row
-from rolloutbus.schemas.prompts import DatasetRow, GroupSamplingParams, PromptGroup
+from rolloutbus.schemas.prompts import (
+    DatasetRow,
+    GroupSamplingParams,
+    PromptGroup,
+    group_sampling_params,
+)
 from rolloutbus.topics import Topics, partition_for
 
 log = logging.getLogger(__name__)
@@ -99,23 +104,7 @@ def derive_uid(
 def sampling_params(cfg: Config, validate: bool) -> GroupSamplingParams:
     """verl's agent-loop path: rollout.temperature/top_p/top_k, or val_kwargs' when
     validating (``val_kwargs.do_sample`` is not read there: temperature 0 is greedy)."""
-    r = cfg.rollout
-    if validate:
-        v = r.val_kwargs
-        return GroupSamplingParams(
-            temperature=v.temperature,
-            top_p=v.top_p,
-            top_k=v.top_k,
-            repetition_penalty=r.repetition_penalty,
-            logprobs=r.calculate_log_probs,
-        )
-    return GroupSamplingParams(
-        temperature=r.temperature,
-        top_p=r.top_p,
-        top_k=r.top_k,
-        repetition_penalty=r.repetition_penalty,
-        logprobs=r.calculate_log_probs,
-    )
+    return group_sampling_params(cfg.rollout, validate)
 
 
 def build_group(

@@ -320,6 +320,25 @@ class ReplayBufferConfig(_Section):
     metrics_host: str = LOOPBACK  # where metrics_port binds
 
 
+class GatewayConfig(_Section):
+    """``rolloutbus gateway``: the OpenAI-compatible endpoint for agents written outside the
+    bus (docs/gateway.md). Each agent session it serves is logged to rollout.turns as a
+    session worker's is."""
+
+    host: str = LOOPBACK  # where the gateway listens; loopback until an operator opens it
+    port: int = 8100
+    # the base of the URLs handed to agents (``base_url`` of each opened session), e.g.
+    # ``http://gateway.internal:8100``; None: the scheme and Host of the opening request
+    public_url: str | None = None
+    # seconds without a call before an open session is recorded as failed (its group can
+    # then be released): above the longest an agent spends between two calls (a slow tool,
+    # a sandbox build). Applies to sessions this process opened or resumed; a session no
+    # call reaches after a restart is released by deadlines.group_s.
+    session_idle_timeout_s: float = Field(default=1800.0, gt=0)
+    # bytes of one request body: a long agent history is sent whole on every call
+    max_request_bytes: int = Field(default=64 * 1024 * 1024, ge=1024)
+
+
 class DeadlinesConfig(_Section):
     """How long work may stay unfinished before it is released as failed records.
 
@@ -583,6 +602,7 @@ class Config(_Section):
     data: DataConfig = Field(default_factory=DataConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     monitoring: MonitoringConfig = Field(default_factory=MonitoringConfig)
+    gateway: GatewayConfig = Field(default_factory=GatewayConfig)
     # verl's legacy top-level custom_reward_function; when any of its values is set it
     # replaces reward.custom_reward_function, as verl 0.9.1's reward loop migrates it
     custom_reward_function: CustomRewardFunctionConfig = Field(

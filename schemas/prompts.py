@@ -7,6 +7,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from rolloutbus.config import RolloutConfig
 from rolloutbus.schemas.tokens import INT32_MAX, Int64
 from rolloutbus.schemas.version import SCHEMA_VERSION
 from rolloutbus.topics import KEY_SEPARATOR
@@ -74,6 +75,27 @@ class GroupSamplingParams(BaseModel):
     repetition_penalty: float = 1.0
     logprobs: bool = True  # rollout.calculate_log_probs
     seed: int | None = None
+
+
+def group_sampling_params(rollout: RolloutConfig, validate: bool = False) -> GroupSamplingParams:
+    """verl's agent-loop path: rollout.temperature/top_p/top_k, or val_kwargs' when
+    validating (``val_kwargs.do_sample`` is not read there: temperature 0 is greedy)."""
+    if validate:
+        v = rollout.val_kwargs
+        return GroupSamplingParams(
+            temperature=v.temperature,
+            top_p=v.top_p,
+            top_k=v.top_k,
+            repetition_penalty=rollout.repetition_penalty,
+            logprobs=rollout.calculate_log_probs,
+        )
+    return GroupSamplingParams(
+        temperature=rollout.temperature,
+        top_p=rollout.top_p,
+        top_k=rollout.top_k,
+        repetition_penalty=rollout.repetition_penalty,
+        logprobs=rollout.calculate_log_probs,
+    )
 
 
 # The name before the engine's and the client's sampling models got their own names; kept so

@@ -92,6 +92,10 @@ class GroupStarted(_Event):
     # the worker's settings that shape the group's trajectories; None in logs written before
     # this field existed (the fold then falls back to its own config's, with a warning)
     settings: GroupSettings | None = None
+    # who runs the group's sessions: a session worker (taken from rollout.prompts; resumed
+    # by whichever worker owns the partition) or the OpenAI gateway (an agent outside the
+    # bus calls it; only the gateway resumes such a group, when the agent calls again)
+    driven_by: Literal["session_worker", "gateway"] = "session_worker"
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 

@@ -38,6 +38,7 @@ SUBCOMMANDS = [
     "top",
     "inspect",
     "config",
+    "gateway",
 ]
 
 

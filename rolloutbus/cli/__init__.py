@@ -17,7 +17,7 @@ import argparse
 import logging
 import sys
 
-from rolloutbus.cli import configuration, data, monitoring, services, training
+from rolloutbus.cli import configuration, data, gateway, monitoring, services, training
 from rolloutbus.config import load_config
 from rolloutbus.config_loading import split_overrides
 from rolloutbus.errors import ConfigError, RolloutBusError
@@ -25,7 +25,7 @@ from rolloutbus.errors import ConfigError, RolloutBusError
 __all__ = ["build_parser", "main"]
 
 log = logging.getLogger("rolloutbus")
-COMMAND_GROUPS = (services, data, training, monitoring, configuration)
+COMMAND_GROUPS = (services, data, training, monitoring, configuration, gateway)
 
 
 def build_parser() -> argparse.ArgumentParser:
