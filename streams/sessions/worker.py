@@ -53,7 +53,7 @@ from rolloutbus.kafka.dead_letters import DeadLetterWriter
 from rolloutbus.kafka.partition_reader import read_partition
 from rolloutbus.metrics import SessionMetrics, start_metrics_server
 from rolloutbus.replica.models import load_tokenizer
-from rolloutbus.schemas.prompts import PromptGroup
+from rolloutbus.schemas.prompts import PromptGroup, decode_prompt_group
 from rolloutbus.schemas.turns import SessionFailed, decode_turn_event, encode_turn_event
 from rolloutbus.streams.agent_loop import registry
 from rolloutbus.streams.inference.llm_client import LLMClient
@@ -196,7 +196,7 @@ class SessionWorker:
         for msg in read_partition(self.cfg.kafka, self.topics.turns, partition, start):
             try:
                 event = decode_turn_event(msg.value() or b"")
-            except ValidationError:
+            except (ValidationError, SchemaError):
                 continue  # the replay buffer dead-letters it; it is no session's event
             scan.apply(msg.offset() or 0, event)
         return scan
@@ -265,8 +265,8 @@ class SessionWorker:
             )
             return None
         try:
-            return PromptGroup.model_validate_json(event.value)
-        except ValidationError as exc:
+            return decode_prompt_group(event.value)
+        except (ValidationError, SchemaError) as exc:
             self.dlq.write(
                 event.value, f"prompt group does not match its schema: {exc}", source=_source(event)
             )
