@@ -50,6 +50,9 @@ RECORD_KINDS = ("prompt_group", "turn_event", "control_event", "dead_letter", "t
 # kinds get and return the record's dict; "trajectory" gets and returns a pa.RecordBatch.
 _UPCASTERS: dict[tuple[str, int], Callable[[Any], Any]] = {}
 _WARNED: set[tuple[str, str]] = set()  # (kind, field) ignored fields already warned about
+# (kind, field) pairs remembered; past it unknown fields are still skipped, without a warning
+# (a stream of ever new field names must not grow the process)
+MAX_WARNED_FIELDS = 1024
 
 
 def register_upcaster(
@@ -103,7 +106,7 @@ def upcast(kind: str, record: T, record_version: int) -> T:
 def warn_ignored(kind: str, fields: list[str]) -> None:
     """One warning per field and process: a newer writer's field this reader skips."""
     new = [f for f in fields if (kind, f) not in _WARNED]
-    if new:
+    if new and len(_WARNED) < MAX_WARNED_FIELDS:
         _WARNED.update((kind, f) for f in new)
         log.warning(
             "ignoring %s field(s) %s: written by a newer version of the same schema version "

@@ -154,7 +154,7 @@ class Trajectory(BaseModel):
 
 # columns computed from the record (verl's names), written for the trainer, never read back
 _DERIVED = (
-    Derived("loss_mask", pa.large_list(pa.int8()), "response_mask", lambda t: t.loss_mask),
+    Derived("loss_mask", _MASK.type, "response_mask", lambda t: t.loss_mask),
     Derived("prompt_len", pa.int32(), "max_global_steps", lambda t: t.prompt_len),
     Derived("response_len", pa.int32(), "prompt_len", lambda t: t.response_len),
     Derived("seq_len", pa.int32(), "response_len", lambda t: t.prompt_len + t.response_len),
