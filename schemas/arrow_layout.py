@@ -5,7 +5,7 @@ from the Python type unless the field says otherwise (``Annotated[..., Arrow(...
 
 * ``int``: the narrowest of int32/int64 that holds the field's validated range (pydantic's
   ``ge``/``le``: ``tokens.Int32`` is int32, an unbounded ``int`` int64); ``float``: float64;
-  ``bool``: bool; ``str`` and string enums: string (the enum's value);
+  ``bool``: bool; ``str``, string enums (their value) and string ``Literal`` types: string;
 * ``dict``, ``list[dict]``, ``Any`` and nested models: a JSON string column (sorted keys);
 * ``Arrow(type)``: that type (widths, the ragged ``large_list`` token columns);
   ``Arrow(type, codec=...)``: a column built and read by the codec (nested numeric data that
@@ -30,7 +30,7 @@ import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Generic, TypeVar, Union, get_args, get_origin
+from typing import Any, Generic, Literal, TypeVar, Union, get_args, get_origin
 
 import pyarrow as pa
 from pydantic import BaseModel
@@ -230,6 +230,8 @@ def _default_type(model: type, attribute: str, info: FieldInfo, inner: Any) -> p
     if inner is int:
         return pa.int32() if _within(info, INT32_RANGE) else pa.int64()
     if isinstance(inner, type) and issubclass(inner, Enum) and issubclass(inner, str):
+        return pa.string()
+    if get_origin(inner) is Literal and all(isinstance(a, str) for a in get_args(inner)):
         return pa.string()
     if inner in _SCALARS:
         return _SCALARS[inner]

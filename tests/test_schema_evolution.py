@@ -17,12 +17,12 @@ import importlib.util
 import json
 import logging
 from pathlib import Path
-from typing import Annotated, Any, Union, get_args
+from typing import Annotated, Any, Literal, Union, get_args
 
 import pyarrow as pa
 import pytest
 from helpers import unique_name
-from pydantic import Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from rolloutbus.config import KafkaConfig
 from rolloutbus.consumers.log_replay import replay_turns
@@ -30,9 +30,11 @@ from rolloutbus.consumers.tensors import to_padded
 from rolloutbus.consumers.trainer import TrainerClient
 from rolloutbus.errors import SchemaError
 from rolloutbus.schemas import evolution, version
+from rolloutbus.schemas.arrow_layout import Arrow, ArrowLayout, Derived, Flatten
 from rolloutbus.schemas.control import decode_control_event
 from rolloutbus.schemas.dlq import decode_dead_letter
 from rolloutbus.schemas.prompts import decode_prompt_group
+from rolloutbus.schemas.tokens import Int32
 from rolloutbus.schemas.trajectories import (
     TRAJECTORY_LAYOUT,
     TRAJECTORY_SCHEMA,
@@ -98,6 +100,59 @@ def _fold(release: str) -> tuple[list[tuple[str, bytes]], PartitionFold]:
             assert not done.letters, f"{release}: {done.letters}"
             out += list(zip((t.key for t in done.trajectories), done.records, strict=True))
     return out, fold
+
+
+# -- the Arrow layout derived from a model ----------------------------------------------
+
+
+class _Inner(BaseModel):
+    seconds: float = 0.0
+    count: Int32 = -1
+
+
+class _Record(BaseModel):
+    model_config = ConfigDict(populate_by_name=True)
+
+    name: str
+    kind: Literal["loop", "reward"] | None = None
+    width: Annotated[int, Arrow(pa.int16())] = 0
+    wide: int = 0
+    ids: Annotated[list[int], Arrow(pa.large_list(pa.int32()))] = []
+    inner: Annotated[_Inner, Flatten()] = _Inner()
+    notes: dict[str, Any] = {}
+    flag: bool = Field(default=False, alias="on")
+
+
+def test_an_arrow_layout_is_derived_from_the_model_and_read_back_by_name() -> None:
+    layout = ArrowLayout(
+        _Record, [Derived("n_ids", pa.int32(), "ids", lambda r: len(r.ids))], metadata={"v": "1"}
+    )
+    assert [(f.name, str(f.type)) for f in layout.schema] == [
+        ("name", "string"),
+        ("kind", "string"),
+        ("width", "int16"),
+        ("wide", "int64"),
+        ("ids", "large_list<item: int32>"),
+        ("n_ids", "int32"),
+        ("seconds", "double"),
+        ("count", "int32"),
+        ("notes", "string"),
+        ("on", "bool"),
+    ]
+    record = _Record(name="a", kind="loop", ids=[1, 2], inner=_Inner(seconds=0.5), notes={"k": 1})
+    batch = layout.batch([record])
+    assert batch.column("notes").to_pylist() == ['{"k": 1}'] and layout.records(batch) == [record]
+    older = batch.drop_columns(["kind", "count", "notes", "n_ids"])
+    assert layout.records(older) == [record.model_copy(update={"kind": None, "notes": {}})]
+    assert layout.required == ("name",)
+
+
+def test_a_field_without_an_arrow_type_is_refused_when_the_layout_is_made() -> None:
+    class Odd(BaseModel):
+        when: complex = 0j
+
+    with pytest.raises(TypeError, match=r"Odd.when: no Arrow column type"):
+        ArrowLayout(Odd)
 
 
 # -- every release's samples, read with today's code ------------------------------------
