@@ -16,8 +16,9 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
+from rolloutbus.schemas.evolution import decode_json_record
 from rolloutbus.schemas.version import SCHEMA_VERSION
 
 POLICY_VERSION_TYPE: Literal["policy_version"] = "policy_version"
@@ -66,9 +67,13 @@ def encode_control_event(event: ControlEvent) -> bytes:
     return event.model_dump_json().encode()
 
 
+_CONTROL_EVENT: TypeAdapter[ControlEvent] = TypeAdapter(ControlEvent)
+
+
 def decode_control_event(value: bytes) -> ControlEvent:
-    """Raises pydantic's ValidationError for a record that is not a control event."""
-    return PolicyVersionPublished.model_validate_json(value)
+    """Raises pydantic's ValidationError for a record that is not a control event,
+    SchemaError for one of a schema version this reader cannot read (``evolution.py``)."""
+    return decode_json_record(_CONTROL_EVENT, value, "control_event")
 
 
 # vLLM's weight version label before any /update_weight_version: the initial weights

@@ -5,9 +5,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator
 
 from rolloutbus.config import RolloutConfig
+from rolloutbus.schemas.evolution import decode_json_record
 from rolloutbus.schemas.tokens import INT32_MAX, Int64
 from rolloutbus.schemas.version import SCHEMA_VERSION
 from rolloutbus.topics import KEY_SEPARATOR
@@ -133,6 +134,15 @@ class PromptGroup(BaseModel):
         # itself is kept as it came (agent_name absent and null mean different things).
         DatasetRow.model_validate(row)
         return row
+
+
+_PROMPT_GROUP = TypeAdapter(PromptGroup)
+
+
+def decode_prompt_group(value: bytes) -> PromptGroup:
+    """Raises pydantic's ValidationError for a record that is not a prompt group,
+    SchemaError for one of a schema version this reader cannot read (``evolution.py``)."""
+    return decode_json_record(_PROMPT_GROUP, value, "prompt_group")
 
 
 def check_uid_text(uid: str) -> str:

@@ -20,6 +20,7 @@ from typing import Annotated, Any, Literal, TypedDict
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from rolloutbus.schemas.agent_loop import AgentLoopMetrics
+from rolloutbus.schemas.evolution import decode_json_record
 from rolloutbus.schemas.routed_experts import RoutedExperts
 from rolloutbus.schemas.tokens import INT32_MAX, Int32, Int64, Logprobs, Mask, TokenIds
 from rolloutbus.schemas.trace import TraceSpan
@@ -208,4 +209,6 @@ def encode_turn_event(event: BaseModel) -> bytes:
 
 
 def decode_turn_event(data: bytes):
-    return _TURN_EVENT.validate_json(data)
+    """Raises pydantic's ValidationError for a record that is not a turn event, SchemaError
+    for one of a schema version this reader cannot read (``schemas/evolution.py``)."""
+    return decode_json_record(_TURN_EVENT, data, "turn_event")

@@ -75,7 +75,7 @@ def test_a_session_failed_logged_before_classes_existed_decodes():
 
 
 def test_a_trajectory_record_written_before_the_column_existed_decodes():
-    """An old record: today's schema without the columns added since (ADDED_COLUMNS)."""
+    """An old record: today's schema without the columns added since (failure_class)."""
     t = Trajectory(
         key="u_0_0",
         uid="u",

@@ -23,7 +23,6 @@ from rolloutbus.schemas.agent_loop import AgentLoopMetrics, AgentLoopOutput, Tok
 from rolloutbus.schemas.prompts import GroupSamplingParams, PromptGroup
 from rolloutbus.schemas.routed_experts import RoutedExperts
 from rolloutbus.schemas.trajectories import (
-    ADDED_COLUMNS,
     TRAJECTORY_SCHEMA,
     Trajectory,
     batch_to_trajectories,
@@ -254,7 +253,7 @@ def test_a_record_written_before_the_column_existed_decodes_with_none():
         response_mask=[1],
     )
     batch = trajectories_to_batch([t])
-    old_fields = [f for f in TRAJECTORY_SCHEMA if f.name not in ADDED_COLUMNS]
+    old_fields = [f for f in TRAJECTORY_SCHEMA if f.name != "routed_experts"]
     old_schema = pa.schema(old_fields, metadata=TRAJECTORY_SCHEMA.metadata)
     old_batch = pa.RecordBatch.from_arrays(
         [batch.column(f.name) for f in old_fields], schema=old_schema

@@ -17,7 +17,7 @@ from confluent_kafka import OFFSET_BEGINNING, KafkaException, Message, TopicPart
 from pydantic import ValidationError
 
 from rolloutbus.config import Config, KafkaConfig
-from rolloutbus.errors import BrokerError
+from rolloutbus.errors import BrokerError, SchemaError
 from rolloutbus.kafka.clients import (
     PartitionEnd,
     broker_error,
@@ -173,10 +173,10 @@ def _decode(msg: Message) -> ControlEvent | None:
     stop every follower of the topic (nothing downstream would ever move again)."""
     try:
         return decode_control_event(msg.value() or b"")
-    except ValidationError as exc:
+    except (ValidationError, SchemaError) as exc:
         log.error(
             "skipping a record that is not a control event at %s: %s",
             message_location(msg),
-            exc.errors()[0]["msg"] if exc.errors() else exc,
+            exc.errors()[0]["msg"] if isinstance(exc, ValidationError) and exc.errors() else exc,
         )
         return None

@@ -63,7 +63,7 @@ def scan_turn_log(cfg: Config, partition: int) -> TurnLogScan:
     for msg in read_partition(cfg.kafka, topic, partition, scan_start_offset(cfg, partition)):
         try:
             event = decode_turn_event(msg.value() or b"")
-        except ValidationError:
+        except (ValidationError, SchemaError):
             continue  # the replay buffer dead-letters it; it is no session's event
         scan.apply(msg.offset() or 0, event)
     return scan

@@ -40,14 +40,14 @@ import faust
 from pydantic import BaseModel, ValidationError
 
 from rolloutbus.config import Config
-from rolloutbus.errors import BrokerError
+from rolloutbus.errors import BrokerError, SchemaError
 from rolloutbus.kafka.admin import check_partition_counts
 from rolloutbus.kafka.async_producer import AsyncProducer
 from rolloutbus.kafka.clients import record_location
 from rolloutbus.kafka.dead_letters import DeadLetterWriter
 from rolloutbus.metrics import SessionMetrics, start_metrics_server
 from rolloutbus.replica.models import load_tokenizer
-from rolloutbus.schemas.prompts import PromptGroup
+from rolloutbus.schemas.prompts import PromptGroup, decode_prompt_group
 from rolloutbus.schemas.turns import SessionFailed
 from rolloutbus.streams.agent_loop import registry
 from rolloutbus.streams.inference.admission import ControlVersionWatch
@@ -211,8 +211,8 @@ class SessionWorker:
             )
             return None
         try:
-            return PromptGroup.model_validate_json(event.value)
-        except ValidationError as exc:
+            return decode_prompt_group(event.value)
+        except (ValidationError, SchemaError) as exc:
             self.dlq.write(
                 event.value, f"prompt group does not match its schema: {exc}", source=_source(event)
             )
