@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 from rolloutbus.cli.common import Subcommands, command
 from rolloutbus.config import Config, with_overrides
@@ -26,12 +27,18 @@ def cmd_broker(args: argparse.Namespace, cfg: Config) -> int:
         print("broker stopped" if stopped else "broker was not running")
     else:
         status = broker.broker_status(cfg)
-        print(
-            f"broker {'running' if status.running else 'stopped'}: pid {status.pid}, "
-            f"bootstrap {status.bootstrap}, data {status.data_dir}"
-        )
+        print(_broker_status_line(status))
         return 0 if status.running else 3
     return 0
+
+
+def _broker_status_line(status: Any) -> str:
+    where = f"bootstrap {status.bootstrap}, data {status.data_dir}"
+    if status.running:
+        return f"broker running: pid {status.pid}, {where}"
+    if status.pid is not None:  # the JVM is alive but does not answer (yet)
+        return f"broker not answering: pid {status.pid} is alive, {where}"
+    return f"broker not running ({where})"
 
 
 def cmd_topics(args: argparse.Namespace, cfg: Config) -> int:
@@ -115,7 +122,11 @@ def register(sub: Subcommands) -> None:
     p = command(
         sub, "broker", cmd_broker, "start, stop or inspect the embedded single-node Kafka broker"
     )
-    p.add_argument("action", choices=["start", "stop", "status"])
+    p.add_argument(
+        "action",
+        choices=["start", "stop", "status"],
+        help="status exits 0 when the broker runs, 3 when it does not",
+    )
 
     command(sub, "topics", cmd_topics, "create the rollout topics (idempotent)")
 
@@ -125,7 +136,7 @@ def register(sub: Subcommands) -> None:
         cmd_replica,
         "serve the model: the embedded torch replica, or real vLLM servers",
     )
-    p.add_argument("action", choices=["serve"])
+    p.add_argument("action", choices=["serve"], help="serve until Ctrl-C/SIGTERM")
     p.add_argument(
         "--engine",
         choices=["embedded", "vllm"],
@@ -153,7 +164,7 @@ def register(sub: Subcommands) -> None:
     p = command(
         sub, "sessions", cmd_sessions, "run a session-processor worker (Faust): prompts -> turns"
     )
-    p.add_argument("action", choices=["run"])
+    p.add_argument("action", choices=["run"], help="run until Ctrl-C/SIGTERM")
 
     p = command(
         sub,
@@ -161,7 +172,7 @@ def register(sub: Subcommands) -> None:
         cmd_replay_buffer,
         "run a replay-buffer worker: turns -> trajectories, exactly once",
     )
-    p.add_argument("action", choices=["run"])
+    p.add_argument("action", choices=["run"], help="run until Ctrl-C/SIGTERM")
 
     command(
         sub,
