@@ -203,3 +203,53 @@ def test_step_log_progress_line_is_a_log_record_off_a_terminal(caplog, capsys):
     assert capsys.readouterr().err == ""
     [line] = [r.getMessage() for r in caplog.records if "step 1 v1" in r.getMessage()]
     assert line.startswith("step 1 v1 | reward 0.500")
+
+
+TRAIN_READY_S = 300.0  # seconds until the trainer waits for groups (torch, model, group join)
+
+
+def test_train_on_sigterm_says_it_stops_after_the_step_and_exits_cleanly(kafka_config, tmp_path):
+    """The real command: the first SIGTERM is answered with the line and a clean stop."""
+    from pipeline import write_config
+
+    from rolloutbus.config import Config, ModelConfig, TrainerConfig
+
+    cfg = Config(
+        kafka=kafka_config,
+        model=ModelConfig(name="tiny-qwen3"),
+        trainer=TrainerConfig(
+            group_id=f"trainer-{time.monotonic_ns()}", default_local_dir=tmp_path
+        ),
+    )
+    train = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "rolloutbus.cli",
+            "train",
+            "-c",
+            str(write_config(cfg, tmp_path / "c.yaml")),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(train.stderr or []), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + TRAIN_READY_S
+        # the trainer client logs its partitions once it waits for groups
+        while not any("assigned" in line for line in lines):
+            assert train.poll() is None and time.monotonic() < deadline, "".join(lines)[-3000:]
+            time.sleep(0.5)
+        train.send_signal(signal.SIGTERM)
+        train.wait(timeout=120)
+        reader.join(timeout=30)
+    finally:
+        if train.poll() is None:
+            train.kill()
+    output = "".join(lines)
+    assert train.returncode == 0, output[-3000:]
+    assert "stopping after this step (Ctrl-C again to abort)" in output
+    assert "trained steps 0..0" in output
