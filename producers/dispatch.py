@@ -54,6 +54,7 @@ from rolloutbus.producers.publish import (
     dataset_identity,
     derive_uid,
 )
+from rolloutbus.producers.row_checks import RowChecker
 from rolloutbus.topics import Topics
 
 __all__ = ["DispatchReport", "Dispatcher", "started_uids"]
@@ -255,13 +256,14 @@ def _load(cfg: Config, dataset: str | Path) -> tuple[list[dict[str, Any]], list[
     bad row cannot stop the run in a later epoch."""
     rows: list[dict[str, Any]] = []
     bad: list[BadRow] = []
+    checker = RowChecker(cfg)  # what `rolloutbus publish` checks: loop, scorer, lengths
     for item in read_rows(dataset):
         if isinstance(item, BadRow):
             bad.append(item)
             continue
         data = {k: v for k, v in item.data.items() if k != "uid"}
         try:
-            build_group(cfg, data, uid="check")
+            checker.check(build_group(cfg, data, uid="check"))
         except (ValidationError, ValueError) as exc:
             original = json.dumps(item.data, ensure_ascii=False, default=str).encode()
             bad.append(BadRow(item.source, original, f"row {item.source}: {exc}"))

@@ -360,7 +360,9 @@ def run_session_worker(cfg: Config, loglevel: str = "info") -> None:
     # if the cluster's topics disagree with each other or with kafka.partitions
     check_partition_counts(cfg.kafka)
     app = build_app(cfg)
-    worker = faust.Worker(app, loglevel=loglevel, quiet=True)
+    # the CLI's logging stays in charge (one format, Faust's and aiokafka's INFO lines
+    # quiet unless -v): mode's own setup would install a second format on the root logger
+    worker = faust.Worker(app, loglevel=loglevel, quiet=True, override_logging=False)
     worker.execute_from_commandline()
 
 
