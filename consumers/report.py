@@ -9,7 +9,8 @@ from typing import Any
 import pyarrow as pa
 
 from rolloutbus.config import Config
-from rolloutbus.consumers.trainer import TrainerClient, TrajectoryGroup
+from rolloutbus.consumers.client import TrainerClient
+from rolloutbus.consumers.groups import TrajectoryGroup
 from rolloutbus.schemas.trajectories import TRAJECTORY_SCHEMA, Trajectory, trajectories_to_batch
 
 TEXT_WIDTH = 48  # characters of decoded response shown per row
