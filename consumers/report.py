@@ -20,13 +20,9 @@ import pyarrow as pa
 from confluent_kafka import TopicPartition
 
 from rolloutbus.config import Config, KafkaConfig
-from rolloutbus.consumers.trainer import (
-    ASSIGN_TIMEOUT_S,
-    PartitionPosition,
-    TrainerClient,
-    TrainerPosition,
-    TrajectoryGroup,
-)
+from rolloutbus.consumers.client import TrainerClient
+from rolloutbus.consumers.groups import TrajectoryGroup
+from rolloutbus.consumers.position import ASSIGN_TIMEOUT_S, PartitionPosition, TrainerPosition
 from rolloutbus.kafka.clients import read_committed_consumer, translate_kafka_errors
 from rolloutbus.schemas.trajectories import TRAJECTORY_SCHEMA, Trajectory, trajectories_to_batch
 from rolloutbus.topics import Topics

@@ -372,6 +372,10 @@ class TrainerConfig(_Section):
     # seconds a trainer may spend between two requests for groups (a train step) before
     # the broker hands its partitions to another member; librdkafka's default is 300 s
     max_poll_interval_s: float = Field(default=900.0, gt=0)
+    # members of a group that must have completed or been truncated (not failed) for the
+    # trainer client to yield the group; a group with fewer is skipped (consumed, counted
+    # in rolloutbus_trainer_client_skipped_groups_total). 0: every complete group is yielded
+    min_successful_per_group: int = Field(default=0, ge=0)
     # -- `rolloutbus train` (verl's trainer.* names where verl has one) --
     # checkpoints: {default_local_dir}/global_step_{n}/ (HF safetensors + trainer_state.json)
     default_local_dir: Path = Path("checkpoints")

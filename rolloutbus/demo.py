@@ -205,8 +205,8 @@ def _publish_demo_rows(cfg: Config, rows: int, path: Path) -> list[str]:
 
 
 def _receive(cfg: Config, uids: set[str], out: Path, timeout_s: float, tokenizer):
+    from rolloutbus.consumers.client import TrainerClient
     from rolloutbus.consumers.report import print_table, throwaway_group_id, write_arrow
-    from rolloutbus.consumers.trainer import TrainerClient
 
     received = []
     deadline = time.monotonic() + timeout_s

@@ -291,6 +291,25 @@ class StalenessMetrics(PerRegistry):
         )
 
 
+class ControlMetrics(PerRegistry):
+    """Readers of ``rollout.control`` (``rolloutbus.kafka.version_ledger``)."""
+
+    def _init(self, registry: CollectorRegistry) -> None:
+        self.refused = Counter(
+            "rolloutbus_control_records_refused_total",
+            "Control records a follower did not take, by reason: older_run (a superseded "
+            "run's, ignored), backwards, no_weights, unknown_run, conflicting_run, malformed "
+            "(errors: dead-lettered by the weight sync)",
+            ["reason"],
+            registry=registry,
+        )
+        self.run_epoch = Gauge(
+            "rolloutbus_control_run_epoch",
+            "Run epoch of the newest trainer run this process follows (0: none yet)",
+            registry=registry,
+        )
+
+
 class WeightSyncMetrics(PerRegistry):
     """``rolloutbus weight-sync``: policy versions applied to the replicas."""
 
@@ -416,6 +435,19 @@ TRAINER_GAUGES: dict[str, tuple[str, str]] = {
         "Seconds the last step waited for its groups (a starving trainer waits long); seconds",
     ),
 }
+
+
+class TrainerClientMetrics(PerRegistry):
+    """The trainer client's groups that never reach the trainer, besides stale ones."""
+
+    def _init(self, registry: CollectorRegistry) -> None:
+        self.skipped_groups = Counter(
+            "rolloutbus_trainer_client_skipped_groups_total",
+            "Complete groups skipped (consumed, never yielded), by reason: too_few_successful "
+            "(fewer completed or truncated members than trainer.min_successful_per_group); groups",
+            ["reason"],
+            registry=registry,
+        )
 
 
 class TrainerMetrics(PerRegistry):

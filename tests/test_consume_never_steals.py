@@ -15,7 +15,7 @@ from helpers import unique_name
 from pipeline import write_config
 
 from rolloutbus.config import Config, KafkaConfig, TrainerConfig
-from rolloutbus.consumers.trainer import TrainerClient
+from rolloutbus.consumers.client import TrainerClient
 from rolloutbus.kafka.clients import idempotent_producer
 from rolloutbus.schemas.trajectories import Trajectory, TrajectoryStatus, encode_trajectories
 from rolloutbus.topics import Topics, partition_for, trajectory_key

@@ -536,7 +536,7 @@ def test_the_trainer_client_dead_letters_junk_on_the_trajectory_topic(
     by the trainer client, once, and the good group around them is yielded whole."""
     from fuzz_records import UID
 
-    from rolloutbus.consumers.trainer import TrainerClient
+    from rolloutbus.consumers.client import TrainerClient
 
     cfg = Config(kafka=kafka_config)
     topic = Topics.from_config(kafka_config).trajectories

@@ -17,7 +17,14 @@ the new weights); they finish on the new weights and their ``weight_versions`` s
 where the version changed. False aborts them; the LLM client resumes each aborted turn with
 its tokens so far (``replicas.resume_aborted``). Either way each token's version is logged.
 
-Version 0 with no ``weights_path`` is the initial weights: only the label is set.
+Which versions it applies: the newest run's, in order (``rolloutbus.kafka.version_ledger``).
+A new run is applied even when its version number is lower (a new run starts at 0, with
+the folder of its initial weights), and every replica reloads then, whatever it reports:
+a version label cannot tell two runs' weights apart. A record of an older run, a version
+that goes backwards, and a version above 0 without weights are never applied; this
+process writes them to the dead-letter topic. Version 0 with no ``weights_path`` (a
+publisher other than ``rolloutbus train``) is the replicas' initial weights: only the label
+is set.
 
 **Pauses have an owner.** On the embedded replica the pause takes a lease
 (``/pause?lease_s=replicas.pause_lease_s``), renewed every third of it while the steps run;
@@ -50,8 +57,9 @@ import httpx
 from prometheus_client import CollectorRegistry
 
 from rolloutbus.config import Config
-from rolloutbus.errors import ReplicaError
+from rolloutbus.errors import ReplicaError, SchemaError
 from rolloutbus.kafka.control import PolicyVersionFollower, latest_policy_version
+from rolloutbus.kafka.version_ledger import supersedes
 from rolloutbus.metrics import WeightSyncMetrics
 from rolloutbus.schemas.control import PolicyVersionPublished, as_policy_version
 from rolloutbus.streams.inference.replica_health import get_health
@@ -198,17 +206,30 @@ class WeightSync:
 
     async def apply(self, event: PolicyVersionPublished) -> list[SyncOutcome]:
         """Make ``event`` the current version and move every healthy replica to it."""
+        _refuse_unweighted(event)
         async with self._lock:
-            if self.current is not None and self.current.policy_version == event.policy_version:
-                if self.current.weights_path != event.weights_path:  # republished elsewhere
-                    for replica in self.replicas.values():
-                        replica.applied = None
+            if self._reloads_every_replica(event):
+                for replica in self.replicas.values():
+                    replica.applied = None
             self.current = event
             # a replica known to be down gets it from sync_once when it is back
             targets = [
                 r for r in self.replicas.values() if r.healthy and r.applied != event.policy_version
             ]
             return list(await asyncio.gather(*(self._apply_to(r, event) for r in targets)))
+
+    def _reloads_every_replica(self, event: PolicyVersionPublished) -> bool:
+        """A new run, or the same version republished from another folder: what a replica
+        reports (its version label) cannot tell those weights from the ones it serves."""
+        current = self.current
+        if current is None:
+            return False
+        if event.run_epoch != current.run_epoch:
+            return True
+        return (
+            event.policy_version == current.policy_version
+            and event.weights_path != current.weights_path
+        )
 
     async def sync_once(self) -> list[SyncOutcome]:
         """Probe every replica; give the current version to those that lack it (a replica
@@ -368,7 +389,8 @@ class WeightSync:
         if latest is not None and _is_new(self.current, latest):
             await self.apply(latest)  # the current version first, not the log's history
         await self.resume_left_paused()
-        follower = PolicyVersionFollower(self.cfg)
+        # this process writes the control topic's dead letters (kafka/control_reader.py)
+        follower = PolicyVersionFollower(self.cfg, dead_letters=True)
         next_probe = 0.0
         try:
             while not stop.is_set():
@@ -487,11 +509,16 @@ def check_weights_folder(weights_path: str | None) -> None:
 
 
 def _is_new(current: PolicyVersionPublished | None, event: PolicyVersionPublished) -> bool:
-    """Versions only move forward: the follower reads the topic from its start, so older
-    records come before the current one; a republished event (same version and folder) is
-    not applied again."""
-    if current is None:
-        return True
-    if event.policy_version != current.policy_version:
-        return event.policy_version > current.policy_version
-    return event.weights_path != current.weights_path
+    """The follower reads the topic from its start, and ``run`` also applied the latest
+    version before following: only a version that supersedes the applied one is new (a
+    newer run, or a later version of the same run, or the same one from another folder)."""
+    return supersedes(event, current)
+
+
+def _refuse_unweighted(event: PolicyVersionPublished) -> None:
+    """A version above 0 without weights would relabel a replica's weights unchanged."""
+    if event.policy_version > 0 and event.weights_path is None:
+        raise SchemaError(
+            f"policy version {event.policy_version} names no weights_path: refusing to "
+            "relabel the replicas' weights as it"
+        )
