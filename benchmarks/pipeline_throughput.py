@@ -22,7 +22,7 @@ import uuid
 from pathlib import Path
 
 from rolloutbus.config import BrokerConfig, Config, KafkaConfig, ReplayBufferConfig
-from rolloutbus.consumers.trainer import TrainerClient
+from rolloutbus.consumers.client import TrainerClient
 from rolloutbus.kafka.admin import delete_topics, ensure_topics
 from rolloutbus.kafka.clients import (
     admin_client,

@@ -2,8 +2,9 @@
 
 ``to_padded`` returns verl V0's batch keys (``prompts``, ``responses``, ``input_ids``,
 ``attention_mask``, ``position_ids``, ``response_mask``, ``rollout_log_probs``,
-``rm_scores``): what verl's ``DataProto.batch`` holds after its agent loop pads a batch, so a
-verl trainer reads the bus's groups without a conversion of its own.
+``rm_scores``, and ``routed_experts`` when the trajectories carry them): what verl's
+``DataProto.batch`` holds after its agent loop pads a batch, so a verl trainer reads the
+bus's groups without a conversion of its own.
 
 How the padding is fast: every output is allocated once with ``np.empty`` and each of
 its cells written exactly once, a row at a time, by contiguous slice copies from the
@@ -23,6 +24,7 @@ import pyarrow as pa
 import torch
 
 from rolloutbus.consumers.mrope import padded_mrope_position_ids
+from rolloutbus.schemas.trajectories import routed_experts_of_row
 
 
 def _ragged(column: pa.Array) -> tuple[np.ndarray, np.ndarray]:
@@ -138,6 +140,20 @@ def to_padded(
             response_lens,
         ),
     }
+    out.update(_optional_columns(batch, buffers, response_lens, prompt_length, response_length))
+    return out
+
+
+def _optional_columns(
+    batch: pa.RecordBatch,
+    buffers: PaddedBuffers,
+    response_lens: list[int],
+    prompt_length: int,
+    response_length: int,
+) -> dict[str, torch.Tensor]:
+    """``rollout_log_probs``, ``rm_scores`` and ``routed_experts`` where the batch has them."""
+    out = {}
+    rows, shape = batch.num_rows, (batch.num_rows, response_length)
     if batch.column("rollout_log_probs").null_count < rows:
         out["rollout_log_probs"] = _padded_response(
             _fill_nulls(batch.column("rollout_log_probs")),
@@ -148,6 +164,38 @@ def to_padded(
         out["rm_scores"] = _padded_response(
             batch.column("rm_scores"), buffers.get("rm_scores", shape, np.float32), response_lens
         )
+    routed = _padded_routed_experts(batch, prompt_length, prompt_length + response_length)
+    if routed is not None:
+        out["routed_experts"] = routed
+    return out
+
+
+def _padded_routed_experts(
+    batch: pa.RecordBatch, prompt_length: int, width: int
+) -> torch.Tensor | None:
+    """verl's ``(B, prompt_length + response_length, layers, top_k)`` int16 routed experts:
+    zeros, each row's experts placed from its first (left-padded) prompt token, as verl's
+    ``_agent_loop_postprocess`` places them; a prompt kept by its end here loses the rows
+    of its cut tokens. None when no trajectory carries them (routing replay off)."""
+    if "routed_experts" not in batch.schema.names:
+        return None
+    column = batch.column("routed_experts")
+    if column.null_count == len(column):
+        return None
+    experts = [routed_experts_of_row(column, i) for i in range(batch.num_rows)]
+    shapes = {e.shape[1:] for e in experts if e is not None and e.num_tokens}
+    if len(shapes) > 1:
+        raise ValueError(f"routed_experts of one batch have different (layers, top_k): {shapes}")
+    layers, top_k = shapes.pop() if shapes else (0, 0)
+    out = torch.zeros((batch.num_rows, width, layers, top_k), dtype=torch.int16)
+    prompt_lens = np.diff(batch.column("prompts").offsets.to_numpy()).tolist()
+    for row, (found, p_len) in enumerate(zip(experts, prompt_lens, strict=True)):
+        if found is None or not found.num_tokens:
+            continue
+        values = found.to_numpy()[max(0, p_len - prompt_length) :]  # a cut prompt's rows go
+        start = prompt_length - min(p_len, prompt_length)
+        end = min(start + len(values), width)
+        out[row, start:end] = torch.from_numpy(values[: end - start])
     return out
 
 

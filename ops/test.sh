@@ -5,6 +5,16 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash ops/install.sh
 . .venv/bin/activate
+# Debian's Prometheus for tests/test_monitoring_prometheus.py, which runs it as a child
+# process on a free port with a temporary data folder (never the system service); without
+# root (or apt) the test skips and says why
+if ! command -v prometheus >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+      --no-install-recommends prometheus; } >/dev/null 2>&1 \
+    || echo "test: installing prometheus failed; its tests skip" >&2
+  # a package that started its service on install: stop it, the tests start their own
+  if command -v service >/dev/null; then service prometheus stop >/dev/null 2>&1 || true; fi
+fi
 if [ -f ops/contract/setup_vllm_env.sh ]; then
   bash ops/contract/setup_vllm_env.sh
 fi

@@ -1,20 +1,21 @@
-"""One typed configuration, from YAML plus environment variables.
+"""One typed configuration, from YAML, environment variables and ``key=value`` overrides.
 
 Keys follow verl where verl has one (``rollout.n``, ``rollout.prompt_length``,
-``rollout.agent.default_agent_loop``, ``rollout.multi_turn.*`` ...), so a verl user's
-``actor_rollout_ref.rollout`` block can be pasted under ``rollout:``. Every model forbids
-unknown keys: a typo is an error that names the key, never a silently ignored setting.
-The verl keys that mean nothing here are accepted: the ones a loaded config still holds in
-``VERL_KEYS_ACCEPTED_NOT_USED``, the ones dropped at load time (engine, trainer-side and
-DataLoader settings; listed once at start-up) in ``VERL_KEYS_IGNORED``, each with the reason.
-OmegaConf interpolations (``${a.b}``, ``${oc.select:a.b,default}``) and hydra's ``_target_``
-keys in a pasted verl block are resolved and accepted.
+``rollout.agent.default_agent_loop``, ``rollout.multi_turn.*``, ``actor.optim.lr``,
+``trainer.total_training_steps`` ...), and a whole verl trainer config loads as it is: its
+keys that mean something here are read under our names (``actor_rollout_ref.rollout`` is
+``rollout``, ``actor_rollout_ref.actor.optim.lr`` is ``actor.optim.lr``), the others are
+listed once at start-up as ignored, each with the reason (``rolloutbus.verl_keys``). Every
+model forbids unknown keys: a typo is an error that names the key and suggests the nearest.
+Files are read with OmegaConf (interpolations, ``${oc.env:...}``, ``${oc.select:...}``);
+``rolloutbus.config_loading`` does the reading.
+
+Precedence: the file < ``ROLLOUTBUS__SECTION__KEY`` environment variables (``__`` between
+levels, values parsed as YAML) < command-line ``key=value`` overrides
+(``load_config(path, overrides=["rollout.n=8"])``).
 
 The config is frozen once loaded; ``with_overrides(cfg, {"replica_server.port": 0})``
 returns an adjusted, re-validated copy.
-
-Environment variables override YAML: ``ROLLOUTBUS__ROLLOUT__N=8`` sets ``rollout.n``
-(prefix ``ROLLOUTBUS__``, ``__`` between levels, values parsed as YAML scalars).
 """
 
 from __future__ import annotations
@@ -22,16 +23,29 @@ from __future__ import annotations
 import logging
 import os
 import re
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
+from rolloutbus.config_loading import ENV_PREFIX as ENV_PREFIX
+from rolloutbus.config_loading import KeyTree, read_tree, suggest, to_our_layout
 from rolloutbus.errors import ConfigError
+from rolloutbus.verl_keys import VERL_KEYS_ACCEPTED_NOT_USED as VERL_KEYS_ACCEPTED_NOT_USED
+from rolloutbus.verl_keys import VERL_KEYS_IGNORED as VERL_KEYS_IGNORED
+from rolloutbus.verl_keys import VERL_KEYS_READ as VERL_KEYS_READ
+from rolloutbus.verl_keys import VERL_LOGGERS
 
-ENV_PREFIX = "ROLLOUTBUS__"
 # Where every listener binds unless configured otherwise: the embedded broker, the embedded
 # replica, the workers' metrics. Loopback, so nothing is reachable from another machine
 # until an operator chooses an address (and, for the broker, SASL users).
@@ -52,13 +66,23 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+# The roles Kafka ACLs tell apart (rolloutbus/kafka/acls.py): who writes which topic.
+AclRole = Literal["publisher", "sessions", "replay_buffer", "trainer", "weight_sync"]
+ACL_ROLES: tuple[str, ...] = ("publisher", "sessions", "replay_buffer", "trainer", "weight_sync")
+
+
 class KafkaConfig(_Section):
     bootstrap_servers: str = "127.0.0.1:9092"
     topic_prefix: str = "rollout"
     # One count for every rollout topic: a uid maps to the same partition number on
     # each topic, which the replay buffer's exactly-once recovery relies on.
     partitions: int = Field(default=4, ge=1)
-    replication_factor: int = Field(default=1, ge=1)
+    # None: min(3, brokers in the cluster), read when the topics are created. Every topic of
+    # a cluster of three or more then survives the loss of a broker (docs/production.md).
+    replication_factor: int | None = Field(default=None, ge=1)
+    # None: 2 on topics whose replication factor is 3 or more (an acks=all write then
+    # waits for a second copy, and one broker may be down), else the broker's default
+    min_insync_replicas: int | None = Field(default=None, ge=1)
     retention_ms: int = 7 * 24 * 3600 * 1000  # ms; a week of turns stays replayable
     max_message_bytes: int = 16 * 1024 * 1024  # bytes; a long trajectory as one record
     security_protocol: str | None = None  # e.g. SASL_SSL; passed through to clients
@@ -66,6 +90,10 @@ class KafkaConfig(_Section):
     sasl_username: str | None = None
     sasl_password: SecretStr | None = None
     ssl_ca_location: str | None = None
+    # The SASL user each role logs in as, for the ACLs that `rolloutbus broker acls` and the
+    # embedded broker with broker.acls grant (rolloutbus/kafka/acls.py, docs/security.md);
+    # a role not named here is granted to the user of its own name (e.g. "sessions").
+    role_users: dict[AclRole, str] = Field(default_factory=dict)
 
     def client_settings(self) -> dict[str, Any]:
         """librdkafka settings shared by every producer, consumer and admin client."""
@@ -107,6 +135,14 @@ class BrokerConfig(_Section):
     # a user or changing a password is a restart. SCRAM keeps credentials in the KRaft
     # metadata log (set at format time, then through the admin API): not supported yet.
     sasl_mechanism: Literal["PLAIN"] = "PLAIN"
+    # Kafka's StandardAuthorizer: with it, a client may do only what an ACL grants it. The
+    # first of sasl_users is the super user (the broker itself, topic and ACL admin); the
+    # role ACLs for kafka.role_users are granted on every start. Needs sasl_users.
+    acls: bool = False
+    # 1: one JVM, broker and controller. 3 (or more): a KRaft cluster of combined nodes on
+    # this host; node i (0-based) listens on port + 2i and controller_port + 2i, with its
+    # data in data_dir/node{i+1}. Topics then get min(3, nodes) replicas.
+    nodes: int = Field(default=1, ge=1, le=9)
 
     @field_validator("sasl_users")
     @classmethod
@@ -122,6 +158,17 @@ class BrokerConfig(_Section):
                     'characters other than space, " and \\'
                 )
         return users
+
+    @model_validator(mode="after")
+    def _acls_need_users(self) -> BrokerConfig:
+        # without logins every client is the same anonymous principal: ACLs could only
+        # refuse everyone or no one
+        if self.acls and not self.sasl_users:
+            raise ValueError(
+                "broker.acls needs broker.sasl_users: the first user is the super user, "
+                "the others are the roles' logins (kafka.role_users)"
+            )
+        return self
 
 
 class ValKwargs(_Section):
@@ -163,6 +210,16 @@ class RolloutConfig(_Section):
     top_p: float = 1.0
     top_k: int = -1
     repetition_penalty: float = 1.0
+    # verl's R3 (rollout routing replay): carry each turn's MoE routed experts from the
+    # replica's answer through the turn log into the trajectory's ``routed_experts`` column
+    # and the padded batch; off: a replica's routed experts are dropped at the client, as a
+    # verl engine started without the flag returns none. The replica must return them
+    # (vLLM: ``--enable-return-routed-experts``).
+    enable_rollout_routing_replay: bool = False
+    # verl's plug-in router: a YAML file whose ``router_class`` (a dotted path) names a
+    # ``LoadBalancer`` subclass, built as ``cls(replica_ids, the_yaml_as_a_dict)``; None:
+    # the built-in sticky least-in-flight balancer (streams/inference/routing.py)
+    router_config_path: str | None = None
     val_kwargs: ValKwargs = Field(default_factory=ValKwargs)
     agent: AgentConfig = Field(default_factory=AgentConfig)
     multi_turn: MultiTurnConfig = Field(default_factory=MultiTurnConfig)
@@ -212,6 +269,19 @@ class ReplicasConfig(_Section):
     resume_aborted: bool = True
     abort_retry_delay_s: float = 1.0  # seconds; verl waits 1 s for the engine to resume
     max_abort_resumes: int = 8  # then the turn ends "aborted": an engine that never resumes
+    # seconds; the lease the weight sync takes on each pause of an embedded replica, renewed
+    # every third of it while the sync works: a weight sync killed mid-reload leaves the
+    # replica paused this long at most (vLLM has no lease: the next weight sync resumes it)
+    pause_lease_s: float = Field(default=30.0, gt=0)
+    # seconds a replica may stay paused before the session workers warn (and count it in
+    # rolloutbus_client_replica_paused_too_long_total); above a slow weight sync (minutes
+    # for a large checkpoint from disk)
+    paused_warn_s: float = Field(default=300.0, gt=0)
+    # seconds a replica that (re)starts waits to report the current policy version (from
+    # rollout.control) before it is routed to anyway, on older weights (counted in
+    # rolloutbus_client_replica_admissions_total{reason="stale_timeout"}); 0: never wait.
+    # Above the weight sync's health_interval_s plus one reload.
+    admit_stale_s: float = Field(default=60.0, ge=0)
 
 
 class SessionsConfig(_Section):
@@ -272,6 +342,25 @@ class ReplayBufferConfig(_Section):
     metrics_host: str = LOOPBACK  # where metrics_port binds
 
 
+class GatewayConfig(_Section):
+    """``rolloutbus gateway``: the OpenAI-compatible endpoint for agents written outside the
+    bus (docs/gateway.md). Each agent session it serves is logged to rollout.turns as a
+    session worker's is."""
+
+    host: str = LOOPBACK  # where the gateway listens; loopback until an operator opens it
+    port: int = 8100
+    # the base of the URLs handed to agents (``base_url`` of each opened session), e.g.
+    # ``http://gateway.internal:8100``; None: the scheme and Host of the opening request
+    public_url: str | None = None
+    # seconds without a call before an open session is recorded as failed (its group can
+    # then be released): above the longest an agent spends between two calls (a slow tool,
+    # a sandbox build). Applies to sessions this process opened or resumed; a session no
+    # call reaches after a restart is released by deadlines.group_s.
+    session_idle_timeout_s: float = Field(default=1800.0, gt=0)
+    # bytes of one request body: a long agent history is sent whole on every call
+    max_request_bytes: int = Field(default=64 * 1024 * 1024, ge=1024)
+
+
 class DeadlinesConfig(_Section):
     """How long work may stay unfinished before it is released as failed records.
 
@@ -305,6 +394,10 @@ class TrainerConfig(_Section):
     # seconds a trainer may spend between two requests for groups (a train step) before
     # the broker hands its partitions to another member; librdkafka's default is 300 s
     max_poll_interval_s: float = Field(default=900.0, gt=0)
+    # members of a group that must have completed or been truncated (not failed) for the
+    # trainer client to yield the group; a group with fewer is skipped (consumed, counted
+    # in rolloutbus_trainer_client_skipped_groups_total). 0: every complete group is yielded
+    min_successful_per_group: int = Field(default=0, ge=0)
     # -- `rolloutbus train` (verl's trainer.* names where verl has one) --
     # checkpoints: {default_local_dir}/global_step_{n}/ (HF safetensors + trainer_state.json)
     default_local_dir: Path = Path("checkpoints")
@@ -319,6 +412,27 @@ class TrainerConfig(_Section):
     # one JSON line per train step (reward by data source, clip fraction, IS weights,
     # staleness, KL, step time); a .csv suffix writes CSV instead; None: no file
     metrics_log: Path | None = None
+    # verl's tracking backends: "console" prints the progress line of every step on stderr,
+    # "file" writes trainer.metrics_log (when unset: verl's file-logger path); the others
+    # (wandb, mlflow ...) are accepted with a warning: the figures are on Prometheus
+    logger: list[str] = Field(default_factory=lambda: ["console"])
+
+    @field_validator("logger", mode="before")
+    @classmethod
+    def _one_logger_or_a_list(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value
+
+    @field_validator("logger")
+    @classmethod
+    def _verls_loggers(cls, value: list[str]) -> list[str]:
+        for name in value:
+            if name not in VERL_LOGGERS:
+                nearest = suggest(name, VERL_LOGGERS)
+                hint = f" (did you mean `{nearest}`?)" if nearest else ""
+                raise ValueError(
+                    f"{name!r} is not one of verl's loggers {list(VERL_LOGGERS)}{hint}"
+                )
+        return value
 
 
 class AsyncTrainingConfig(_Section):
@@ -408,7 +522,9 @@ class RolloutCorrectionConfig(_Section):
 class AlgorithmConfig(_Section):
     """verl's ``algorithm`` keys that ``rolloutbus train`` reads: GRPO only."""
 
-    adv_estimator: Literal["grpo"] = "grpo"
+    # any of verl's estimators loads (a whole verl config says "gae"); `rolloutbus train`
+    # implements grpo only and refuses to start with another, saying so
+    adv_estimator: str = "grpo"
     norm_adv_by_std_in_grpo: bool = True  # False: Dr.GRPO (no division by the group std)
     rollout_correction: RolloutCorrectionConfig = Field(default_factory=RolloutCorrectionConfig)
 
@@ -433,6 +549,12 @@ class DataConfig(_Section):
     # the row column holding a multimodal row's images (verl's image_key), moved to
     # ``images``, the column verl's agent loops read
     image_key: str = "images"
+    # keyword arguments of every chat-template render (verl: every apply_chat_template of
+    # the Continuous Token builder), e.g. ``{enable_thinking: false}`` for Qwen3
+    apply_chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    # keyword arguments of every multimodal processor call (``max_pixels`` ...): the
+    # builder's renders, the loops' outputs and their generate() calls, as verl passes them
+    mm_processor_kwargs: dict[str, Any] = Field(default_factory=dict)
 
     @field_validator("train_files", "val_files", mode="before")
     @classmethod
@@ -474,6 +596,21 @@ class LimitsConfig(_Section):
     max_n: int = Field(default=256, ge=1)  # sessions per prompt group (rollout.n or __rollout_n__)
 
 
+class MonitoringConfig(_Section):
+    """Prometheus endpoints of the processes without a section of their own (the weight
+    sync, the dispatcher), and the consumer-lag exporter (``rolloutbus lag-exporter``).
+    ``ops/metrics-on.yaml`` sets every port to what ``ops/prometheus/prometheus.yml``
+    scrapes."""
+
+    weight_sync_metrics_port: int | None = None  # /metrics of `rolloutbus weight-sync`
+    dispatch_metrics_port: int | None = None  # /metrics of `rolloutbus dispatch`
+    lag_exporter_port: int = 9106  # /metrics of `rolloutbus lag-exporter`
+    metrics_host: str = LOOPBACK  # where these three ports bind
+    # seconds between two reads of the committed offsets and watermarks: the freshness of
+    # the lag figures; one read costs an offset query per group and a fetch per partition
+    lag_poll_s: float = Field(default=5.0, gt=0)
+
+
 class Config(_Section):
     kafka: KafkaConfig = Field(default_factory=KafkaConfig)
     broker: BrokerConfig = Field(default_factory=BrokerConfig)
@@ -490,6 +627,8 @@ class Config(_Section):
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    monitoring: MonitoringConfig = Field(default_factory=MonitoringConfig)
+    gateway: GatewayConfig = Field(default_factory=GatewayConfig)
     # verl's legacy top-level custom_reward_function; when any of its values is set it
     # replaces reward.custom_reward_function, as verl 0.9.1's reward loop migrates it
     custom_reward_function: CustomRewardFunctionConfig = Field(
@@ -512,249 +651,37 @@ class Config(_Section):
         return SimpleNamespace(rollout=self.rollout)
 
 
-# verl keys that a pasted ``actor_rollout_ref.rollout`` block carries and that have no
-# meaning here. They are validated and kept on the config (a ported loop may read them),
-# never acted on; load_config logs a warning when one is set to a non-default value.
-VERL_KEYS_ACCEPTED_NOT_USED: dict[str, str] = {
-    "rollout.agent.num_workers": "verl's number of AgentLoopWorker actors; here each "
-    "`rolloutbus sessions run` process "
-    "is one worker (start more to scale out) and sessions.concurrency sets the prompt "
-    "groups in flight per worker",
-    "rollout.multi_turn.enable": "routing is by the row's agent_name (tool_agent for tool calls, "
-    "rollout.agent.default_agent_loop when the field is absent), not by this switch",
-    "rollout.val_kwargs.do_sample": "verl's agent-loop path does not read it either: validation "
-    "samples with val_kwargs.temperature/top_p/top_k (temperature 0 is greedy)",
-}
-
-# verl keys that are accepted and dropped at load time, because what they configure does not
-# exist here; load_config lists the ones a config sets in one log line at start-up. Dotted
-# under ``rollout.``/``data.``; a key names its whole subtree. ``_target_`` (hydra's class
-# to instantiate) is accepted at any depth. A key in neither this table nor the config
-# models is still an error that names it.
-_ENGINE = "an inference-engine setting: replicas are launched and configured outside the bus"
-_TRAINER = "a trainer-side setting (log-prob micro-batching, weight sync, profiling)"
-_SERVING = "verl's own Ray-based serving (servers, routers, tracing, metrics exporters)"
-_DATALOADER = "verl's torch DataLoader/RLHFDataset, not used: the publisher streams the rows"
-VERL_KEYS_IGNORED: dict[str, str] = {
-    **dict.fromkeys(
-        (
-            "rollout." + k
-            for k in (
-                "name",
-                "mode",
-                "nnodes",
-                "n_gpus_per_node",
-                "seed",
-                "dtype",
-                "gpu_memory_utilization",
-                "ignore_eos",
-                "enforce_eager",
-                "cudagraph_capture_sizes",
-                "free_cache_engine",
-                "tensor_model_parallel_size",
-                "data_parallel_size",
-                "expert_parallel_size",
-                "pipeline_model_parallel_size",
-                "max_num_batched_tokens",
-                "max_num_seqs",
-                "enable_chunked_prefill",
-                "enable_prefix_caching",
-                "logprobs_mode",
-                "scheduling_policy",
-                "load_format",
-                "layered_summon",
-                "disable_log_stats",
-                "multi_stage_wake_up",
-                "engine_kwargs",
-                "skip_tokenizer_init",
-                "quantization",
-                "quantization_config_file",
-                "mtp",
-                "qat",
-                "disaggregation",
-                "limit_images",
-                "enable_rollout_routing_replay",
-                "moe_load_balance_metrics_interval",
-                "standalone_gpu_memory_utilization",
-                "moe_tensor_parallel_size",
-                "layer_name_map",
-                "sglang_engine_mode",
-                "enable_sleep_mode",
-            )
-        ),
-        _ENGINE,
-    ),
-    **dict.fromkeys(
-        (
-            "rollout." + k
-            for k in (
-                "log_prob_micro_batch_size",
-                "log_prob_micro_batch_size_per_gpu",
-                "log_prob_use_dynamic_bsz",
-                "log_prob_max_token_len_per_gpu",
-                "checkpoint_engine",
-                "profiler",
-            )
-        ),
-        _TRAINER,
-    ),
-    **dict.fromkeys(
-        (
-            "rollout." + k
-            for k in (
-                "router_config_path",
-                "agent.custom_async_server",
-                "agent.agent_loop_manager_class",
-                "server",
-                "custom",
-                "checkpoint_manager_class",
-                "trace",
-                "prometheus",
-            )
-        ),
-        _SERVING,
-    ),
-    "rollout.do_sample": "verl's agent-loop path does not read it either (temperature 0 is greedy)",
-    "rollout.over_sample_rate": "verl's synchronous over-sampling; here groups stream and the "
-    "replay buffer releases each when it is complete",
-    "rollout.multi_turn.use_inference_chat_template": "observation tokens come from the "
-    "continuous-token builder, as in current verl",
-    "rollout.multi_turn.tokenization_sanity_check_mode": "assistant tokens are never "
-    "re-tokenized here, so there is nothing to check",
-    "rollout.multi_turn.num_repeat_rollouts": "removed from verl's loop (interactions)",
-    **dict.fromkeys(
-        (
-            "data." + k
-            for k in (
-                "tokenizer",
-                "use_shm",
-                "train_batch_size",
-                "gen_batch_size",
-                "val_batch_size",
-                "return_raw_input_ids",
-                "return_raw_chat",
-                "return_full_prompt",
-                "shuffle",
-                "seed",
-                "dataloader_num_workers",
-                "image_patch_size",
-                "validation_shuffle",
-                "filter_overlong_prompts",
-                "filter_overlong_prompts_workers",
-                "truncation",
-                "trust_remote_code",
-                "custom_cls",
-                "return_multi_modal_inputs",
-                "apply_chat_template_kwargs",
-                "mm_processor_kwargs",
-                "tool_config_path",
-                "function_tool_path",
-            )
-        ),
-        _DATALOADER,
-    ),
-    "data.reward_fn_key": "read by verl's legacy batch reward managers only; its streaming "
-    "reward loop (naive manager), which the session workers follow, reads data_source",
-    **dict.fromkeys(
-        ("data.video_key", "data.audio_key"),
-        "video and audio rows are not supported: a row with videos or audios is refused",
-    ),
-}
-_OC_REF = re.compile(r"\$\{")
+def key_tree(model: type[BaseModel] = Config) -> KeyTree:
+    """Every key of the config models: a section maps to its keys, a leaf to None."""
+    tree: dict[str, Any] = {}
+    for name, info in model.model_fields.items():
+        kind = info.annotation
+        is_section = isinstance(kind, type) and issubclass(kind, BaseModel)
+        tree[name] = key_tree(kind) if is_section else None
+    return tree
 
 
-def _resolve_verl_interpolations(node: Any, root: dict[str, Any]) -> Any:
-    """OmegaConf's ``${a.b}`` and ``${oc.select:a.b,default}`` as verl's generated configs
-    use them, resolved against the whole file (``actor_rollout_ref.rollout.x``,
-    ``data.max_prompt_length`` ...); a missing ``oc.select`` target takes the default."""
-    if isinstance(node, dict):
-        return {k: _resolve_verl_interpolations(v, root) for k, v in node.items()}
-    if isinstance(node, list):
-        return [_resolve_verl_interpolations(v, root) for v in node]
-    if isinstance(node, str) and node.startswith("${") and node.endswith("}"):
-        inner = node[2:-1].strip()
-        select = inner.startswith("oc.select:")
-        target, _, default = inner.removeprefix("oc.select:").partition(",")
-        found, value = _lookup(root, target.strip())
-        if found:
-            return _resolve_verl_interpolations(value, root)
-        if not select:
-            raise ConfigError(f"config interpolation {node!r}: no key {target.strip()!r}")
-        default = default.strip()
-        if _OC_REF.match(default):
-            return _resolve_verl_interpolations(default, root)
-        return yaml.safe_load(default) if default else None
-    return node
+_KNOWN_KEYS = key_tree()
 
 
-def _lookup(tree: dict[str, Any], dotted: str) -> tuple[bool, Any]:
-    node: Any = tree
-    for part in dotted.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return False, None
-        node = node[part]
-    return True, node
-
-
-def _drop_ignored_verl_keys(raw: dict[str, Any]) -> list[str]:
-    """Remove VERL_KEYS_IGNORED and ``_target_`` keys from ``raw``; the dotted names removed."""
-    dropped: list[str] = []
-
-    def walk(node: dict[str, Any], prefix: str) -> None:
-        for key in list(node):
-            dotted = f"{prefix}{key}"
-            if key == "_target_" or dotted in VERL_KEYS_IGNORED:
-                del node[key]
-                if key != "_target_":
-                    dropped.append(dotted)
-            elif isinstance(node[key], dict):
-                walk(node[key], f"{dotted}.")
-
-    for section in ("rollout", "data"):
-        if isinstance(raw.get(section), dict):
-            walk(raw[section], f"{section}.")
-    for section in ("custom_reward_function", "reward"):
-        if isinstance(raw.get(section), dict):
-            raw[section].pop("_target_", None)
-            if isinstance(raw[section].get("custom_reward_function"), dict):
-                raw[section]["custom_reward_function"].pop("_target_", None)
-    return dropped
-
-
-def _lengths_from_data(raw: dict[str, Any]) -> None:
-    """verl's rollout.prompt_length/response_length default to data.max_prompt_length/
-    max_response_length (an interpolation in its generated config)."""
-    data = raw.get("data")
-    if not isinstance(data, dict):
-        return
-    rollout = raw.setdefault("rollout", {})
-    for ours, theirs in (
-        ("prompt_length", "max_prompt_length"),
-        ("response_length", "max_response_length"),
-    ):
-        if data.get(theirs) is not None and isinstance(rollout, dict):
-            rollout.setdefault(ours, data[theirs])
-
-
-def load_config(path: str | Path | None = None, env: dict[str, str] | None = None) -> Config:
-    """Read YAML (optional), apply ``ROLLOUTBUS__*`` overrides, validate once."""
-    raw: dict[str, Any] = {}
-    if path is not None:
-        raw = _read_yaml(Path(path))
-    raw = _resolve_verl_interpolations(raw, raw)
-    raw = _accept_verl_layout(raw, path)
-    for dotted, value in _env_overrides(os.environ if env is None else env).items():
-        _set_dotted(raw, dotted, value)
-    dropped = _drop_ignored_verl_keys(raw)
-    _lengths_from_data(raw)
-    cfg = _validate(raw, path)
-    if dropped:  # once, at start-up: what a pasted verl config sets that means nothing here
-        logger.warning(
-            "verl config keys accepted and ignored (see rolloutbus.config.VERL_KEYS_IGNORED "
-            "for why): %s",
-            ", ".join(dropped),
-        )
+def load_config(
+    path: str | Path | None = None,
+    env: Mapping[str, str] | None = None,
+    overrides: Sequence[str] = (),
+) -> Config:
+    """Read a YAML file (ours, or a whole verl trainer config), apply ``ROLLOUTBUS__*``
+    environment variables, then ``key=value`` overrides (ours or verl's names), and validate
+    once. Precedence: file < environment < overrides. See ``rolloutbus.config_loading``."""
+    env = os.environ if env is None else env
+    where = f" in {path}" if path is not None else ""
+    tree = read_tree(path, env, overrides)
+    loaded = to_our_layout(tree, _KNOWN_KEYS, where, env)
+    cfg = _validate(loaded.raw, where, loaded.origin)
+    _log_ignored(loaded.ignored)
+    for sentence in loaded.unsupported:
+        logger.warning("%s", sentence)
     _warn_about_unused_verl_keys(cfg)
+    _warn_about_loggers(cfg)
     return cfg
 
 
@@ -766,14 +693,45 @@ def with_overrides(cfg: Config, overrides: dict[str, Any]) -> Config:
     raw = cfg.model_dump(exclude_unset=True)
     for dotted, value in overrides.items():
         _set_dotted(raw, dotted, value)
-    return _validate(raw, None)
+    return _validate(raw, "", {})
 
 
-def _validate(raw: dict[str, Any], path: str | Path | None) -> Config:
+def _validate(raw: dict[str, Any], where: str, origin: Mapping[str, str]) -> Config:
     try:
         return Config.model_validate(raw)
     except ValidationError as exc:
-        raise ConfigError(_describe_validation_error(exc, path)) from exc
+        raise ConfigError(_describe_validation_error(exc, where, origin)) from exc
+
+
+def _log_ignored(ignored: list[tuple[str, str]]) -> None:
+    """Once, at start-up: what a verl config sets that means nothing here, by reason."""
+    if not ignored:
+        return
+    by_reason: dict[str, list[str]] = {}
+    for key, reason in ignored:
+        by_reason.setdefault(reason, []).append(key)
+    lines = [f"  {_brace_keys(keys)}: {reason}" for reason, keys in by_reason.items()]
+    logger.warning(
+        "verl config keys accepted and ignored (%d; rolloutbus.verl_keys says why):\n%s",
+        len(ignored),
+        "\n".join(lines),
+    )
+
+
+def _brace_keys(keys: list[str]) -> str:
+    """``a.b.x, a.b.y, c`` -> ``a.b.{x, y}, c``: siblings under their section, in order."""
+    by_parent: dict[str, list[str]] = {}
+    for key in keys:
+        parent, _, leaf = key.rpartition(".")
+        by_parent.setdefault(parent, []).append(leaf)
+    parts = []
+    for parent, leaves in by_parent.items():
+        prefix = f"{parent}." if parent else ""
+        if len(leaves) == 1 or not parent:
+            parts.extend(prefix + leaf for leaf in leaves)
+        else:
+            parts.append(f"{prefix}{{{', '.join(leaves)}}}")
+    return ", ".join(parts)
 
 
 def _warn_about_unused_verl_keys(cfg: Config) -> None:
@@ -792,46 +750,15 @@ def _warn_about_unused_verl_keys(cfg: Config) -> None:
             )
 
 
-def _accept_verl_layout(raw: dict[str, Any], path: str | Path | None) -> dict[str, Any]:
-    """A verl config's ``actor_rollout_ref.rollout`` block may be pasted as it is."""
-    verl = raw.get("actor_rollout_ref")
-    if verl is None:
-        return raw
-    where = f" in {path}" if path else ""
-    if not isinstance(verl, dict) or set(verl) - {"rollout"}:
-        extra = sorted(set(verl) - {"rollout"}) if isinstance(verl, dict) else verl
-        raise ConfigError(
-            f"config key 'actor_rollout_ref'{where}: only its 'rollout' section is "
-            f"read here, got {extra}"
+def _warn_about_loggers(cfg: Config) -> None:
+    others = [name for name in cfg.trainer.logger if name not in ("console", "file")]
+    if others:
+        logger.warning(
+            "trainer.logger %s: not supported here; the trainer's figures go to its progress "
+            "line ('console'), its JSONL/CSV log ('file', trainer.metrics_log) and Prometheus "
+            "(trainer.metrics_port)",
+            others,
         )
-    if "rollout" in raw:
-        raise ConfigError(
-            f"config{where} has both 'rollout' and 'actor_rollout_ref.rollout': keep one"
-        )
-    out = {k: v for k, v in raw.items() if k != "actor_rollout_ref"}
-    out["rollout"] = verl.get("rollout") or {}
-    return out
-
-
-def _read_yaml(path: Path) -> dict[str, Any]:
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except FileNotFoundError as exc:
-        raise ConfigError(f"config file not found: {path}") from exc
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"config file {path} is not valid YAML: {exc}") from exc
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file {path} must hold a mapping, got {type(data).__name__}")
-    return data
-
-
-def _env_overrides(env: dict[str, str] | os._Environ[str]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, text in env.items():
-        if key.startswith(ENV_PREFIX):
-            dotted = key[len(ENV_PREFIX) :].lower().replace("__", ".")
-            out[dotted] = yaml.safe_load(text) if text != "" else None
-    return out
 
 
 def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
@@ -844,13 +771,36 @@ def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
     node[leaf] = value
 
 
-def _describe_validation_error(exc: ValidationError, path: str | Path | None) -> str:
-    where = f" in {path}" if path else ""
+def _describe_validation_error(
+    exc: ValidationError, where: str, origin: Mapping[str, str] | None = None
+) -> str:
     lines = []
     for err in exc.errors():
         key = ".".join(str(p) for p in err["loc"])
+        written = _written_name(key, origin or {})
         if err["type"] == "extra_forbidden":
-            lines.append(f"unknown config key '{key}'{where}")
+            parent, _, leaf = key.rpartition(".")
+            nearest = suggest(leaf, _section_keys(parent))
+            hint = f": did you mean `{nearest}`?" if nearest else ""
+            lines.append(f"unknown config key '{written}'{where}{hint}")
         else:
-            lines.append(f"config key '{key}'{where}: {err['msg']}")
+            lines.append(f"config key '{written}'{where}: {err['msg']}")
     return "; ".join(lines)
+
+
+def _written_name(key: str, origin: Mapping[str, str]) -> str:
+    """``key`` as the file wrote it (``actor_rollout_ref.actor.optim.lr`` for
+    ``actor.optim.lr``); a key inside a value (a list's item) keeps its suffix."""
+    parts = key.split(".")
+    for i in range(len(parts), 0, -1):
+        written = origin.get(".".join(parts[:i]))
+        if written is not None:
+            return ".".join([written, *parts[i:]])
+    return key
+
+
+def _section_keys(dotted: str) -> set[str]:
+    node: KeyTree | None = _KNOWN_KEYS
+    for part in dotted.split(".") if dotted else []:
+        node = node.get(part) if node is not None else None
+    return set(node) if node is not None else set()

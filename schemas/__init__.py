@@ -22,6 +22,7 @@ from rolloutbus.schemas.trajectories import (
 )
 from rolloutbus.schemas.turns import (
     Generation,
+    GroupSettings,
     GroupStarted,
     Observation,
     OutputSummary,
@@ -44,6 +45,7 @@ __all__ = [
     "DeadLetter",
     "Generation",
     "GroupSamplingParams",
+    "GroupSettings",
     "GroupStarted",
     "Message",
     "Observation",

@@ -56,17 +56,48 @@ class AgentLoopOutput(BaseModel):
     mm_processor_output: list[dict[str, Any]] | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        """verl V1's storage view: renamed fields plus ``rm_scores`` (reward on the last token)."""
-        out: dict[str, Any] = {
-            "prompts": list(self.prompt_ids),
-            "responses": list(self.response_ids),
-            "response_mask": list(self.response_mask),
-        }
-        if self.response_logprobs is not None:
-            out["rollout_log_probs"] = list(self.response_logprobs)
-        if self.reward_score is not None:
-            scores = [0.0] * len(self.response_ids)
-            if scores:
-                scores[-1] = float(self.reward_score)
-            out["rm_scores"] = scores
-        return out
+        """verl's ``AgentLoopOutput.as_dict``, field for field: the fields that were set
+        (pydantic's ``exclude_unset``), token fields renamed to verl V1's storage names as
+        torch tensors (``prompts``/``responses``/``response_mask`` int64,
+        ``rollout_log_probs`` float32), ``routed_experts`` as int16 aligned to the whole
+        sequence (rows past what the engine recorded are zeros), ``rm_scores`` (the reward
+        on the last token), ``extra_fields`` always present, and ``teacher_ids`` /
+        ``teacher_logprobs`` moved out of ``extra_fields`` to the top level."""
+        import torch  # only a caller of as_dict pays for torch (verl's return types)
+
+        output = self.model_dump(exclude_unset=True)
+        output["prompts"] = torch.tensor(output.pop("prompt_ids"), dtype=torch.int64)
+        output["responses"] = torch.tensor(output.pop("response_ids"), dtype=torch.int64)
+        output["response_mask"] = torch.tensor(output.pop("response_mask"), dtype=torch.int64)
+        response_logprobs = output.pop("response_logprobs", None)
+        if response_logprobs is not None:
+            output["rollout_log_probs"] = torch.tensor(response_logprobs, dtype=torch.float32)
+        routed_experts = output.pop("routed_experts", None)
+        if routed_experts is not None:
+            total = output["prompts"].size(0) + output["responses"].size(0)
+            output["routed_experts"] = _aligned_routed_experts(routed_experts, total)
+        reward_score = output.pop("reward_score", None)
+        if reward_score is not None:
+            rm_scores = torch.zeros_like(output["response_mask"], dtype=torch.float32)
+            rm_scores[-1] = reward_score
+            output["rm_scores"] = rm_scores
+        # a default dict mutated in place is not in pydantic's fields-set (verl's comment)
+        extra_fields = output.setdefault("extra_fields", self.extra_fields.copy())
+        for key in ("teacher_ids", "teacher_logprobs"):
+            value = extra_fields.pop(key, None)
+            if value is not None:
+                output[key] = value
+        return output
+
+
+def _aligned_routed_experts(routed_experts: Any, total_length: int) -> Any:
+    """verl's alignment: int16 rows for every position of the sequence; the engine
+    recorded only the tokens it fed through the model, the rest stay zero."""
+    import numpy as np
+    import torch
+
+    experts = torch.as_tensor(np.asarray(routed_experts), dtype=torch.int16)
+    aligned = experts.new_zeros((total_length, *experts.shape[1:]))
+    rows = min(experts.size(0), total_length)
+    aligned[:rows] = experts[:rows]
+    return aligned

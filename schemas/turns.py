@@ -20,7 +20,10 @@ from typing import Annotated, Any, Literal, TypedDict
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from rolloutbus.schemas.agent_loop import AgentLoopMetrics
+from rolloutbus.schemas.evolution import decode_json_record
+from rolloutbus.schemas.routed_experts import RoutedExperts
 from rolloutbus.schemas.tokens import INT32_MAX, Int32, Int64, Logprobs, Mask, TokenIds
+from rolloutbus.schemas.trace import TraceSpan
 from rolloutbus.schemas.version import SCHEMA_VERSION
 
 
@@ -49,8 +52,33 @@ class SessionIds(TypedDict):
     attempt: str
 
 
+class GroupSettings(BaseModel):
+    """The session worker's settings that decide what a group's trajectories are: their
+    budgets (a response that reaches ``response_length`` is ``truncated``; a prompt or
+    response over its budget breaks an invariant), whether logprobs were asked for, and
+    which loop and reward function made them. Recorded in ``group_started``, so the replay
+    buffer and ``rolloutbus replay`` fold a group with the settings it ran under, whatever
+    their own config says. (n and the sampling parameters are ``group_started``'s own fields.)
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    prompt_length: int = Field(ge=1)  # rollout.prompt_length, tokens
+    response_length: int = Field(ge=1)  # rollout.response_length, tokens
+    max_model_len: int | None = None  # rollout.max_model_len
+    calculate_log_probs: bool = True  # rollout.calculate_log_probs
+    # rollout.agent.default_agent_loop: the loop of a row without agent_name (a row's own
+    # agent_name is in the row; the loop a session ran is its session_started's agent_name)
+    default_agent_loop: str = "single_turn_agent"
+    # the reward function: "default_compute_score" (verl's table), or "PATH:NAME" of the
+    # custom_reward_function in effect, with its reward_kwargs
+    reward_function: str = "default_compute_score"
+    reward_kwargs: dict[str, Any] = Field(default_factory=dict)
+
+
 class GroupStarted(_Event):
-    """A worker took a prompt group: the replay buffer learns n and the prompt columns."""
+    """A worker took a prompt group: the replay buffer learns n, the prompt columns and the
+    settings the group runs under."""
 
     type: Literal["group_started"] = "group_started"
     attempt: str
@@ -62,6 +90,13 @@ class GroupStarted(_Event):
     # the prompt group's sampling settings, so a worker that resumes the group from the log
     # samples as the one that started it (empty in logs written before this field existed)
     sampling_params: dict[str, Any] = Field(default_factory=dict)
+    # the worker's settings that shape the group's trajectories; None in logs written before
+    # this field existed (the fold then falls back to its own config's, with a warning)
+    settings: GroupSettings | None = None
+    # who runs the group's sessions: a session worker (taken from rollout.prompts; resumed
+    # by whichever worker owns the partition) or the OpenAI gateway (an agent outside the
+    # bus calls it; only the gateway resumes such a group, when the agent calls again)
+    driven_by: Literal["session_worker", "gateway"] = "session_worker"
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
@@ -97,6 +132,10 @@ class Generation(_SessionEvent):
     # the TokenOutput's extra_fields (finish reason, replica, weight version ...): a session
     # resumed from the log gets back exactly what the replica returned
     extra_fields: dict[str, Any] = Field(default_factory=dict)
+    # the turn's MoE routed experts (rollout.enable_rollout_routing_replay): every token the
+    # engine fed through the model, prompt included; None without routing replay (and in
+    # logs written before this field existed)
+    routed_experts: RoutedExperts | None = None
 
 
 class Observation(_SessionEvent):
@@ -125,6 +164,17 @@ class OutputSummary(BaseModel):
 class SessionFinished(_SessionEvent):
     type: Literal["session_finished"] = "session_finished"
     outputs: list[OutputSummary]
+    # the session's trace (the loop's run, each generate and tool call); [] in logs written
+    # before this field existed
+    spans: list[TraceSpan] = Field(default_factory=list)
+
+
+# What a failed session is attributed to, so a trainer and a dashboard can tell an outage
+# from a bad loop: "infrastructure" (a replica, the broker, a hung tool or a deadline; the
+# same session may well succeed when run again), "loop" (the agent loop, its tools' answers
+# or its output), "reward" (the reward function).
+FailureClass = Literal["infrastructure", "loop", "reward"]
+FAILURE_CLASSES: tuple[FailureClass, ...] = ("infrastructure", "loop", "reward")
 
 
 class SessionFailed(_SessionEvent):
@@ -134,6 +184,9 @@ class SessionFailed(_SessionEvent):
     agent_name: str | None = None
     error: str
     retriable: bool = False
+    spans: list[TraceSpan] = Field(default_factory=list)  # what ran before it failed
+    # None in logs written before failure classes existed
+    failure_class: FailureClass | None = None
 
 
 TurnEvent = Annotated[
@@ -156,4 +209,6 @@ def encode_turn_event(event: BaseModel) -> bytes:
 
 
 def decode_turn_event(data: bytes):
-    return _TURN_EVENT.validate_json(data)
+    """Raises pydantic's ValidationError for a record that is not a turn event, SchemaError
+    for one of a schema version this reader cannot read (``schemas/evolution.py``)."""
+    return decode_json_record(_TURN_EVENT, data, "turn_event")

@@ -1,4 +1,4 @@
-"""One importer for plug-ins named by a path: agent loops, tools, reward functions.
+"""One importer for plug-ins named by a path: agent loops, tools, tool parsers, reward functions.
 
 Accepted forms:
 

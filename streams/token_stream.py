@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rolloutbus.schemas.control import as_policy_version
+from rolloutbus.schemas.routed_experts import RoutedExperts
 
 
 @dataclass
@@ -22,6 +23,8 @@ class SegmentStream:
     mask: list[int] = field(default_factory=list)  # aligned to tokens; prompt positions 0
     logprobs: list[float] = field(default_factory=list)  # aligned to tokens; 0.0 off-policy
     versions: list[tuple[int, int | None]] = field(default_factory=list)  # (end, version)
+    # (end, routed experts) of each generation that carried them (routing replay), in order
+    routed: list[tuple[int, RoutedExperts]] = field(default_factory=list)
 
     @classmethod
     def start(cls, prompt_ids: list[int]) -> SegmentStream:
@@ -34,6 +37,7 @@ class SegmentStream:
         logprobs: list[float] | None,
         version: int | None,
         first_version: int | None = None,
+        routed_experts: RoutedExperts | None = None,
     ) -> None:
         """``version`` sampled the turn's last token; ``first_version``, when another, its
         first (the weights changed mid-turn): recorded as a span ending at the first token,
@@ -44,11 +48,23 @@ class SegmentStream:
         self.mask.extend([1] * len(token_ids))
         self.logprobs.extend(logprobs if logprobs is not None else [0.0] * len(token_ids))
         self.versions.append((len(self.tokens), version))
+        if routed_experts is not None:
+            self.routed.append((len(self.tokens), routed_experts))
 
     def add_observation(self, token_ids: list[int]) -> None:
         self.tokens.extend(token_ids)
         self.mask.extend([0] * len(token_ids))
         self.logprobs.extend([0.0] * len(token_ids))
+
+    def routed_experts_until(self, end: int) -> RoutedExperts | None:
+        """The routed experts an output ending at ``end`` holds, as verl's loops keep them:
+        those of the last generation that ends within it, cut at ``end`` tokens (the engine
+        recorded every token it fed through the model, the whole prefix included)."""
+        found = None
+        for stop, experts in self.routed:
+            if stop <= end:
+                found = experts
+        return None if found is None else found.head(end)
 
     def versions_until(self, end: int) -> list[int]:
         return [v for stop, v in self.versions if v is not None and stop - 1 < end]

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 import uuid
+from pathlib import Path
 
 
 def free_port() -> int:
@@ -20,3 +24,20 @@ def free_port() -> int:
 def unique_name(prefix: str, hex_chars: int = 8) -> str:
     """``prefix`` plus random hex: topic prefixes, group ids. No ``_`` (the key separator)."""
     return f"{prefix}{uuid.uuid4().hex[:hex_chars]}"
+
+
+def verl_side_env() -> Path | str:
+    """The folder of the verl 0.9.1 side environment (``$ROLLOUTBUS_VERL_SITE``, else what
+    ops/contract/setup_verl_env.sh builds or finds), or why there is none: tests marked
+    ``verl`` skip with that reason, as tests/test_verl_parity.py does."""
+    site = os.environ.get("ROLLOUTBUS_VERL_SITE")
+    if site:
+        return Path(site)
+    setup = Path(__file__).resolve().parents[1] / "ops" / "contract" / "setup_verl_env.sh"
+    env = {**os.environ, "PYTHON": sys.executable}
+    built = subprocess.run(
+        ["bash", str(setup)], capture_output=True, text=True, env=env, timeout=900
+    )
+    if built.returncode != 0:
+        return f"the verl side environment did not build: {built.stderr[-2000:]}"
+    return Path(built.stdout.strip().splitlines()[-1])

@@ -388,9 +388,13 @@ async def test_ct_merge_rejects_edited_history(tok):
         await loop.ct_merge_context_msg(
             history, [{"role": "user", "content": "b"}, {"role": "tool", "content": "c"}], [], []
         )
-    with pytest.raises(ValueError, match="roles"):
+    with pytest.raises(ValueError, match="cannot end with assistant"):  # verl's message
         await loop.ct_merge_context_msg(
             history, [*history, {"role": "assistant", "content": "x"}], [], []
+        )
+    with pytest.raises(ValueError, match="only supports appending roles .* got 'robot'"):
+        await loop.ct_merge_context_msg(
+            history, [*history, {"role": "robot", "content": "x"}], [], []
         )
 
 

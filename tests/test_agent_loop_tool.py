@@ -3,6 +3,7 @@
 import asyncio
 import json
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -254,12 +255,16 @@ async def test_tool_failures_become_verl_error_text_with_zero_reward(tok, text, 
 async def test_invalid_json_arguments_are_verl_error_text(tok):
     """gpt-oss passes the arguments through unparsed, so the loop answers bad JSON itself."""
     loop, _ = make_loop(tok, [])
-    data = tool_agent.AgentData([], None, None, "r", {}, dict(loop.tools))
-    response, reward, _ = await loop._call_tool(
-        FunctionCall(name="calculator", arguments='{"expression": "1+"'), data
+    data = tool_agent.AgentData(
+        [], None, None, None, None, {}, request_id="r", tools_kwargs={}, tools=dict(loop.tools)
     )
+    call = FunctionCall(name="calculator", arguments='{"expression": "1+"')
+    response, reward, _ = await loop._call_tool(call, data.tools_kwargs, data)  # verl's
     assert response.text.startswith("Invalid JSON in arguments for 'calculator': ")
     assert reward == 0.0
+    with pytest.warns(DeprecationWarning, match="_call_tool"):  # the earlier two arguments
+        old_style = await loop._call_tool(call, data)
+    assert old_style == (response, reward, {})
 
 
 async def test_a_malformed_hermes_call_ends_the_trajectory(tok):
@@ -554,3 +559,122 @@ async def test_assistant_logprobs_must_match_the_tokens(tok):
     loop, _ = make_loop(tok, [])
     with pytest.raises(ValueError, match="must match"):
         await loop.ct_merge_assistant_token([1], [2, 3], [], [], assistant_logprobs=[-0.1])
+
+
+# ---- verl's override points ----------------------------------------------------------
+
+
+def _ported_loop_class(tmp_path):
+    """tests/fixtures/verl_style_tool_loop.py, written against verl 0.9.1, with its imports
+    pointed at Rollout Bus and nothing else changed."""
+    from fixtures.verl_port import port_file
+
+    from rolloutbus.streams.plugins import import_object
+
+    ported = port_file(Path(__file__).parent / "fixtures" / "verl_style_tool_loop.py", tmp_path)
+    return import_object(f"{ported}:AuditedToolLoop", what="test loop", kind="class")
+
+
+async def test_a_verl_style_subclass_overriding_both_points_runs(tok, tmp_path):
+    cls = _ported_loop_class(tmp_path)
+    server = ScriptedServerManager([turn(tok, call_text()), turn(tok, "The answer is 126.")])
+    loop = cls(DictConfigWrap(make_config()), server, tok, None, tools=[CalculatorTool()])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)  # verl's signature: no warning
+        out = await run(loop, tools_kwargs={"calculator": {"create_kwargs": {}}})
+    assert out.extra_fields["assistant_messages"] == 2  # _build_assistant_message, per turn
+    assert out.extra_fields["tools_called"] == ["calculator"]  # _call_tool(call, kwargs, data)
+    assert "<tool_response>\n[checked] 126\n</tool_response>" in observation_text(tok, out)
+    assert out.response_mask.count(0) > 0 and out.num_turns == 4
+
+
+class LegacyCallToolLoop(ToolAgentLoop):
+    """Overrides _call_tool with this project's earlier (call, agent_data) signature."""
+
+    async def _call_tool(self, call, agent_data):
+        response, reward, metrics = await super()._call_tool(
+            call, agent_data.tools_kwargs, agent_data
+        )
+        return response.model_copy(update={"text": "legacy " + response.text}), reward, metrics
+
+
+async def test_the_earlier_call_tool_signature_still_runs_with_a_deprecation_warning(tok):
+    server = ScriptedServerManager([turn(tok, call_text()), turn(tok, "ok")])
+    config = DictConfigWrap(make_config())
+    loop = LegacyCallToolLoop(config, server, tok, None, tools=[CalculatorTool()])
+    with pytest.warns(DeprecationWarning, match=r"_call_tool\(call, agent_data\) is deprecated"):
+        out = await run(loop)
+    assert "<tool_response>\nlegacy 126\n</tool_response>" in observation_text(tok, out)
+
+
+async def test_build_assistant_message_is_what_the_history_holds(tok):
+    """verl's message: the parsed text and the calls, arguments as a dict (the raw text
+    when they are not a JSON object), the id when the model wrote one."""
+    loop, _ = make_loop(tok, [])
+    data = tool_agent.AgentData([], None, None)
+    data.tool_calls = [
+        FunctionCall(name="calculator", arguments='{"expression": "1"}', tool_call_id="c1"),
+        FunctionCall(name="calculator", arguments="[1]"),
+    ]
+    loop.max_parallel_calls = 2
+    assert loop._build_assistant_message("hi", data) == {
+        "role": "assistant",
+        "content": "hi",
+        "tool_calls": [
+            {
+                "type": "function",
+                "function": {"name": "calculator", "arguments": {"expression": "1"}},
+                "id": "c1",
+            },
+            {"type": "function", "function": {"name": "calculator", "arguments": "[1]"}},
+        ],
+    }
+    data.tool_calls = []
+    assert loop._build_assistant_message(None, data) == {"role": "assistant", "content": ""}
+
+
+async def test_the_tool_timeout_also_bounds_an_overridden_call_tool(tok):
+    class SlowLoop(ToolAgentLoop):
+        async def _call_tool(self, tool_call, tools_kwargs, agent_data):
+            await asyncio.sleep(5)
+
+    server = ScriptedServerManager([turn(tok, call_text()), turn(tok, "ok")])
+    config = make_config(multi_turn={"tool_timeout_s": 0.05})
+    loop = SlowLoop(DictConfigWrap(config), server, tok, None, tools=[CalculatorTool()])
+    out = await run(loop)
+    assert "timed out after 0.05 s" in observation_text(tok, out)
+
+
+# ---- parsers from outside the tree (rollout.multi_turn.format: a dotted path) -----------
+
+
+class UpperParser(ToolParser):
+    """A parser defined outside the registry: every turn is one call to `calculator`."""
+
+    async def extract_tool_calls(self, responses_ids, tools=None):
+        text = await self._decode(responses_ids)
+        return "", [FunctionCall(name="calculator", arguments=json.dumps({"expression": text}))]
+
+
+async def test_a_parser_class_by_dotted_path(tok):
+    parser = ToolParser.get_tool_parser(f"{__name__}.UpperParser", tok)
+    assert isinstance(parser, UpperParser)
+    content, calls = await parser.extract_tool_calls(tok.encode("1+1", add_special_tokens=False))
+    assert calls[0].name == "calculator" and json.loads(calls[0].arguments) == {"expression": "1+1"}
+
+
+@pytest.mark.parametrize(
+    "path, message",
+    [
+        ("no_such_pkg.parsers.P", "cannot load tool parser .* no module named 'no_such_pkg'"),
+        ("json:nope", "cannot load tool parser .* 'json' has no attribute 'nope'"),
+        ("json:dumps", "cannot load tool parser .* it is a function, not a class"),
+        ("json:JSONDecoder", "JSONDecoder has no extract_tool_calls method"),
+    ],
+)
+def test_a_bad_parser_path_is_the_importers_error(tok, path, message):
+    from rolloutbus.streams.agent_loop.tool_parser import UnknownToolParserError
+
+    with pytest.raises(UnknownToolParserError, match=message) as err:
+        ToolParser.get_tool_parser(path, tok)
+    assert isinstance(err.value, ValueError)  # verl raises ValueError for an unknown format

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import shutil
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from confluent_kafka import Consumer, TopicPartition
 from confluent_kafka.admin import AdminClient, ConfigResource
 from helpers import free_port, unique_name
@@ -267,3 +270,145 @@ def test_restart_keeps_topics_and_records(tmp_path: Path, make_producer) -> None
             consumer.close()
     finally:
         stop_broker(cfg)
+
+
+# --- a cluster of three nodes ---------------------------------------------------------------
+
+
+def _props(cfg: Config, data_dir: Path, node_index: int = 0) -> dict[str, str]:
+    from rolloutbus.kafka.broker_properties import broker_nodes
+
+    nodes = broker_nodes(cfg, data_dir)
+    text = server_properties(cfg, data_dir, nodes[node_index], nodes)
+    return dict(line.split("=", 1) for line in text.splitlines() if line and line[0] != "#")
+
+
+def test_three_nodes_have_their_own_ports_data_and_one_static_quorum(tmp_path: Path) -> None:
+    cfg = Config(broker=BrokerConfig(port=29092, controller_port=29093, nodes=3))
+    second = _props(cfg, tmp_path, 1)
+    assert second["node.id"] == "2"
+    assert second["listeners"] == "PLAINTEXT://127.0.0.1:29094,CONTROLLER://127.0.0.1:29095"
+    assert second["log.dirs"] == str(tmp_path / "node2" / "kraft-logs")
+    assert second["controller.quorum.voters"] == (
+        "1@127.0.0.1:29093,2@127.0.0.1:29095,3@127.0.0.1:29097"
+    )
+    assert "controller.quorum.bootstrap.servers" not in second
+    # internal topics survive a broker: three replicas, two in sync for a write
+    for key in (
+        "offsets.topic.replication.factor",
+        "transaction.state.log.replication.factor",
+        "default.replication.factor",
+    ):
+        assert second[key] == "3", key
+    assert second["transaction.state.log.min.isr"] == second["min.insync.replicas"] == "2"
+    assert second["unclean.leader.election.enable"] == "false"
+    single = _props(Config(broker=BrokerConfig(port=29092, controller_port=29093)), tmp_path)
+    assert single["transaction.state.log.min.isr"] == single["min.insync.replicas"] == "1"
+    assert single["controller.quorum.bootstrap.servers"] == "127.0.0.1:29093"
+
+
+def test_overlapping_node_ports_are_refused_before_any_jvm(tmp_path: Path) -> None:
+    cfg = Config(broker=BrokerConfig(data_dir=tmp_path, port=free_port(), nodes=3))
+    cfg = cfg.model_copy(
+        update={"broker": cfg.broker.model_copy(update={"controller_port": cfg.broker.port + 2})}
+    )
+    with pytest.raises(BrokerError, match="overlapping ports"):
+        start_broker(cfg)
+    assert not any(tmp_path.glob("node*/server.properties"))
+
+
+def test_a_data_dir_keeps_its_node_count(tmp_path: Path) -> None:
+    (tmp_path / "node1" / "kraft-logs").mkdir(parents=True)
+    (tmp_path / "node1" / "kraft-logs" / "meta.properties").write_text("cluster.id=x\n")
+    cfg = Config(broker=BrokerConfig(data_dir=tmp_path, port=free_port()))
+    with pytest.raises(BrokerError, match="holds a 1-node cluster, but broker.nodes is 1"):
+        start_broker(cfg)
+
+
+def test_replication_follows_the_cluster_size() -> None:
+    from rolloutbus.kafka.admin import min_insync_replicas, replication_factor, topic_configs
+
+    kafka = KafkaConfig()
+    assert [replication_factor(kafka, n) for n in (1, 2, 3, 5)] == [1, 2, 3, 3]
+    assert [min_insync_replicas(kafka, r) for r in (1, 2, 3)] == [None, None, 2]
+    assert "min.insync.replicas" not in topic_configs(kafka, None, 1)
+    assert topic_configs(kafka, None, 3)["min.insync.replicas"] == "2"
+    pinned = KafkaConfig(replication_factor=2, min_insync_replicas=1)
+    assert replication_factor(pinned, 3) == 2
+    assert topic_configs(pinned, None, 2)["min.insync.replicas"] == "1"
+
+
+def _cli(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "rolloutbus.cli", *argv],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def _replicas(kafka: KafkaConfig, topic: str) -> dict[int, tuple[int, list[int], list[int]]]:
+    meta = AdminClient(kafka.client_settings()).list_topics(topic, timeout=10).topics[topic]
+    return {p: (m.leader, list(m.replicas), list(m.isrs)) for p, m in meta.partitions.items()}
+
+
+@pytest.mark.slow
+@pytest.mark.kafka  # a cluster of its own: three JVMs
+def test_a_three_node_cluster_replicates_and_survives_its_leader(
+    tmp_path: Path, make_producer
+) -> None:
+    """`rolloutbus broker start --nodes 3`: three nodes, rollout topics with three replicas
+    and min.insync.replicas 2, internal topics alike; an acks=all write goes on after the
+    leader of its partition is SIGKILLed, and the node comes back with `start`."""
+    from cluster import cluster_config
+
+    cfg = cluster_config(tmp_path / "kafka")
+    config_path = tmp_path / "config.yaml"
+    raw = {"broker": cfg.broker.model_dump(mode="json"), "kafka": {"topic_prefix": "c3"}}
+    raw["broker"]["nodes"] = 1  # the command line says 3; stop and status find it on disk
+    raw["kafka"]["bootstrap_servers"] = cfg.kafka.bootstrap_servers
+    config_path.write_text(yaml.safe_dump(raw))
+    kafka = cfg.kafka.model_copy(update={"topic_prefix": "c3"})
+    try:
+        started = _cli("broker", "start", "--nodes", "3", "--config", str(config_path))
+        assert started.returncode == 0, started.stderr[-3000:]
+        assert "3 nodes" in started.stdout and "topics ready (6 created)" in started.stdout
+        status = _cli("broker", "status", "--config", str(config_path))
+        assert status.returncode == 0 and cfg.kafka.bootstrap_servers in status.stdout
+
+        turns = Topics.from_config(kafka).turns
+        for name in Topics.from_config(kafka).all():
+            for _, replicas, isrs in _replicas(kafka, name).values():
+                assert sorted(replicas) == [1, 2, 3] and sorted(isrs) == [1, 2, 3], name
+            assert _describe_topic_configs(kafka, name)["min.insync.replicas"] == "2", name
+
+        producer = make_producer({"acks": "all", "enable.idempotence": True}, kafka=kafka)
+        producer.produce(turns, key=b"k", value=b"before", partition=0)
+        assert producer.flush(POLL_TIMEOUT_S) == 0
+        # the internal topics exist once used: a group's offsets, a transaction's state
+        consumer = Consumer({**kafka.client_settings(), "group.id": unique_name("g")})
+        try:
+            consumer.commit(offsets=[TopicPartition(turns, 0, 1)], asynchronous=False)
+        finally:
+            consumer.close()
+        for internal in ("__consumer_offsets",):
+            for _, replicas, _ in _replicas(kafka, internal).values():
+                assert sorted(replicas) == [1, 2, 3], internal
+
+        leader = _replicas(kafka, turns)[0][0]
+        broker.kill_node(cfg, leader)
+        producer.produce(turns, key=b"k", value=b"after", partition=0)
+        assert producer.flush(POLL_TIMEOUT_S) == 0  # a new leader, two replicas in sync
+        assert _replicas(kafka, turns)[0][0] != leader
+        assert start_broker(cfg).running  # the killed node alone starts again
+
+        reader = Consumer({**kafka.client_settings(), "group.id": unique_name("g")})
+        try:
+            reader.assign([TopicPartition(turns, 0, 0)])
+            assert [_consume_one(reader).value() for _ in range(2)] == [b"before", b"after"]
+        finally:
+            reader.close()
+    finally:
+        stopped = _cli("broker", "stop", "--config", str(config_path))
+    assert stopped.returncode == 0 and "broker stopped" in stopped.stdout, stopped.stderr
+    assert not any(broker_status(cfg).node_pids)

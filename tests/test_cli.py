@@ -2,16 +2,24 @@
 
 from __future__ import annotations
 
+import argparse
+import os
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pyarrow as pa
 import pytest
+import yaml
+from confluent_kafka.admin import AdminClient
 from helpers import free_port, unique_name
 from pipeline import write_config
 
 from rolloutbus.cli import build_parser
+from rolloutbus.cli.data import log_time
 from rolloutbus.config import Config
+from rolloutbus.config_loading import split_overrides
 
 SUBCOMMANDS = [
     "broker",
@@ -27,15 +35,23 @@ SUBCOMMANDS = [
     "replay",
     "dataset",
     "demo",
+    "lag-exporter",
+    "top",
+    "inspect",
+    "config",
+    "gateway",
 ]
 
 
-def _cli(*argv: str, timeout: float = 60) -> subprocess.CompletedProcess:
+def _cli(
+    *argv: str, timeout: float = 60, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "rolloutbus.cli", *argv],
         capture_output=True,
         text=True,
         timeout=timeout,
+        env={**os.environ, **(env or {})},
     )
 
 
@@ -56,6 +72,46 @@ def test_unknown_config_key_exits_2_naming_the_key(tmp_path):
     assert result.returncode == 2
     assert "unknown config key 'rollout.respone_length'" in result.stderr
     assert result.stdout == ""
+
+
+def test_config_prints_the_resolved_config_with_key_value_overrides_anywhere(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("actor_rollout_ref:\n  rollout: {n: 2, response_length: 64}\n")
+    result = _cli("config", "rollout.response_length=32", "-c", str(path), "kafka.partitions=2")
+    assert result.returncode == 0, result.stderr
+    printed = yaml.safe_load(result.stdout)
+    assert (printed["rollout"]["n"], printed["rollout"]["response_length"]) == (2, 32)
+    assert printed["kafka"]["partitions"] == 2
+    # verl's names too, and the command line wins over the environment
+    env = {"ROLLOUTBUS__ROLLOUT__N": "4"}
+    result = _cli("config", "-c", str(path), "actor_rollout_ref.rollout.n=8", env=env)
+    assert yaml.safe_load(result.stdout)["rollout"]["n"] == 8
+    assert yaml.safe_load(_cli("config", "-c", str(path), env=env).stdout)["rollout"]["n"] == 4
+
+
+def test_an_override_never_lands_in_a_positional_and_other_tokens_are_usage_errors():
+    overrides, rest = split_overrides(
+        ["publish", "rollout.n=8", "rows.jsonl", "+trainer.logger=[file]", "--", "a.b=c"]
+    )
+    assert overrides == ["rollout.n=8", "+trainer.logger=[file]"]
+    args = build_parser().parse_args(rest[:-2])
+    assert args.dataset == Path("rows.jsonl")
+    unknown = _cli("config", "rollout.n=8", "bogus")
+    assert unknown.returncode == 2 and "unrecognized arguments: bogus" in unknown.stderr
+    typo = _cli("config", "rollout.nn=8")
+    assert typo.returncode == 2 and "did you mean `n`?" in typo.stderr and typo.stdout == ""
+
+
+def test_replay_times_are_epoch_seconds_iso_or_ago_and_anything_else_is_a_usage_error():
+    now = time.time()
+    assert log_time("1700000000.5") == 1700000000.5
+    assert log_time("2026-12-01T10:00:00+00:00") == 1796119200.0
+    assert now - 7200 - 5 < log_time("-2h") <= time.time() - 7200
+    assert log_time("-30m") < log_time("-30s")
+    with pytest.raises(argparse.ArgumentTypeError, match="not a time"):
+        log_time("yesterday")
+    bad = _cli("replay", "--since", "yesterday")
+    assert bad.returncode == 2 and "not a time" in bad.stderr
 
 
 def test_dataset_command_writes_verl_rows(tmp_path):
@@ -106,6 +162,12 @@ def test_demo_main_job_prints_trajectories_and_writes_arrow(kafka_bootstrap, tmp
         table = pa.ipc.open_file(source).read_all()
     assert table.num_rows == 4
     assert "equal lengths" in result.stderr
+    # the demo's records are apart: a `rolloutbus train` on the configured topics sees none
+    prefix = cfg.kafka.topic_prefix
+    assert f"[demo] records go to topics {prefix}-demo.*" in result.stderr
+    topics = AdminClient(cfg.kafka.client_settings()).list_topics(timeout=30).topics
+    assert f"{prefix}-demo.trajectories" in topics
+    assert not [t for t in topics if t.startswith(f"{prefix}.")]
 
 
 def test_missing_dataset_and_unreachable_broker_are_clear_errors(tmp_path):

@@ -143,9 +143,17 @@ def test_user_and_system_observations(tok, ct):
     assert tok.decode(obs.message_ids).startswith("<|im_start|>system\nbe brief<|im_end|>")
 
 
-@pytest.mark.parametrize("role", ["assistant", "function", None])
-def test_only_tool_user_system_can_be_appended(ct, role):
-    with pytest.raises(AgentLoopError, match="only tool, user or system"):
+@pytest.mark.parametrize(
+    "role, message",
+    [
+        ("assistant", "cannot end with assistant"),
+        ("function", "only supports appending roles .*got 'function'"),
+        (None, "only supports appending roles .*got None"),
+    ],
+)
+def test_only_tool_user_system_can_be_appended(ct, role, message):
+    """verl's two checks and messages (an assistant message may come before others)."""
+    with pytest.raises(AgentLoopError, match=message):
         ct.observation([1], [{"role": role, "content": "x"}])
 
 
@@ -208,3 +216,86 @@ def test_qwen3_full_render_inserts_empty_think_into_the_last_turn(tok, ct):
     inserted = encode(tok, "<think>\n\n</think>\n\n")
     start = len(render_ids(tok, head, add_generation_prompt=True))
     assert full[:start] + full[start + len(inserted) :] == stream + newline(tok)
+
+
+# ---- verl's edge cases -----------------------------------------------------------------
+
+
+def test_an_empty_append_adds_nothing_but_the_rest_of_an_end_of_turn(tok, ct):
+    """verl: no new message appends nothing; its Qwen builder still adds the newline after
+    a sampled <|im_end|> (so does this builder, from the template)."""
+    messages = [{"role": "user", "content": "hi"}]
+    plain = ct.merge_context_tokens(messages, list(messages), [5, 6])
+    assert (plain.token_ids, plain.appended_token_count, plain.inserted_token_ids) == (
+        [5, 6],
+        0,
+        [],
+    )
+    after_end = ct.merge_context_tokens(messages, list(messages), [5, im_end(tok)])
+    assert after_end.token_ids == [5, im_end(tok), *newline(tok)]
+    assert after_end.inserted_token_ids == newline(tok) and after_end.appended_token_count == 0
+    mask, logprobs = ct.align_response_metadata(after_end, [1, 1], [-0.1, -0.2])
+    assert mask == [1, 1, 0] and logprobs == [-0.1, -0.2, 0.0]
+
+
+def test_an_unknown_merge_kind_is_rejected_with_verls_message(ct):
+    from rolloutbus.streams.agent_loop.continuous_token import MergeResult
+
+    merge = MergeResult(token_ids=[1], appended_token_count=1, kind="bogus")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="^Unknown Continuous Token merge kind: 'bogus'$"):
+        ct.align_response_metadata(merge, [], [])
+
+
+def test_assistant_logprobs_errors_are_verls(ct):
+    merge = ct.merge_assistant_tokens([1], [2, 3])
+    with pytest.raises(
+        ValueError,
+        match="^assistant_logprobs is required for assistant Continuous Token alignment$",
+    ):
+        ct.align_response_metadata(merge, [], [])
+    with pytest.raises(
+        ValueError, match="^response_logprobs is required when assistant_logprobs is provided$"
+    ):
+        ct.align_response_metadata(merge, [], None, assistant_logprobs=[-0.1, -0.2])
+    empty = ct.merge_assistant_tokens([1], [])
+    assert ct.align_response_metadata(empty, [], []) == ([], [])  # nothing appended: fine
+
+
+def test_verl_mains_non_assistant_names(tok, ct):
+    """verl main (2026-08-22) says merge_non_assistant_tokens and kind "non_assistant"."""
+    history = [{"role": "user", "content": "hi"}]
+    tool = [*history, {"role": "tool", "content": "42"}]
+    main = ct.merge_non_assistant_tokens(history, tool, [5, im_end(tok)])
+    released = ct.merge_context_tokens(history, tool, [5, im_end(tok)])
+    assert main.kind == "non_assistant" and main.token_ids == released.token_ids
+    assert ct.align_response_metadata(main, [1, 1]) == ct.align_response_metadata(released, [1, 1])
+
+
+class RecordingProcessor:
+    """Test double for a VL processor: renders with the tokenizer's template and records
+    the keyword arguments of each processor call."""
+
+    def __init__(self, tok):
+        self.tok = tok
+        self.calls = []
+
+    def apply_chat_template(self, messages, **kwargs):
+        return self.tok.apply_chat_template(messages, **kwargs)
+
+    def __call__(self, text, images=None, videos=None, **kwargs):
+        self.calls.append(kwargs)
+        return {"input_ids": [self.tok.encode(text[0], add_special_tokens=False)]}
+
+
+def test_template_and_processor_kwargs_reach_every_render(tok):
+    """data.apply_chat_template_kwargs in every template render, data.mm_processor_kwargs in
+    every processor call, as verl's builders apply them."""
+    processor = RecordingProcessor(tok)
+    builder = ContinuousTokenBuilder(
+        tok, processor, mm_processor_kwargs={"max_pixels": 1024}, enable_thinking=False
+    )
+    ids = builder.build_initial_tokens([{"role": "user", "content": "hi"}])
+    assert tok.decode(ids).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert processor.calls == [{"return_tensors": "pt", "max_pixels": 1024}]
+    thinking = ContinuousTokenBuilder(tok).build_initial_tokens([{"role": "user", "content": "hi"}])
+    assert tok.decode(thinking).endswith("<|im_start|>assistant\n")  # the template's default

@@ -10,7 +10,9 @@ real processes (``rolloutbus ... run --config``) against a scripted replica (a t
 that returns fixed tokens: no model is needed to route bad records). A few hundred
 generated bad records go to rollout.prompts and rollout.turns, interleaved with good
 prompt groups; the workers must stay up, every good group must arrive exactly once, and
-every bad record must come out as exactly one dead letter.
+every bad record must come out as exactly one dead letter. "Bad" is what the workers'
+decoders refuse: a valid record with an unknown field added is what a newer writer sends,
+and is read, its field skipped (``docs/schema-evolution.md``).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from hypothesis import strategies as st
 from pipeline import dead_letters, read_topic, receive_groups, running, spawn, write_config
 from pydantic import BaseModel, ValidationError
 
-from rolloutbus.config import Config, with_overrides
+from rolloutbus.config import Config, KafkaConfig, with_overrides
 from rolloutbus.errors import RolloutBusError
 from rolloutbus.kafka.admin import ensure_topics
 from rolloutbus.kafka.clients import idempotent_producer, record_location
@@ -49,7 +51,7 @@ from rolloutbus.producers.datasets import make_arithmetic_rows
 from rolloutbus.producers.publish import PromptPublisher, build_group
 from rolloutbus.replica.scripted import ScriptedEngine, ScriptedTurn
 from rolloutbus.replica.server import replica_in_thread
-from rolloutbus.schemas.prompts import DatasetRow, PromptGroup
+from rolloutbus.schemas.prompts import DatasetRow, PromptGroup, decode_prompt_group
 from rolloutbus.schemas.trajectories import TRAJECTORY_SCHEMA, decode_trajectory_batch
 from rolloutbus.schemas.turns import (
     Generation,
@@ -92,7 +94,7 @@ def _short(value: Any, limit: int = 300) -> str:
 
 
 def _decode_prompt_group(value: bytes) -> PromptGroup | None:
-    return _decode(PromptGroup.model_validate_json, value)
+    return _decode(decode_prompt_group, value)  # the session worker's decoder
 
 
 def _decode_turn(value: bytes) -> BaseModel | None:
@@ -370,9 +372,7 @@ def test_workers_survive_bad_records_and_dead_letter_each_once(fuzz_pipeline) ->
     cfg, workers, logs = fuzz_pipeline
     topics = Topics.from_config(cfg.kafka)
     bad = {
-        "prompts": rejected(
-            generate(bad_prompt_record, BAD_PER_TOPIC), PromptGroup.model_validate_json
-        ),
+        "prompts": rejected(generate(bad_prompt_record, BAD_PER_TOPIC), decode_prompt_group),
         "turns": rejected(generate(bad_turn_record, BAD_PER_TOPIC), decode_turn_event),
     }
     assert all(len(values) > BAD_PER_TOPIC // 2 for values in bad.values()), {
@@ -523,3 +523,33 @@ def test_replay_buffer_survives_schema_valid_events_it_cannot_fold(
     assert any(bad_uid.encode() in original for original in letters), (
         "the bad events were not dead-lettered"
     )
+
+
+# -- the trainer client, on junk in the trajectory topic -----------------------------------
+
+
+def test_the_trainer_client_dead_letters_junk_on_the_trajectory_topic(
+    kafka_config: KafkaConfig,
+) -> None:
+    """Only the replay buffer writes trajectories, but a record another writer put there (or
+    one corrupted on the way) must not end the trainer: each bad record is dead-lettered
+    by the trainer client, once, and the good group around them is yielded whole."""
+    from fuzz_records import UID
+
+    from rolloutbus.consumers.client import TrainerClient
+
+    cfg = Config(kafka=kafka_config)
+    topic = Topics.from_config(kafka_config).trajectories
+    bad = rejected(generate(bad_trajectory_record, 40), decode_trajectory_batch)
+    home = partition_for(UID, kafka_config.partitions)
+    junk = [(topic, j % kafka_config.partitions, KEYS[j % len(KEYS)], v) for j, v in enumerate(bad)]
+    good = (topic, home, trajectory_key(UID, 0, 0).encode(), TRAJECTORY)
+    _produce(cfg, [*junk[: len(junk) // 2], good, *junk[len(junk) // 2 :]])
+
+    with TrainerClient(kafka_config, unique_name("trainer")) as client:
+        groups = list(client.groups(timeout_s=10.0))
+    assert [(g.uid, len(g)) for g in groups] == [(UID, 1)]
+    assert client.dead_letters == len(bad)
+    letters = [d for d in dead_letters(cfg) if d["stage"] == "trainer"]
+    assert sorted(base64.b64decode(d["original_b64"]) for d in letters) == sorted(bad)
+    assert all(d["source"].startswith(f"{topic}[") for d in letters)

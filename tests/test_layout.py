@@ -18,9 +18,23 @@ PACKAGE_DIRS = {
     "rolloutbus.consumers": ROOT / "consumers",
     "rolloutbus": ROOT / "rolloutbus",
 }
-ROOT_MODULES = {"__init__", "__main__", "config", "errors", "topics", "metrics", "demo"}
-# the Kafka boundary, the embedded replica (a second service), the command line
-ROOT_PACKAGES = {"kafka", "replica", "cli"}
+# config_loading (file, env vars and key=value overrides -> one tree, through OmegaConf) and
+# verl_keys (what each key of a verl trainer config means here) are the config's foundation:
+# config imports them, they import only errors
+ROOT_MODULES = {
+    "__init__",
+    "__main__",
+    "config",
+    "config_loading",
+    "verl_keys",
+    "errors",
+    "topics",
+    "metrics",
+    "demo",
+}
+# the Kafka boundary, the embedded replica (a second service), the command line, and
+# monitoring (the lag exporter, top, inspect: tools that read every layer below the CLI)
+ROOT_PACKAGES = {"kafka", "replica", "cli", "monitoring"}
 
 
 def _modules() -> dict[str, Path]:

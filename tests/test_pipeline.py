@@ -25,13 +25,19 @@ from pipeline import (
     write_config,
 )
 
-from rolloutbus.config import Config
+from rolloutbus.config import Config, with_overrides
 from rolloutbus.consumers.log_replay import replay_turns
 from rolloutbus.kafka.admin import ensure_topics
 from rolloutbus.producers.datasets import make_arithmetic_rows, write_jsonl
-from rolloutbus.producers.publish import PromptPublisher
+from rolloutbus.producers.publish import PromptPublisher, build_group
 from rolloutbus.replica.models import load_tokenizer
-from rolloutbus.topics import Topics
+from rolloutbus.schemas.trajectories import (
+    TrajectoryStatus,
+    batch_to_trajectories,
+    decode_trajectory_batch,
+)
+from rolloutbus.schemas.turns import GroupSettings, decode_turn_event
+from rolloutbus.topics import Topics, uid_of_key
 
 pytestmark = pytest.mark.kafka  # worker processes on the test broker
 
@@ -152,9 +158,17 @@ def test_bad_input_goes_to_dead_letters_and_counts_add_up(pipeline):
     ]
     path.write_text("\n".join(lines) + "\n")
     before = len(dead_letters(cfg))
-    report = PromptPublisher(cfg).publish_file(path, progress=False)
-    assert (report.published, report.dead_lettered) == (4, 2)
-    groups = receive_groups(cfg, set(report.uids))
+    publisher = PromptPublisher(cfg)
+    report = publisher.publish_file(path, progress=False)
+    # the rows whose agent loop is unknown are refused at publish, before any rollout
+    assert (report.published, report.dead_lettered) == (2, 4)
+    assert report.problems["agent loop not registered"] == 2
+    # a producer that skips those checks: the session worker records the failure
+    unchecked = [build_group(cfg, dict(good, agent_name=name)) for name in (None, "no_such_loop")]
+    for group in unchecked:
+        publisher.publish_group(group)
+    publisher.flush()
+    groups = receive_groups(cfg, {*(report.uids or []), *(g.uid for g in unchecked)})
     by_agent: dict = {}
     for g in groups.values():
         rows_out = g.batch.to_pylist()
@@ -174,9 +188,9 @@ def test_bad_input_goes_to_dead_letters_and_counts_add_up(pipeline):
     letters = dead_letters(cfg)[before:]
     reasons = " | ".join(d["reason"] for d in letters)
     assert "not valid JSON" in reasons and "prompt" in reasons
-    assert "no_such_loop" in reasons
-    # in = out + dlq: 6 rows read; 4 groups out (2 with failed sessions), 2 rows dead-lettered
-    assert report.read == len(groups) + report.dead_lettered
+    assert "no_such_loop" in reasons and "agent_name is null" in reasons
+    # in = out + dlq: 6 rows read; 2 groups out, 4 rows dead-lettered (plus the 2 unchecked)
+    assert report.read == len(groups) - len(unchecked) + report.dead_lettered
 
 
 def test_invariant_breaking_loop_yields_failed_records_and_dead_letters(pipeline):
@@ -227,6 +241,76 @@ def test_replaying_the_turn_log_yields_byte_identical_trajectories(pipeline):
     assert done.returncode == 0, done.stderr[-2000:]
     with pa.memory_map(str(out)) as source:
         assert pa.ipc.open_file(source).read_all().num_rows == len(live)
+
+
+def test_a_replay_under_other_lengths_is_byte_identical_and_selects_by_uid_and_time(pipeline):
+    """The log alone decides: replayed under configs whose rollout lengths are shorter and
+    longer than the workers' (64/16), the records are the live ones byte for byte: the
+    truncated ones, and the over-budget loop's failed ones. ``--uid`` and ``--since``/
+    ``--until`` select groups."""
+    cfg, tmp, _ = pipeline
+    topics = Topics.from_config(cfg.kafka)
+    live = {m.key().decode(): m.value() for m in read_topic(cfg, topics.trajectories)}
+    statuses = {t.status for v in live.values() for t in _decoded(v)}
+    assert {TrajectoryStatus.TRUNCATED, TrajectoryStatus.FAILED} <= statuses  # both at stake
+    for lengths in ((8, 4), (8192, 4096)):
+        other = with_overrides(
+            cfg, {"rollout.prompt_length": lengths[0], "rollout.response_length": lengths[1]}
+        )
+        replayed = replay_turns(other)
+        assert replayed.records == live  # every key, byte for byte
+        assert replayed.groups_without_settings == 0
+    # what the workers ran with is in the log
+    heads = [
+        (m, decode_turn_event(m.value()))
+        for m in read_topic(cfg, topics.turns)
+        if b'"group_started"' in m.value()
+    ]
+    for _, started in heads:
+        assert started.settings == GroupSettings(
+            prompt_length=64, response_length=16, calculate_log_probs=True
+        )
+    # by uid, on the command line too, with a config override that changes nothing
+    uid = uid_of_key(sorted(live)[0])
+    mine = {k: v for k, v in live.items() if uid_of_key(k) == uid}
+    by_uid = replay_turns(cfg, uids=[uid, "nosuchuid"])
+    assert by_uid.records == mine and by_uid.missing_uids == ["nosuchuid"]
+    out = tmp / "one.arrow"
+    done = _replay_cli(tmp, "--uid", uid, "--out", str(out), "rollout.response_length=4")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "not in the turn log range" not in done.stderr
+    with pa.memory_map(str(out)) as source:
+        rows = pa.ipc.open_file(source).read_all().to_pylist()
+    assert sorted((r["key"], r["status"]) for r in rows) == sorted(
+        (t.key, t.status.value) for v in mine.values() for t in _decoded(v)
+    )
+    # by the time groups started (the Kafka timestamps of their group_started records)
+    stamps = sorted(m.timestamp()[1] for m, _ in heads)
+    since, until = stamps[1] / 1000, stamps[-2] / 1000
+    picked = {
+        started.uid
+        for m, started in heads
+        if int(since * 1000) <= m.timestamp()[1] < int(until * 1000)
+    }
+    by_time = replay_turns(cfg, since=since, until=until)
+    assert picked and {uid_of_key(k) for k in by_time.records} == picked & {
+        uid_of_key(k) for k in live
+    }
+    assert all(by_time.records[k] == live[k] for k in by_time.records)
+
+
+def _decoded(record: bytes) -> list:
+    return batch_to_trajectories(decode_trajectory_batch(record))
+
+
+def _replay_cli(tmp: Path, *argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "rolloutbus.cli", "replay", "--config", str(tmp / "config.yaml")]
+        + list(argv),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_workers_serve_prometheus_metrics_of_the_work_done(pipeline):

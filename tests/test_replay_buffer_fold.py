@@ -3,6 +3,8 @@ deadlines in log time, memory bounds, and the released-groups record (no broker)
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from rolloutbus.config import Config, RolloutConfig, load_config
@@ -11,13 +13,17 @@ from rolloutbus.kafka.admin import topic_configs
 from rolloutbus.schemas.trajectories import TrajectoryStatus
 from rolloutbus.schemas.turns import (
     Generation,
+    GroupSettings,
     GroupStarted,
     OutputSummary,
     SegmentStarted,
     SessionFailed,
     SessionFinished,
     SessionStarted,
+    decode_turn_event,
+    encode_turn_event,
 )
+from rolloutbus.streams.assembly import trajectories
 from rolloutbus.streams.assembly.partition_fold import FoldLimits, PartitionFold
 from rolloutbus.streams.assembly.released import ReleasedRecord
 from rolloutbus.streams.assembly.replay_buffer import default_transactional_id
@@ -351,3 +357,52 @@ def test_released_topic_is_compacted_and_outlives_the_turn_log():
 def test_every_process_gets_its_own_transactional_id():
     first, second = default_transactional_id("rb"), default_transactional_id("rb")
     assert first != second and first.startswith("rb-")
+
+
+# --- the log decides a group's budgets, not the folding process's config ----------------------
+
+
+def test_a_groups_recorded_budgets_decide_its_status_whatever_the_config_says():
+    """A group logged with response_length 4 (four tokens: truncated) folds the same under a
+    config with a shorter and with a longer response_length: the same records, byte for byte."""
+    settings = GroupSettings(prompt_length=8, response_length=4)
+    group = _group("g", 1).model_copy(update={"settings": settings})
+    events = [group, *_session("g", 0, [[1, 2], [3, 4]])]
+    by_config = {}
+    for length in (2, 4, 4096):
+        done = finalize_group(_released_one(events), RolloutConfig(response_length=length))
+        [t] = done.trajectories
+        assert t.status == TrajectoryStatus.TRUNCATED, t.error
+        by_config[length] = done.records
+    assert by_config[2] == by_config[4] == by_config[4096]
+    # over the recorded budget: failed, naming the recorded number, whatever the config says
+    over = [group, *_session("g", 0, [[1, 2, 3], [4, 5]])]
+    [t] = finalize_group(_released_one(over), RolloutConfig(response_length=4096)).trajectories
+    assert t.status == TrajectoryStatus.FAILED and "over response_length 4" in (t.error or "")
+
+
+def test_a_group_logged_without_settings_falls_back_to_the_config_with_one_warning(caplog):
+    trajectories._WARNED.clear()  # once per process: this test counts from zero
+    old = [_group("old1", 1), *_session("old1", 0, [[1, 2]])]
+    older = [_group("old2", 1), *_session("old2", 0, [[1, 2, 3]])]
+    with caplog.at_level(logging.WARNING, logger=trajectories.__name__):
+        [short] = finalize_group(_released_one(old), RolloutConfig(response_length=2)).trajectories
+        [long] = finalize_group(
+            _released_one(older), RolloutConfig(response_length=99)
+        ).trajectories
+    assert short.status == TrajectoryStatus.TRUNCATED  # the config's 2
+    assert long.status == TrajectoryStatus.COMPLETED  # the config's 99
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 1 and "logged before groups recorded their settings" in warned[0]
+
+
+def test_group_settings_are_add_only_a_log_without_them_still_decodes():
+    started = _group("g", 2)
+    written = encode_turn_event(started)
+    assert b'"settings":null' in written
+    legacy = written.replace(b',"settings":null', b"")  # as logged before the field existed
+    assert decode_turn_event(legacy) == started
+    recorded = started.model_copy(
+        update={"settings": GroupSettings(prompt_length=3, response_length=5)}
+    )
+    assert decode_turn_event(encode_turn_event(recorded)).settings == recorded.settings

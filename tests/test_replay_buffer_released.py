@@ -36,7 +36,7 @@ from rolloutbus.schemas.turns import (
     decode_turn_event,
     encode_turn_event,
 )
-from rolloutbus.streams.assembly.released import ReleasedRecord
+from rolloutbus.streams.assembly.released import Claim, ReleasedClaims, ReleasedRecord
 from rolloutbus.streams.assembly.replay_buffer import ReplayBuffer
 from rolloutbus.topics import Topics, partition_for
 
@@ -159,6 +159,119 @@ def test_a_new_group_id_releases_nothing_twice(kafka_config: KafkaConfig):
         r.trajectories == N and r.partition == partition_for(r.uid, kafka_config.partitions)
         for r in released
     )
+
+
+# --- 2b. a released record is obeyed only where the turn log backs it -----------------------
+
+
+def _record(uid: str, first: int) -> ReleasedRecord:
+    return ReleasedRecord(
+        uid=uid, partition=0, trajectories=N, turns_first_offset=first, turns_last_offset=first + 5
+    )
+
+
+def _claim(uid: str, first: int, offset: int = 0) -> Claim:
+    record = _record(uid, first)
+    return Claim.of(record, offset, uid.encode(), record.encode())
+
+
+def test_a_claim_is_settled_where_the_fold_passes_its_first_offset() -> None:
+    claims = ReleasedClaims("t.released", 0, fold_start=10)
+    claims.add(_claim("real", 12))
+    claims.add(_claim("forged", 14, offset=1))
+    claims.add(_claim("old", 3, offset=2))  # before the fold's start: checked by a read
+    assert claims.passed(12, "real") == [] and not claims.pending("real")
+    [bad] = claims.passed(14, "someone")
+    assert bad.source == "t.released[0]@1" and bad.value == _claim("forged", 14).value
+    assert "uid forged" in bad.reason and "turns[0]@14" in bad.reason
+    assert "an event of uid someone" in bad.reason
+    assert claims.take_freed() == ["forged"] and claims.take_freed() == []
+    assert claims.pending("old") and len(claims) == 1
+
+
+def test_an_event_before_the_claimed_start_refuses_the_claim() -> None:
+    """A forged record for a group still running names a start after one of its events."""
+    claims = ReleasedClaims("t.released", 0, fold_start=10)
+    claims.add(_claim("live", 20))
+    [bad] = claims.suppressing(15, "live", probe=None)  # type: ignore[arg-type]  # no read
+    assert "event at offset 15, before the claimed start" in bad.reason
+    assert claims.take_freed() == ["live"]
+    claims.add(_claim("skipped", 11))  # the fold went past 11 without an event of it
+    [bad] = claims.suppressing(16, "skipped", probe=None)  # type: ignore[arg-type]
+    assert "found no event of it there" in bad.reason
+
+
+def test_a_uid_with_one_backed_claim_stays_released() -> None:
+    claims = ReleasedClaims("t.released", 0, fold_start=0)
+    claims.add(_claim("g", 7, offset=1))  # forged, written first
+    claims.add(_claim("g", 4, offset=2))  # the buffer's own
+    claims.passed(4, "g")
+    assert not claims.pending("g") and claims.passed(7, "x") == []
+    assert claims.take_freed() == []
+
+
+def _offsets_by_uid(kafka: KafkaConfig) -> dict[str, int]:
+    """The turn-log offset of each group's first event."""
+    first: dict[str, int] = {}
+    for msg in read_topic(Config(kafka=kafka), Topics.from_config(kafka).turns):
+        first.setdefault(decode_turn_event(msg.value()).uid, msg.offset())
+    return first
+
+
+@pytest.mark.slow
+def test_forged_and_junk_released_records_are_dead_lettered_not_obeyed(kafka_config: KafkaConfig):
+    """A forged released record for a group still running, one for a uid that never
+    started, one without a turn-log range and one that is not JSON are read back when the
+    buffer restarts: each becomes a dead letter, the running group is released once when
+    it ends, and a re-run of a genuinely released group is still recognised."""
+    cfg = _config(kafka_config)
+    kafka = kafka_config
+    done, live, after = (_uids_on_partition(kafka, 0, prefix) for prefix in ("x", "u", "w"))
+    live_events = group_events(live)
+    tail = N + 4  # the last session's events: the group stays open without them
+    _produce(kafka, group_events(done) + live_events[:-tail] + group_events(after))
+    with _buffer(cfg):
+        _wait_for_keys(cfg, _expected_keys([done, after]))
+    first = _offsets_by_uid(kafka)
+    forged = [
+        _record(live, first[done]),  # the group's start is elsewhere
+        _record("neverstarted", first[live]),
+        ReleasedRecord(uid=live, partition=0, trajectories=0),  # no turn-log range
+    ]
+    topics = Topics.from_config(kafka)
+    producer = idempotent_producer(kafka)
+    for record in forged:
+        producer.produce(topics.released, key=record.uid, value=record.encode(), partition=0)
+    producer.produce(topics.released, key=b"junk", value=b"\x00not json", partition=0)
+    assert producer.flush(30) == 0
+
+    with _buffer(cfg):  # reads the forged records back; the live group ends afterwards
+        _produce(kafka, live_events[-tail:] + group_events(done, attempt="rerun"))
+        keys = _wait_for_keys(cfg, _expected_keys([done, live, after]))
+        letters = _wait_for_letters(cfg, 4)
+    assert Counter(keys) == Counter(_expected_keys([done, live, after]))
+    assert {t.attempt for k in _expected_keys([done]) for t in _trajectories(cfg)[k]} == {"a"}
+    sources = sorted(letter["source"] for letter in letters)
+    assert all(source.startswith(f"{topics.released}[0]@") for source in sources), sources
+    reasons = " | ".join(letter["reason"] for letter in letters)
+    assert f"uid {live} claims its group started at turns[0]@{first[done]}" in reasons
+    assert f"an event of uid {done}" in reasons
+    assert "uid neverstarted" in reasons and "names no turn-log range" in reasons
+    assert "not a released record" in reasons
+
+
+def _uids_on_partition(kafka: KafkaConfig, partition: int, prefix: str) -> str:
+    while True:
+        uid = f"{prefix}{uuid.uuid4().hex[:10]}"
+        if partition_for(uid, kafka.partitions) == partition:
+            return uid
+
+
+def _wait_for_letters(cfg: Config, count: int, timeout_s: float = WAIT_S) -> list[dict]:
+    deadline = time.monotonic() + timeout_s
+    while len(letters := dead_letters(cfg)) < count and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return letters
 
 
 # --- 3. a uid with the key separator ---------------------------------------------------------

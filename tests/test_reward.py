@@ -110,9 +110,8 @@ def test_scores_the_last_output_and_copies_to_earlier(tok):
     assert [o.reward_score for o in outs] == [1.0, 1.0]
     assert outs[0].extra_fields["reward_extra_info"] == {"acc": 1.0}
     assert outs[1].metrics.compute_score > 0 and outs[0].metrics.compute_score == 0
-    assert outs[1].as_dict()["rm_scores"][-1] == 1.0 and set(
-        outs[1].as_dict()["rm_scores"][:-1]
-    ) == {0.0}
+    rm_scores = outs[1].as_dict()["rm_scores"].tolist()  # a tensor, as verl's as_dict
+    assert rm_scores[-1] == 1.0 and set(rm_scores[:-1]) == {0.0}
 
 
 def test_default_scorer_is_used_for_the_seed_row(tok):

@@ -19,22 +19,33 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from confluent_kafka import KafkaError, KafkaException
+from confluent_kafka import KafkaError, KafkaException, Producer
 from conftest import _embedded_config, _watch_for_killed_session
 from helpers import unique_name
+from pipeline import read_topic
 
 from rolloutbus.config import LOOPBACK, BrokerConfig, Config, KafkaConfig, with_overrides
 from rolloutbus.errors import BrokerError, ConfigError
+from rolloutbus.kafka.acls import apply_acls
 from rolloutbus.kafka.admin import ensure_topics
 from rolloutbus.kafka.broker import broker_status, server_properties, start_broker, stop_broker
-from rolloutbus.kafka.clients import admin_client, iter_records, read_committed_consumer
+from rolloutbus.kafka.clients import admin_client
 from rolloutbus.metrics import start_metrics_server
 from rolloutbus.producers.datasets import make_arithmetic_rows
 from rolloutbus.producers.publish import PromptPublisher, build_group
 from rolloutbus.schemas.prompts import PromptGroup
 from rolloutbus.topics import Topics
 
-USERS = {"rolloutbus-admin": "admin-pw-1", "trainer": "tr41ner!pw"}
+ADMIN = "rolloutbus-admin"
+# the admin first (the broker's own identity, the only super user), then one login per role
+USERS = {
+    ADMIN: "admin-pw-1",
+    "trainer": "tr41ner!pw",
+    "publisher": "pub-pw-2",
+    "sessions": "sess-pw-3",
+    "replay_buffer": "rb-pw-4",
+    "weight_sync": "ws-pw-5",
+}
 REFUSAL_TIMEOUT_S = 5.0  # seconds a refused client may take to give up (librdkafka retries)
 PORT_RETRIES = 3  # as conftest: a free port may be taken before the JVM binds it
 
@@ -126,15 +137,73 @@ def test_only_plain_is_offered() -> None:
         with_overrides(Config(), {"broker.sasl_mechanism": "SCRAM-SHA-256"})
 
 
-# -- a second broker, with SASL ------------------------------------------------------------
+# -- the role ACLs (pure) --------------------------------------------------------------------
+
+
+def test_each_topic_is_written_by_its_owner_only() -> None:
+    from confluent_kafka.admin import AclOperation, ResourceType
+
+    from rolloutbus.config import ACL_ROLES
+    from rolloutbus.kafka.acls import role_grants
+
+    cfg = Config()
+    topics = Topics.from_config(cfg.kafka)
+    writers: dict[str, set[str]] = {name: set() for name in topics.all()}
+    for role in ACL_ROLES:
+        for grant in role_grants(cfg, role):
+            if grant.resource == ResourceType.TOPIC and grant.operation == AclOperation.WRITE:
+                writers[grant.name].add(role)
+    assert writers == {
+        topics.prompts: {"publisher"},
+        topics.turns: {"sessions"},
+        topics.trajectories: {"replay_buffer"},
+        topics.released: {"replay_buffer"},
+        topics.control: {"trainer"},
+        topics.dlq: set(ACL_ROLES),  # bad input is dead-lettered wherever it is found
+    }
+
+
+def test_acls_follow_the_config_and_print_as_kafka_acls_commands() -> None:
+    from rolloutbus.kafka.acls import acl_bindings, kafka_acls_commands
+
+    cfg = with_overrides(
+        Config(),
+        {
+            "kafka.topic_prefix": "prod",
+            "kafka.role_users": {"sessions": "svc-sessions"},
+            "replay_buffer.group_id": "rb-prod",
+        },
+    )
+    principals = {b.principal for b in acl_bindings(cfg)}
+    assert "User:svc-sessions" in principals and "User:sessions" not in principals
+    lines = kafka_acls_commands(cfg, "kafka:9093")
+    assert all(line.startswith("kafka-acls.sh --bootstrap-server kafka:9093 ") for line in lines)
+    assert any(
+        "User:replay_buffer --operation Write --operation Describe --transactional-id rb-prod "
+        "--resource-pattern-type prefixed" in line
+        for line in lines
+    ), lines
+    pinned = with_overrides(cfg, {"replay_buffer.transactional_id": "rb-tx-1"})
+    assert any(line.endswith("--transactional-id rb-tx-1") for line in kafka_acls_commands(pinned))
+
+
+def test_acls_need_logins() -> None:
+    with pytest.raises(ConfigError, match="broker.acls needs broker.sasl_users"):
+        with_overrides(Config(), {"broker.acls": True})
+
+
+# -- a second broker, with SASL and ACLs --------------------------------------------------
 
 
 @pytest.fixture(scope="module")
 def sasl_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Config]:
+    """A broker of its own with SASL logins for the admin and one user per role, and the
+    StandardAuthorizer: a role may do only what rolloutbus/kafka/acls.py grants it."""
     cfg = None
     for attempt in range(PORT_RETRIES):
         cfg = with_overrides(
-            _embedded_config(tmp_path_factory), {"broker.sasl_users": USERS, "broker.heap": "256m"}
+            _embedded_config(tmp_path_factory),
+            {"broker.sasl_users": USERS, "broker.acls": True, "broker.heap": "256m"},
         )
         try:
             start_broker(cfg)
@@ -150,18 +219,44 @@ def sasl_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Config]:
         assert stop_broker(cfg)
 
 
-def _client(cfg: Config, user: str | None, password: str | None = None) -> KafkaConfig:
+def _client(
+    cfg: Config, user: str | None, password: str | None = None, prefix: str | None = None
+) -> KafkaConfig:
     if user is None:
         return KafkaConfig(bootstrap_servers=cfg.kafka.bootstrap_servers)
     return KafkaConfig(
         bootstrap_servers=cfg.kafka.bootstrap_servers,
-        topic_prefix=unique_name("s"),
+        topic_prefix=prefix or unique_name("s"),
         partitions=2,
         security_protocol="SASL_PLAINTEXT",
         sasl_mechanism="PLAIN",
         sasl_username=user,
         sasl_password=password,
     )
+
+
+def _rollout(broker: Config, **overrides: Any) -> Config:
+    """A rollout config of its own (topic prefix, group and transactional ids) on the ACL
+    broker, logged in as the admin, its topics created and every role's ACLs granted."""
+    admin = _client(broker, ADMIN, USERS[ADMIN])
+    cfg = with_overrides(
+        broker,
+        {
+            "kafka": admin.model_dump(),
+            "sessions.app_id": unique_name("s"),
+            "replay_buffer.group_id": unique_name("rb"),
+            "trainer.group_id": unique_name("tr"),
+            **overrides,
+        },
+    )
+    ensure_topics(cfg.kafka)
+    assert apply_acls(cfg) > 0
+    return cfg
+
+
+def _as(cfg: Config, role: str) -> Config:
+    """``cfg`` logged in as the user of ``role`` (each process sets its own login)."""
+    return with_overrides(cfg, {"kafka.sasl_username": role, "kafka.sasl_password": USERS[role]})
 
 
 def _refusal(kafka: KafkaConfig) -> tuple[float, KafkaError, list[KafkaError]]:
@@ -182,6 +277,13 @@ def _refusal(kafka: KafkaConfig) -> tuple[float, KafkaError, list[KafkaError]]:
 def test_server_properties_with_passwords_are_private(sasl_broker: Config) -> None:
     path = sasl_broker.broker.data_dir / "server.properties"
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    props = _properties(path.read_text())
+    assert props["authorizer.class.name"].endswith("StandardAuthorizer")
+    assert props["super.users"] == f"User:{ADMIN}"  # the first user, and no other
+    # the controller listener takes the admin's login only: no anonymous super user
+    assert props["listener.security.protocol.map"].startswith("CONTROLLER:SASL_PLAINTEXT")
+    jaas = props["listener.name.controller.plain.sasl.jaas.config"]
+    assert f'user_{ADMIN}="' in jaas and "user_sessions" not in jaas
     status = broker_status(sasl_broker)  # the readiness probe logs in as the first user
     assert status.running
 
@@ -207,29 +309,52 @@ def test_a_client_with_a_wrong_password_is_refused(sasl_broker: Config) -> None:
     assert "Invalid username or password" in auth[0].str()
 
 
+def _produce_as(kafka: KafkaConfig, topic: str) -> KafkaError | None:
+    """One keyed record to ``topic`` as ``kafka``'s user: the delivery error, or None."""
+    results: list[KafkaError | None] = []
+    producer = Producer({**kafka.client_settings(), "log_level": 0, "message.timeout.ms": 20000})
+    producer.produce(topic, key=b"forged", value=b"{}", on_delivery=lambda e, m: results.append(e))
+    producer.flush(30.0)
+    assert len(results) == 1, f"no delivery report for {topic}"
+    return results[0]
+
+
+@pytest.mark.kafka
+@pytest.mark.slow
+def test_a_session_workers_login_cannot_write_released_or_control(sasl_broker: Config) -> None:
+    """Only the replay buffer writes released records and only the trainer writes policy
+    versions: a session worker's credentials (or a stolen copy) are refused on both, and
+    on every other topic it does not own, while its own topic takes its writes."""
+    cfg = _rollout(sasl_broker)
+    topics = Topics.from_config(cfg.kafka)
+    sessions = _as(cfg, "sessions").kafka
+    assert _produce_as(sessions, topics.turns) is None
+    for topic in (topics.released, topics.control, topics.trajectories, topics.prompts):
+        error = _produce_as(sessions, topic)
+        assert error is not None and error.code() == KafkaError.TOPIC_AUTHORIZATION_FAILED, (
+            topic,
+            error,
+        )
+    # the owners may: the refusal is about who writes, not about the topic
+    assert _produce_as(_as(cfg, "replay_buffer").kafka, topics.released) is None
+    assert _produce_as(_as(cfg, "trainer").kafka, topics.control) is None
+    assert [m.value() for m in read_topic(cfg, topics.released)] == [b"{}"]
+    assert [m.value() for m in read_topic(cfg, topics.control)] == [b"{}"]
+
+
 @pytest.mark.kafka
 @pytest.mark.slow
 def test_a_client_with_credentials_works_end_to_end(sasl_broker: Config) -> None:
-    kafka = _client(sasl_broker, "trainer", USERS["trainer"])
-    topics = Topics.from_config(kafka)
-    assert ensure_topics(kafka) == topics.all()
-    cfg = with_overrides(sasl_broker, {"kafka": kafka.model_dump()})
-    group = build_group(cfg, make_arithmetic_rows(1, seed=7, tool_fraction=0.0)[0])
-    publisher = PromptPublisher(cfg)
+    """The publisher's login publishes a prompt group; read back read-committed."""
+    cfg = _rollout(sasl_broker)
+    topics = Topics.from_config(cfg.kafka)
+    publisher_cfg = _as(cfg, "publisher")
+    group = build_group(publisher_cfg, make_arithmetic_rows(1, seed=7, tool_fraction=0.0)[0])
+    publisher = PromptPublisher(publisher_cfg)
     publisher.publish_group(group)
     publisher.flush()
 
-    consumer = read_committed_consumer(
-        kafka, unique_name("g"), overrides={"auto.offset.reset": "earliest"}
-    )
-    try:
-        consumer.subscribe([topics.prompts])
-        got: list[Any] = []
-        for msg in iter_records(consumer, 0.5, idle_timeout_s=30.0):
-            got.append(msg)
-            break
-    finally:
-        consumer.close()
+    got = read_topic(cfg, topics.prompts)  # as the admin
     assert len(got) == 1, "the published prompt group was not read back"
     assert got[0].key().decode() == group.uid
     assert PromptGroup.model_validate_json(got[0].value()) == group
@@ -246,11 +371,15 @@ def test_cluster_ids_never_look_like_an_option() -> None:
 
 @pytest.mark.kafka
 @pytest.mark.slow
-def test_the_workers_run_end_to_end_over_sasl(sasl_broker: Config, tmp_path: Path) -> None:
-    """Session worker (Faust and the turn-log producer) and replay buffer as processes, with
-    credentials, against the SASL broker; a scripted replica (test double) answers."""
+def test_the_workers_run_end_to_end_with_a_login_per_role(
+    sasl_broker: Config, tmp_path: Path
+) -> None:
+    """Session worker (Faust and the turn-log producer) and replay buffer as processes, each
+    with its own role's login, against the SASL broker with ACLs; the publisher and the
+    trainer client with theirs; a scripted replica (test double) answers. The ACLs of
+    rolloutbus/kafka/acls.py are enough for each role to do its whole job."""
     from fixtures.scripted_server import qwen3_tokenizer
-    from pipeline import receive_groups, running, spawn, write_config
+    from pipeline import running, spawn, write_config
 
     from rolloutbus.replica.scripted import ScriptedEngine, ScriptedTurn
     from rolloutbus.replica.server import replica_in_thread
@@ -262,33 +391,50 @@ def test_the_workers_run_end_to_end_over_sasl(sasl_broker: Config, tmp_path: Pat
         tokenizer=tok,
         eos_token_ids=frozenset({end}),
     )
-    kafka = _client(sasl_broker, "trainer", USERS["trainer"])
-    ensure_topics(kafka)
-    cfg = with_overrides(
+    cfg = _rollout(
         sasl_broker,
-        {
-            "kafka": kafka.model_dump(),
+        **{
             "model.name": "tiny-qwen3",
             "replica_server.port": 0,
             "rollout.n": 2,
             "rollout.prompt_length": 64,
             "rollout.response_length": 16,
-            "sessions.app_id": unique_name("s"),
-            "replay_buffer.group_id": unique_name("rb"),
-            "replay_buffer.transactional_id": unique_name("tx"),
         },
     )
     with replica_in_thread(cfg, engine) as replica:
         cfg = with_overrides(cfg, {"replicas.urls": [replica.url]})
-        config_path = write_config(cfg, tmp_path / "config.yaml")
         workers = [
-            spawn(["sessions", "run"], config_path, tmp_path / "sessions.log"),
-            spawn(["replay-buffer", "run"], config_path, tmp_path / "replay.log"),
+            spawn(
+                [command, "run"],
+                write_config(_as(cfg, role), tmp_path / f"{role}.yaml"),
+                tmp_path / f"{role}.log",
+            )
+            for command, role in (("sessions", "sessions"), ("replay-buffer", "replay_buffer"))
         ]
         with running(workers):
-            group = build_group(cfg, make_arithmetic_rows(1, seed=3, tool_fraction=0.0)[0])
-            publisher = PromptPublisher(cfg)
+            publisher_cfg = _as(cfg, "publisher")
+            group = build_group(
+                publisher_cfg, make_arithmetic_rows(1, seed=3, tool_fraction=0.0)[0]
+            )
+            publisher = PromptPublisher(publisher_cfg)
             publisher.publish_group(group)
             publisher.flush()
-            got = receive_groups(cfg, {group.uid}, timeout_s=120)
-    assert len(got[group.uid]) == 2
+            got = _receive_as_trainer(_as(cfg, "trainer"), group.uid, tmp_path)
+    assert got == 2
+    logs = "".join((tmp_path / f"{r}.log").read_text() for r in ("sessions", "replay_buffer"))
+    assert "AUTHORIZATION_FAILED" not in logs, logs[-4000:]
+
+
+def _receive_as_trainer(cfg: Config, uid: str, tmp_path: Path, timeout_s: float = 120.0) -> int:
+    """Trajectories of ``uid`` read by the trainer client in the trainer's own group."""
+    from rolloutbus.consumers.client import TrainerClient
+
+    deadline = time.monotonic() + timeout_s
+    with TrainerClient(cfg.kafka, cfg.trainer.group_id) as client:
+        while time.monotonic() < deadline:
+            for group in client.groups(max_groups=1, timeout_s=2.0):
+                client.commit(group)
+                if group.uid == uid:
+                    return group.batch.num_rows
+    logs = {p.name: p.read_text()[-2000:] for p in tmp_path.glob("*.log")}
+    raise AssertionError(f"group {uid} never arrived; worker logs: {logs}")

@@ -118,8 +118,12 @@ def test_verl_rollout_block_can_be_pasted_and_read_the_verl_way(tmp_path):
     cfg = load_config(path, env={})
     assert cfg.rollout.n == 5 and cfg.rollout.agent.default_agent_loop == "tool_agent"
     assert cfg.actor_rollout_ref.rollout.response_length == 77  # as a ported loop reads it
+    # the rest of actor_rollout_ref loads too (tests/test_verl_config.py); one section
+    # under both names is still an error
     path.write_text("actor_rollout_ref:\n  actor: {}\n  rollout: {n: 2}\n")
-    with pytest.raises(ConfigError, match="only its 'rollout' section"):
+    assert load_config(path, env={}).rollout.n == 2
+    path.write_text("rollout: {n: 3}\nactor_rollout_ref:\n  rollout: {n: 2}\n")
+    with pytest.raises(ConfigError, match="both 'rollout' and 'actor_rollout_ref.rollout'"):
         load_config(path, env={})
 
 

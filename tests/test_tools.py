@@ -3,10 +3,12 @@
 from typing import Literal
 
 import pytest
+from pydantic import BaseModel
 
 from rolloutbus.errors import AgentLoopError
 from rolloutbus.streams.agent_loop.tools import (
     FUNCTION_TOOL_REGISTRY,
+    BaseTool,
     CalculatorTool,
     FunctionTool,
     ToolResponse,
@@ -198,17 +200,19 @@ def test_bad_tool_config(tmp_path):
         load_tools_from_config(tmp_path / "missing.yaml")
 
 
-def test_function_tools_from_a_file_and_catalog_cache(tmp_path):
+def test_function_tools_from_an_undecorated_file_warn_as_verl(tmp_path, caplog):
     path = tmp_path / "my_tools.py"
     path.write_text(
         "import json\n\n"
         'def lookup(key: str) -> str:\n    """Look a key up."""\n    return key\n\n'
         "def _private():\n    pass\n"
     )
-    tools = load_function_tools(str(path))
-    assert [t.name for t in tools] == ["lookup"]
-    first = load_tool_catalog(None, str(path))
-    assert load_tool_catalog(None, str(path)) is first  # loaded once per process
+    with caplog.at_level("WARNING"):
+        tools = load_function_tools(str(path))
+    assert [t.name for t in tools] == ["lookup"]  # a rolloutbus addition: public functions
+    assert "no @function_tool decorators found; did you forget to apply the decorator?" in (
+        caplog.text
+    )  # verl's warning
 
 
 def test_tool_schemas_render_as_verl_renders_them():
@@ -226,3 +230,101 @@ def test_tool_schemas_render_as_verl_renders_them():
     assert shown["function"]["parameters"]["required"] == ["a"]
     bare = {"type": "function", "function": {"name": "f", "description": "d"}}
     assert rendered_tool_schema(bare) == bare  # nothing unset is added
+
+
+# ---- the catalog as verl's load_all_tools ------------------------------------------------
+
+CATALOG_YAML = """tools:
+  - class_name: rolloutbus.streams.agent_loop.tools.CalculatorTool
+    config: {type: native}
+    tool_schema:
+      type: function
+      function: {name: cat_lookup, description: d, parameters: {type: object, properties: {}}}
+  - class_name: rolloutbus.streams.agent_loop.tools.CalculatorTool
+    config: {type: native}
+    tool_schema:
+      type: function
+      function: {name: cat_search, description: d, parameters: {type: object, properties: {}}}
+  - class_name: rolloutbus.streams.agent_loop.tools.CalculatorTool
+    config: {type: native}
+"""
+
+
+def _decorated_file(tmp_path, names):
+    lines = ["from rolloutbus.streams.agent_loop.tools import function_tool\n"]
+    for name in names:
+        lines.append(
+            f"@function_tool\ndef {name}(key: str) -> str:\n"
+            f'    """Find.\n\n    Args:\n        key: the key\n    """\n    return key\n'
+        )
+    path = tmp_path / f"catalog_{'_'.join(names)}.py"
+    path.write_text("\n".join(lines))
+    return path
+
+
+def test_a_function_tool_named_like_a_yaml_tool_raises_naming_every_one(tmp_path):
+    config = tmp_path / "tools.yaml"
+    config.write_text(CATALOG_YAML)
+    functions = _decorated_file(tmp_path, ["cat_search", "cat_lookup", "cat_fetch"])
+    with pytest.raises(ValueError) as err:
+        load_tool_catalog(str(config), str(functions))
+    assert str(err.value) == (  # verl's message, both names, sorted
+        "Function tool name(s) ['cat_lookup', 'cat_search'] collide with tools already "
+        f"declared in '{config}'. Each tool name must be unique across `tool_config_path` and "
+        "`function_tool_path`; rename one of them."
+    )
+    assert isinstance(err.value, AgentLoopError)  # still this project's error for a loop
+
+
+def test_the_catalog_is_loaded_afresh_on_every_load(tmp_path):
+    config = tmp_path / "tools.yaml"
+    config.write_text(CATALOG_YAML)
+    functions = _decorated_file(tmp_path, ["fetch_fresh"])
+    first = load_tool_catalog(str(config), str(functions))
+    second = load_tool_catalog(str(config), str(functions))
+    assert [t.name for t in first] == ["cat_lookup", "cat_search", "calculator", "fetch_fresh"]
+    assert all(a is not b for a, b in zip(first[:3], second[:3], strict=True))  # new instances
+    assert first[3] is second[3]  # a function-tool file runs once per process, as in verl
+
+
+class PydanticSchema(BaseModel):
+    """Stands in for verl's OpenAIFunctionToolSchema: a pydantic tool schema."""
+
+    type: str
+    function: dict
+
+
+def test_pydantic_tool_schemas_are_kept_as_given():
+    schema = PydanticSchema(type="function", function={"name": "calc", "description": "d"})
+    tool = CalculatorTool(tool_schema=schema)
+    assert tool.tool_schema is schema and tool.name == "calc"
+    function = FunctionTool(add, tool_schema=schema)
+    assert function.tool_schema is schema and function.name == "calc"
+    verl_style = FunctionTool("calc", add, schema, is_async=False)  # verl's constructor
+    assert verl_style.tool_schema is schema and verl_style.fn is add and not verl_style.is_async
+
+
+def test_tool_catalog_errors_are_verls_exception_types(tmp_path):
+    with pytest.raises(FileNotFoundError, match="tool config not found"):
+        load_tools_from_config(tmp_path / "missing.yaml")
+    with pytest.raises(FileNotFoundError, match="function_tool_path does not exist: "):
+        load_function_tools(str(tmp_path / "missing.py"))
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("tools:\n  - class_name: no.such.Tool\n")
+    with pytest.raises(ValueError, match="no.such.Tool"):
+        load_tools_from_config(bad)
+    with pytest.raises(ValueError, match="needs function.name"):
+        BaseTool(tool_schema={"type": "function", "function": {}})
+
+
+def test_function_tool_registered_twice_is_verls_value_error(tmp_path):
+    path = tmp_path / "twice.py"
+    path.write_text(
+        "from rolloutbus.streams.agent_loop.tools import function_tool\n\n"
+        "@function_tool('twice_tool', schema={'type': 'function', "
+        "'function': {'name': 'twice_tool'}})\ndef a() -> str:\n    return 'a'\n\n"
+        "@function_tool('twice_tool', schema={'type': 'function', "
+        "'function': {'name': 'twice_tool'}})\ndef b() -> str:\n    return 'b'\n"
+    )
+    with pytest.raises(ValueError, match="Function tool 'twice_tool' is already registered to"):
+        load_function_tools(str(path))

@@ -13,8 +13,9 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from rolloutbus.config import ModelConfig
+from rolloutbus.consumers.groups import TrajectoryGroup
+from rolloutbus.consumers.position import PartitionPosition, TrainerPosition
 from rolloutbus.consumers.tensors import to_padded
-from rolloutbus.consumers.trainer import PartitionPosition, TrainerPosition, TrajectoryGroup
 from rolloutbus.consumers.training.batch import build_train_batch
 from rolloutbus.consumers.training.checkpoint import (
     LATEST,
@@ -244,7 +245,18 @@ def test_step_log_writes_jsonl_csv_prometheus_and_a_progress_line(tmp_path):
     assert (
         registry.get_sample_value("rolloutbus_trainer_reward_mean", {"data_source": "even"}) == 0.75
     )
+    assert registry.get_sample_value("rolloutbus_trainer_pg_clipfrac") == 0.125
+    # no aggregate hides in a label: the whole batch's mean is a gauge of its own
+    assert registry.get_sample_value("rolloutbus_trainer_batch_reward_mean") == 0.75
+    assert registry.get_sample_value("rolloutbus_trainer_wait_seconds") == 0.5
     assert (
-        registry.get_sample_value("rolloutbus_trainer_step_value", {"name": "actor/pg_clipfrac"})
-        == 0.125
+        registry.get_sample_value("rolloutbus_trainer_reward_mean", {"data_source": "all"}) is None
     )
+    # without verl's "console" in trainer.logger: no progress line, the file and series stay
+    out = io.StringIO()
+    quiet = StepLog(
+        tmp_path / "quiet.jsonl", TrainerMetrics(CollectorRegistry()), out, console=False
+    )
+    quiet.write(record)
+    quiet.close()
+    assert out.getvalue() == "" and (tmp_path / "quiet.jsonl").read_text().strip()

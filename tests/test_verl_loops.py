@@ -141,3 +141,37 @@ def test_verl_tool_parsers_read_model_output_as_ours(parity):
         assert ours == theirs, fmt
     calls = [call for _, found in readings["ours"] for call in found]
     assert len(calls) >= 12  # the table really exercises calls, not only empty readings
+
+
+def test_both_loops_render_with_the_data_chat_template_kwargs(parity):
+    """data.apply_chat_template_kwargs ({enable_thinking: false}) reaches our loops and,
+    through the verl adapter, verl's: the equal prompts above carry Qwen3's empty think."""
+    for t in _sessions(parity, "s-") + _sessions(parity, "t-"):
+        assert t["prompt_text"].endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n"), t["key"]
+
+
+def test_routed_experts_reach_both_loops_trajectories_aligned(parity):
+    """Routing replay on a MoE engine (the scripted one, a test double): the last turn's
+    experts, one row per token fed through the model, in our trajectories and verl's."""
+    from rolloutbus.replica.scripted import scripted_expert
+
+    layers, top_k = 2, 2  # verl_parity_run.ROUTED_EXPERTS
+    for t in _sessions(parity, "t-"):
+        fed = (t["prompts"] + t["responses"])[:-1]  # the last sampled token is never fed
+        expected = [
+            [[scripted_expert(x, i, k) for k in range(top_k)] for i in range(layers)] for x in fed
+        ]
+        assert t["routed_experts"] == expected, t["key"]
+
+
+def test_a_verl_style_subclass_runs_on_verls_loop_and_ours_alike(parity):
+    """tests/fixtures/verl_style_tool_loop.py overrides _build_assistant_message and
+    _call_tool(tool_call, tools_kwargs, agent_data): unchanged on verl 0.9.1's ToolAgentLoop,
+    ported by its imports onto ours, the same trajectory."""
+    [ours] = _sessions(parity, "a-ours")
+    [theirs] = _sessions(parity, "a-verl")
+    assert ours["status"] == theirs["status"] == "completed", (ours["error"], theirs["error"])
+    assert _comparable(ours) == _comparable(theirs)
+    assert ours["extra_fields"]["assistant_messages"] == 3
+    assert ours["extra_fields"]["tools_called"] == ["calculator", "lookup"]
+    assert ours["response_text"].count("<tool_response>\n[checked] ") == 2

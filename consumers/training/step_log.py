@@ -1,14 +1,18 @@
-"""Per-step figures: a JSONL or CSV file, Prometheus, and one progress line on stderr."""
+"""Per-step figures: a JSONL or CSV file, Prometheus, and one progress line: on stderr
+when it is a terminal, else a log record (timestamped, in the one log format)."""
 
 from __future__ import annotations
 
 import csv
 import json
+import logging
 import sys
 from pathlib import Path
 from typing import IO, Any
 
 from rolloutbus.metrics import TrainerMetrics
+
+log = logging.getLogger(__name__)
 
 # the figures shown on the progress line, in order, with their label and format
 PROGRESS = (
@@ -30,10 +34,20 @@ class StepLog:
     series and prints a progress line. Opened for append: a restarted trainer continues
     the same file (steps after the last checkpoint appear twice, the later one counts)."""
 
-    def __init__(self, path: Path | None, metrics: TrainerMetrics, stream: IO[str] | None = None):
+    def __init__(
+        self,
+        path: Path | None,
+        metrics: TrainerMetrics,
+        stream: IO[str] | None = None,
+        *,
+        console: bool = True,  # the progress line (verl's "console" in trainer.logger)
+    ):
         self.path = path
         self.metrics = metrics
-        self.stream = stream if stream is not None else sys.stderr
+        # the progress line's destination: the given stream, else stderr on a terminal,
+        # else (None) the log
+        self.stream = stream if stream is not None else _terminal(sys.stderr)
+        self.console = console
         self._file: IO[str] | None = None
         self._csv: csv.DictWriter | None = None
         if path is not None:
@@ -43,7 +57,8 @@ class StepLog:
     def write(self, record: dict[str, Any]) -> None:
         self._write_file(record)
         self._export(record)
-        self._print(record)
+        if self.console:
+            self._print(record)
 
     def close(self) -> None:
         if self._file is not None:
@@ -71,16 +86,24 @@ class StepLog:
         m.groups.inc(record["groups"])
         m.tokens.inc(record["tokens"])
         m.step_seconds.observe(record["timing/step_s"])
+        m.failed_dropped.inc(record.get("dropped/failed_trajectories", 0))
         for key, value in record.items():
             if key.startswith("reward/mean/"):
                 m.reward.labels(data_source=key.removeprefix("reward/mean/")).set(value)
-            elif isinstance(value, int | float) and not isinstance(value, bool):
-                m.step_value.labels(name=key).set(value)
-        m.reward.labels(data_source="all").set(record["reward/mean"])
+            elif key in m.figures and isinstance(value, int | float):
+                m.figures[key].set(value)  # one named gauge per figure (TRAINER_GAUGES)
 
     def _print(self, record: dict[str, Any]) -> None:
         parts = [f"step {record['global_step']} v{record['policy_version']}"]
         for key, label, fmt in PROGRESS:
             if key in record:
                 parts.append(f"{label} {fmt.format(record[key])}")
-        print("[train] " + " | ".join(parts), file=self.stream, flush=True)
+        if self.stream is None:
+            log.info(" | ".join(parts))
+        else:
+            print("[train] " + " | ".join(parts), file=self.stream, flush=True)
+
+
+def _terminal(stream: IO[str]) -> IO[str] | None:
+    isatty = getattr(stream, "isatty", None)
+    return stream if isatty is not None and isatty() else None

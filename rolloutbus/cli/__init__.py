@@ -4,6 +4,11 @@ Exit codes: 0 success, 1 a runtime failure (broker down, replica error), 2 bad u
 configuration (argparse's convention). One module per group of subcommands; each adds its
 parsers in ``register`` and imports what its commands need inside them, so ``--help``
 stays fast.
+
+Every command takes hydra-style ``dotted.key=value`` overrides anywhere on its command line,
+in verl's or our key names (``rolloutbus train actor_rollout_ref.rollout.n=8``). They are
+taken out before argparse sees the line, so a subcommand's positionals never swallow one;
+any other unknown token is still a usage error.
 """
 
 from __future__ import annotations
@@ -12,21 +17,28 @@ import argparse
 import logging
 import sys
 
-from rolloutbus.cli import data, services, training
+from rolloutbus import __version__
+from rolloutbus.cli import configuration, data, gateway, monitoring, services, training
+from rolloutbus.cli.console import setup_logging, sigterm_as_ctrl_c
 from rolloutbus.config import load_config
+from rolloutbus.config_loading import split_overrides
 from rolloutbus.errors import ConfigError, RolloutBusError
 
 __all__ = ["build_parser", "main"]
 
 log = logging.getLogger("rolloutbus")
-COMMAND_GROUPS = (services, data, training)
+COMMAND_GROUPS = (services, data, training, monitoring, configuration, gateway)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rolloutbus",
         description="verl's Agent Loop as an event-sourced streaming system on Kafka",
+        epilog="Every command also takes KEY=VALUE config overrides (rollout.n=8, or verl's "
+        "actor_rollout_ref.rollout.n=8); precedence: config file < ROLLOUTBUS__SECTION__KEY "
+        "env vars < KEY=VALUE.",
     )
+    parser.add_argument("--version", action="version", version=f"rolloutbus {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for group in COMMAND_GROUPS:
         group.register(sub)
@@ -34,16 +46,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    if not args.verbose:  # one INFO line per HTTP request (health probes every few seconds)
-        logging.getLogger("httpx").setLevel(logging.WARNING)
+    overrides, rest = split_overrides(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(rest)
+    setup_logging(args.verbose)
+    sigterm_as_ctrl_c()
     try:
-        cfg = load_config(args.config)
+        cfg = load_config(args.config, overrides=overrides)
     except ConfigError as exc:
         print(f"rolloutbus: {exc}", file=sys.stderr)
         return 2
@@ -56,5 +64,6 @@ def main(argv: list[str] | None = None) -> int:
     except RolloutBusError as exc:
         print(f"rolloutbus: {exc}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (sigterm_as_ctrl_c)
+        print("rolloutbus: interrupted", file=sys.stderr)
         return 130

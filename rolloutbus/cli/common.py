@@ -9,6 +9,11 @@ from typing import Any
 
 from rolloutbus.config import Config
 
+OVERRIDES_HELP = (
+    "KEY=VALUE arguments override config keys, in our or verl's names (rollout.n=8, "
+    "actor_rollout_ref.actor.optim.lr=1e-6); precedence: --config file < "
+    "ROLLOUTBUS__SECTION__KEY env vars < KEY=VALUE. `rolloutbus config` prints the result."
+)
 Handler = Callable[[argparse.Namespace, Config], int]
 # argparse's private _SubParsersAction: what add_subparsers() returns
 Subcommands = Any
@@ -20,7 +25,9 @@ def add_config(p: argparse.ArgumentParser) -> None:
         "--config",
         type=Path,
         default=None,
-        help="YAML config file (ROLLOUTBUS__SECTION__KEY env vars override it)",
+        help="YAML config file: ours, or a whole verl trainer config; ROLLOUTBUS__SECTION__KEY "
+        "env vars override it, and KEY=VALUE arguments (anywhere on the line, our or verl's "
+        "key names: rollout.n=8, actor_rollout_ref.rollout.n=8) override both",
     )
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging on stderr")
 
@@ -29,6 +36,7 @@ def command(
     sub: Subcommands, name: str, handler: Handler, help: str, **kwargs: Any
 ) -> argparse.ArgumentParser:
     """A subcommand with the config options and its handler; the caller adds the rest."""
+    kwargs.setdefault("epilog", OVERRIDES_HELP)
     p: argparse.ArgumentParser = sub.add_parser(name, help=help, **kwargs)
     add_config(p)
     p.set_defaults(handler=handler)

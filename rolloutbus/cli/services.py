@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 from rolloutbus.cli.common import Subcommands, command
 from rolloutbus.config import Config, with_overrides
@@ -14,24 +15,66 @@ from rolloutbus.errors import ConfigError
 def cmd_broker(args: argparse.Namespace, cfg: Config) -> int:
     from rolloutbus.kafka import broker
 
+    if args.nodes is not None:
+        cfg = with_overrides(cfg, {"broker.nodes": args.nodes})
     if args.action == "start":
-        status = broker.start_broker(cfg)
-        print(f"broker running: pid {status.pid}, bootstrap {status.bootstrap}")
-        from rolloutbus.kafka.admin import ensure_topics
-
-        created = ensure_topics(cfg.kafka)
-        print(f"topics ready ({len(created)} created)")
-    elif args.action == "stop":
+        return _start_broker(cfg)
+    if args.action == "acls":
+        return _broker_acls(cfg, print_only=args.print)
+    if args.action == "stop":
         stopped = broker.stop_broker(cfg)
         print("broker stopped" if stopped else "broker was not running")
-    else:
-        status = broker.broker_status(cfg)
-        print(
-            f"broker {'running' if status.running else 'stopped'}: pid {status.pid}, "
-            f"bootstrap {status.bootstrap}, data {status.data_dir}"
-        )
-        return 0 if status.running else 3
+        return 0
+    status = broker.broker_status(cfg)
+    print(_broker_status_line(status))
+    return 0 if status.running else 3
+
+
+def _start_broker(cfg: Config) -> int:
+    from rolloutbus.kafka import broker
+    from rolloutbus.kafka.admin import ensure_topics
+
+    status = broker.start_broker(cfg)
+    pids = ",".join(str(pid) for pid in status.node_pids)
+    nodes = f"{cfg.broker.nodes} nodes" if cfg.broker.nodes > 1 else "1 node"
+    print(f"broker running ({nodes}): pid {pids}, bootstrap {status.bootstrap}")
+    admin = broker.admin_kafka_config(cfg)  # the super user, on the broker's own bootstrap
+    created = ensure_topics(admin)
+    print(f"topics ready ({len(created)} created)")
+    if cfg.broker.acls:
+        from rolloutbus.kafka.acls import apply_acls
+
+        print(f"ACLs ready ({apply_acls(cfg, admin)} bindings for {_role_users(cfg)})")
     return 0
+
+
+def _role_users(cfg: Config) -> str:
+    from rolloutbus.config import ACL_ROLES
+    from rolloutbus.kafka.acls import role_user
+
+    return ", ".join(f"{role}={role_user(cfg.kafka, role)}" for role in ACL_ROLES)
+
+
+def _broker_acls(cfg: Config, *, print_only: bool) -> int:
+    from rolloutbus.kafka.acls import apply_acls, kafka_acls_commands
+
+    if print_only:
+        for line in kafka_acls_commands(cfg, cfg.kafka.bootstrap_servers):
+            print(line)
+        return 0
+    count = apply_acls(cfg)  # as cfg.kafka's user: a super user of that cluster
+    print(f"{count} ACL bindings on {cfg.kafka.bootstrap_servers} for {_role_users(cfg)}")
+    return 0
+
+
+def _broker_status_line(status: Any) -> str:
+    where = f"bootstrap {status.bootstrap}, data {status.data_dir}"
+    pids = ",".join(str(pid) for pid in status.node_pids or (status.pid,) if pid)
+    if status.running:
+        return f"broker running: pid {pids}, {where}"
+    if pids:  # the JVM is alive but does not answer (yet)
+        return f"broker not answering: pid {pids} alive, {where}"
+    return f"broker not running ({where})"
 
 
 def cmd_topics(args: argparse.Namespace, cfg: Config) -> int:
@@ -90,10 +133,12 @@ def cmd_weight_sync(args: argparse.Namespace, cfg: Config) -> int:
     import signal
 
     from rolloutbus.kafka.admin import check_reachable, ensure_topics
+    from rolloutbus.metrics import serve_metrics
     from rolloutbus.streams.inference.weight_sync import WeightSync
 
     check_reachable(cfg.kafka)
     ensure_topics(cfg.kafka)
+    serve_metrics(cfg.monitoring.weight_sync_metrics_port, cfg.monitoring.metrics_host)
 
     async def run() -> int:
         stop = asyncio.Event()
@@ -113,9 +158,28 @@ def cmd_weight_sync(args: argparse.Namespace, cfg: Config) -> int:
 
 def register(sub: Subcommands) -> None:
     p = command(
-        sub, "broker", cmd_broker, "start, stop or inspect the embedded single-node Kafka broker"
+        sub,
+        "broker",
+        cmd_broker,
+        "start, stop or inspect the embedded Kafka broker (one node or a local cluster); "
+        "grant the roles' ACLs",
     )
-    p.add_argument("action", choices=["start", "stop", "status"])
+    p.add_argument(
+        "action",
+        choices=["start", "stop", "status", "acls"],
+        help="acls: grant every role its ACLs on kafka.bootstrap_servers, as kafka.sasl_username "
+        "(a super user); with --print, print them as kafka-acls.sh commands instead",
+    )
+    p.add_argument(
+        "--nodes",
+        type=int,
+        default=None,
+        help="override broker.nodes: 3 starts a local KRaft cluster of three combined "
+        "broker+controller nodes (ports port+2i, controller_port+2i)",
+    )
+    p.add_argument(
+        "--print", action="store_true", help="acls: print kafka-acls.sh commands, apply nothing"
+    )
 
     command(sub, "topics", cmd_topics, "create the rollout topics (idempotent)")
 
@@ -125,7 +189,7 @@ def register(sub: Subcommands) -> None:
         cmd_replica,
         "serve the model: the embedded torch replica, or real vLLM servers",
     )
-    p.add_argument("action", choices=["serve"])
+    p.add_argument("action", choices=["serve"], help="serve until Ctrl-C/SIGTERM")
     p.add_argument(
         "--engine",
         choices=["embedded", "vllm"],
@@ -153,7 +217,7 @@ def register(sub: Subcommands) -> None:
     p = command(
         sub, "sessions", cmd_sessions, "run a session-processor worker (Faust): prompts -> turns"
     )
-    p.add_argument("action", choices=["run"])
+    p.add_argument("action", choices=["run"], help="run until Ctrl-C/SIGTERM")
 
     p = command(
         sub,
@@ -161,7 +225,7 @@ def register(sub: Subcommands) -> None:
         cmd_replay_buffer,
         "run a replay-buffer worker: turns -> trajectories, exactly once",
     )
-    p.add_argument("action", choices=["run"])
+    p.add_argument("action", choices=["run"], help="run until Ctrl-C/SIGTERM")
 
     command(
         sub,

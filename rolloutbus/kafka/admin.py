@@ -7,6 +7,7 @@ error is translated here into :class:`BrokerError`, naming the topic and the boo
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable
 
@@ -22,9 +23,13 @@ __all__ = [
     "check_partition_counts",
     "delete_topics",
     "ensure_topics",
+    "min_insync_replicas",
+    "replication_factor",
     "topic_configs",
     "topic_partitions",
 ]
+
+log = logging.getLogger(__name__)
 
 # Policy versions are a single ordered stream that every worker reads in full, so the
 # control topic has one partition; the others share kafka.partitions (see topics.py).
@@ -67,8 +72,39 @@ def topic_partitions(kafka: KafkaConfig) -> dict[str, int]:
 RELEASED_RETENTION_FACTOR = 2
 
 
-def topic_configs(kafka: KafkaConfig, name: str | None = None) -> dict[str, str]:
-    """Topic-level settings of the rollout topic ``name`` (None: those most topics share)."""
+# Replicas of a topic on a cluster of this many brokers or more: one broker may be down
+# (min.insync.replicas 2 then still takes acks=all writes) while another lags.
+MAX_REPLICATION_FACTOR = 3
+SAFE_MIN_INSYNC = 2  # in-sync replicas an acks=all write waits for, from 3 replicas on
+
+
+def replication_factor(kafka: KafkaConfig, brokers: int) -> int:
+    """kafka.replication_factor, or min(3, brokers) when it is unset."""
+    if kafka.replication_factor is not None:
+        return kafka.replication_factor
+    return max(1, min(MAX_REPLICATION_FACTOR, brokers))
+
+
+def min_insync_replicas(kafka: KafkaConfig, replicas: int) -> int | None:
+    """kafka.min_insync_replicas, or 2 from 3 replicas on; None: the broker's default."""
+    if kafka.min_insync_replicas is not None:
+        return kafka.min_insync_replicas
+    return SAFE_MIN_INSYNC if replicas >= MAX_REPLICATION_FACTOR else None
+
+
+def topic_configs(
+    kafka: KafkaConfig, name: str | None = None, replicas: int | None = None
+) -> dict[str, str]:
+    """Topic-level settings of the rollout topic ``name`` (None: those most topics share),
+    created with ``replicas`` replicas (None: unknown, no ``min.insync.replicas``)."""
+    configs = _cleanup_configs(kafka, name)
+    min_isr = min_insync_replicas(kafka, replicas) if replicas is not None else None
+    if min_isr is not None:
+        configs["min.insync.replicas"] = str(min_isr)
+    return configs
+
+
+def _cleanup_configs(kafka: KafkaConfig, name: str | None) -> dict[str, str]:
     if name is not None and name == Topics.from_config(kafka).control:
         # keyed by event type (topics.control_key): compaction keeps the latest policy
         # version forever, so a replica or dispatcher started months later still finds it
@@ -135,10 +171,13 @@ def ensure_topics(kafka: KafkaConfig, timeout_s: float = ADMIN_TIMEOUT_S) -> lis
     """
     admin = _admin(kafka)
     wanted = topic_partitions(kafka)
-    existing = _partition_counts(admin, kafka, timeout_s)
+    metadata = _metadata(admin, kafka, timeout_s)
+    existing = {name: len(meta.partitions) for name, meta in metadata.topics.items()}
     _check_partition_counts(kafka, wanted, existing)
     missing = [name for name in wanted if name not in existing]
-    created = _create(admin, kafka, missing, wanted, timeout_s)
+    replicas = replication_factor(kafka, len(metadata.brokers))
+    _check_replicas(kafka, metadata, replicas, len(metadata.brokers))
+    created = _create(admin, kafka, missing, wanted, replicas, timeout_s)
     if created:
         _wait_until_visible(admin, kafka, wanted, created, timeout_s)
     # A topic that a concurrent caller created between our listing and our create has
@@ -196,11 +235,38 @@ def _check_partition_counts(
             )
 
 
+def _check_replicas(
+    kafka: KafkaConfig, metadata: ClusterMetadata, replicas: int, brokers: int
+) -> None:
+    """A replication factor the cluster cannot hold is an error before anything is created;
+    existing rollout topics with fewer replicas than new ones would get are logged."""
+    if replicas > brokers:
+        raise ConfigError(
+            f"kafka.replication_factor is {replicas} but {kafka.bootstrap_servers} has "
+            f"{brokers} broker(s): lower it, or leave it unset for min(3, brokers)"
+        )
+    for name in topic_partitions(kafka):
+        meta = metadata.topics.get(name)
+        fewer = meta is not None and any(
+            len(p.replicas) < replicas for p in meta.partitions.values()
+        )
+        if fewer:
+            log.warning(
+                "topic %s on %s has partitions with fewer than %d replicas (created on a "
+                "smaller cluster?): raise them with kafka-reassign-partitions "
+                "(docs/production.md)",
+                name,
+                kafka.bootstrap_servers,
+                replicas,
+            )
+
+
 def _create(
     admin: AdminClient,
     kafka: KafkaConfig,
     names: list[str],
     wanted: dict[str, int],
+    replicas: int,
     timeout_s: float,
 ) -> list[str]:
     if not names:
@@ -209,8 +275,8 @@ def _create(
         NewTopic(
             name,
             num_partitions=wanted[name],
-            replication_factor=kafka.replication_factor,
-            config=topic_configs(kafka, name),
+            replication_factor=replicas,
+            config=topic_configs(kafka, name, replicas),
         )
         for name in names
     ]

@@ -38,21 +38,31 @@ import socket
 import subprocess
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from confluent_kafka import KafkaException
 
 from rolloutbus.config import LOOPBACK, Config, KafkaConfig
 from rolloutbus.errors import BrokerError
+from rolloutbus.kafka.broker_properties import (
+    PORT_STRIDE,
+    SASL_LISTENER,
+    BrokerNode,
+    broker_nodes,
+    server_properties,
+)
 from rolloutbus.kafka.clients import admin_client
 
 __all__ = [
     "BrokerStatus",
+    "admin_kafka_config",
     "broker_status",
     "fetch_kafka_jars",
     "java_major_version",
     "kafka_libs_dir",
+    "kill_node",
+    "node_pid",
     "parse_java_major",
     "server_properties",
     "start_broker",
@@ -73,6 +83,8 @@ FORMAT_TIMEOUT_S = 120.0  # seconds; one short JVM run, slow only on a starved m
 FETCH_TIMEOUT_S = 900.0  # seconds; ~25 MB of jars from Maven Central on a slow link
 PROBE_TIMEOUT_S = 1.0  # seconds per readiness probe (AdminClient.list_topics)
 LOG_TAIL_LINES = 30  # lines of the broker log quoted in a start failure
+# seconds a restarted node waits for its ports: a killed JVM's sockets free them within ~1 s
+RESTART_PORT_WAIT_S = 10.0
 
 # The same flags as Kafka's kafka-run-class.sh, for the same reasons (short GC pauses).
 JVM_FLAGS = [
@@ -86,11 +98,6 @@ JVM_FLAGS = [
     "-Djava.awt.headless=true",
 ]
 _HEAP_RE = re.compile(r"^\d+[kKmMgG]?$")
-# Listener names: the client listener is named after its security protocol (Kafka's own
-# convention), so the default map entry and the listener-scoped SASL keys line up.
-PLAIN_LISTENER = "PLAINTEXT"
-SASL_LISTENER = "SASL_PLAINTEXT"
-CONTROLLER_LISTENER = "CONTROLLER"
 
 # Brokers this process launched: kept so that they can be reaped (no zombies) and so that
 # Popen never warns "subprocess still running" about a broker meant to outlive a call.
@@ -103,6 +110,8 @@ class BrokerStatus:
     pid: int | None  # the JVM's pid while it is alive (also when not yet answering)
     bootstrap: str  # host:port for bootstrap.servers
     data_dir: Path
+    # every node's pid while alive, in node order (one entry for a single node)
+    node_pids: tuple[int | None, ...] = field(default=(), compare=False)
 
 
 # --- jars -------------------------------------------------------------------------------
@@ -225,40 +234,89 @@ def parse_java_major(version_output: str) -> int | None:
 
 
 def broker_status(cfg: Config) -> BrokerStatus:
-    """Whether the broker of ``cfg.broker.data_dir`` is alive and answering."""
-    data_dir = _data_dir(cfg)
-    pid = _live_broker_pid(data_dir)
-    bootstrap = _bootstrap(cfg)
-    running = pid is not None and _answers(cfg)
-    return BrokerStatus(running=running, pid=pid, bootstrap=bootstrap, data_dir=data_dir)
+    """Whether the broker of ``cfg.broker.data_dir`` (every node of it) is alive and answering."""
+    cfg = _as_on_disk(cfg)
+    nodes = broker_nodes(cfg, _data_dir(cfg))
+    pids = tuple(_live_broker_pid(node.data_dir) for node in nodes)
+    running = all(pid is not None for pid in pids) and all(_answers(cfg, n) for n in nodes)
+    return BrokerStatus(
+        running=running,
+        pid=pids[0],
+        bootstrap=_bootstrap(cfg),
+        data_dir=_data_dir(cfg),
+        node_pids=pids,
+    )
+
+
+def node_pid(cfg: Config, node_id: int) -> int | None:
+    """The JVM pid of node ``node_id`` (1-based) while it is alive (fault tests kill it)."""
+    node = broker_nodes(cfg, _data_dir(cfg))[node_id - 1]
+    return _live_broker_pid(node.data_dir)
 
 
 def _data_dir(cfg: Config) -> Path:
     return cfg.broker.data_dir.expanduser().resolve()
 
 
+def _as_on_disk(cfg: Config) -> Config:
+    """``cfg`` with broker.nodes as its data dir holds them, so that ``stop`` and ``status``
+    find a cluster started with ``--nodes 3`` without being told again."""
+    data_dir = _data_dir(cfg)
+    formatted = sorted(data_dir.glob("node*/kraft-logs/meta.properties"))
+    if cfg.broker.nodes != 1 or not formatted or (data_dir / "kraft-logs").exists():
+        return cfg
+    broker = cfg.broker.model_copy(update={"nodes": len(formatted)})
+    return cfg.model_copy(update={"broker": broker})
+
+
+def _check_layout(cfg: Config) -> None:
+    """One data dir holds one node or one cluster, never both: each has its own cluster id
+    and ports, and starting the other kind over it would strand the first."""
+    data_dir = _data_dir(cfg)
+    single = (data_dir / "kraft-logs" / "meta.properties").exists()
+    cluster = len(list(data_dir.glob("node*/kraft-logs/meta.properties")))
+    if (cfg.broker.nodes == 1 and cluster) or (cfg.broker.nodes > 1 and single):
+        holds = f"a {cluster}-node cluster" if cluster else "a single node"
+        raise BrokerError(
+            f"{data_dir} holds {holds}, but broker.nodes is {cfg.broker.nodes}: start it with "
+            "the node count it was made with (--nodes), or use another broker.data_dir"
+        )
+
+
+def _node_address(cfg: Config, node: BrokerNode) -> str:
+    return f"{cfg.broker.host}:{node.port}"
+
+
 def _bootstrap(cfg: Config) -> str:
-    return f"{cfg.broker.host}:{cfg.broker.port}"
+    """host:port of every node, comma-separated: bootstrap.servers for clients."""
+    return ",".join(_node_address(cfg, n) for n in broker_nodes(cfg, _data_dir(cfg)))
 
 
-def _client_listener(cfg: Config) -> str:
-    return SASL_LISTENER if cfg.broker.sasl_users else PLAIN_LISTENER
-
-
-def _probe_config(cfg: Config) -> KafkaConfig:
-    """How the broker's own tooling (the readiness probe) connects: as the first SASL user
-    when there are users, else in plaintext; never from ``cfg.kafka``, which may name
-    another cluster or a client with fewer rights."""
-    bootstrap = _bootstrap(cfg)
+def admin_kafka_config(cfg: Config, bootstrap: str | None = None) -> KafkaConfig:
+    """How the broker's own tooling (readiness probe, topics and ACLs at start) connects:
+    as the first SASL user when there are users (the super user with ``broker.acls``), else
+    in plaintext; ``cfg.kafka``'s topic and sizing settings, never its credentials, which
+    may be a client's with fewer rights."""
+    base = cfg.kafka.model_copy(
+        update={
+            "bootstrap_servers": bootstrap or _bootstrap(cfg),
+            "security_protocol": None,
+            "sasl_mechanism": None,
+            "sasl_username": None,
+            "sasl_password": None,
+            "ssl_ca_location": None,
+        }
+    )
     if not cfg.broker.sasl_users:
-        return KafkaConfig(bootstrap_servers=bootstrap)
+        return base
     name, password = next(iter(cfg.broker.sasl_users.items()))
-    return KafkaConfig(
-        bootstrap_servers=bootstrap,
-        security_protocol=SASL_LISTENER,
-        sasl_mechanism=cfg.broker.sasl_mechanism,
-        sasl_username=name,
-        sasl_password=password,
+    return base.model_copy(
+        update={
+            "security_protocol": SASL_LISTENER,
+            "sasl_mechanism": cfg.broker.sasl_mechanism,
+            "sasl_username": name,
+            "sasl_password": password,
+        }
     )
 
 
@@ -310,19 +368,22 @@ def _is_kafka_process(pid: int) -> bool:
     return KAFKA_MAIN_CLASS.encode() in cmdline.split(b"\0")
 
 
-def _answers(cfg: Config, timeout_s: float = PROBE_TIMEOUT_S) -> bool:
-    probe = _probe_config(cfg)
-    if not _port_accepts(
-        probe.bootstrap_servers
-    ):  # cheap check first: librdkafka logs refused connects
-        return False
+def _answers(cfg: Config, node: BrokerNode, timeout_s: float = PROBE_TIMEOUT_S) -> bool:
+    """Whether ``node`` itself answers a metadata request (not merely another node)."""
+    probe = admin_kafka_config(cfg, _node_address(cfg, node))
+    return _cluster_size(probe, timeout_s) is not None
+
+
+def _cluster_size(probe: KafkaConfig, timeout_s: float = PROBE_TIMEOUT_S) -> int | None:
+    """The brokers in the metadata of the node(s) ``probe`` names; None if none answers."""
+    if not _port_accepts(probe.bootstrap_servers.split(",")[0]):
+        return None  # cheap check first: librdkafka logs refused connects
     # log_level 0 keeps the refused connects of a broker still starting out of the log
     admin = admin_client(probe, {"log_level": 0})
     try:
-        admin.list_topics(timeout=timeout_s)
+        return len(admin.list_topics(timeout=timeout_s).brokers)
     except KafkaException:
-        return False  # not answering yet: a readiness probe, not an error
-    return True
+        return None  # not answering yet: a readiness probe, not an error
 
 
 def _port_accepts(bootstrap: str) -> bool:
@@ -340,24 +401,35 @@ def _port_accepts(bootstrap: str) -> bool:
 def start_broker(cfg: Config) -> BrokerStatus:
     """Start the embedded broker (or find it running) and wait until it answers.
 
-    1. A broker already running from this data dir is returned as is.
-    2. Both ports must be free, else BrokerError naming the port.
-    3. Jars are fetched once; server.properties is written; storage is formatted once.
-    4. The JVM starts detached (its own session), logging into data_dir/logs.
-    5. Wait until ``AdminClient.list_topics`` answers, up to ``broker.start_timeout_s``.
+    1. Nodes already running from their data dirs are left as they are; only the others
+       start (a cluster with one node killed gets that node back).
+    2. Their ports must be free, else BrokerError naming the port.
+    3. Jars are fetched once; server.properties is written; storage is formatted once,
+       with one cluster id for every node.
+    4. The JVMs start detached (their own session), logging into their data dirs' logs.
+    5. Wait until every node answers and, for a cluster, sees every other node, up to
+       ``broker.start_timeout_s``.
     """
+    _check_layout(cfg)
     data_dir = _data_dir(cfg)
-    pid = _live_broker_pid(data_dir)
-    if pid is not None:  # 1. alive: it is running or still starting; never start twice
-        return _wait_until_ready(cfg, pid)
-    _check_listen_address(cfg)
-    _check_ports_free(cfg)  # 2.
-    java_major_version()
-    libs = fetch_kafka_jars()  # 3.
-    properties = _write_server_properties(cfg, data_dir)
-    _format_storage_once(libs, properties, data_dir)
-    pid = _launch_jvm(cfg, libs, properties, data_dir)  # 4.
-    return _wait_until_ready(cfg, pid)  # 5.
+    nodes = broker_nodes(cfg, data_dir)
+    pids = {node.node_id: _live_broker_pid(node.data_dir) for node in nodes}
+    todo = [node for node in nodes if pids[node.node_id] is None]  # 1.
+    launched: list[int] = []
+    if todo:
+        _check_listen_address(cfg)
+        _check_ports_free(cfg, todo)  # 2.
+        java_major_version()
+        libs = fetch_kafka_jars()  # 3.
+        cluster_id = _cluster_id(nodes)
+        for node in todo:
+            properties = _write_server_properties(cfg, node, nodes)
+            _format_storage_once(libs, properties, node.data_dir, cluster_id, len(nodes) == 1)
+        for node in todo:  # 4.
+            pid = _launch_jvm(cfg, libs, node.data_dir / "server.properties", node.data_dir)
+            pids[node.node_id] = pid
+            launched.append(pid)
+    return _wait_until_ready(cfg, nodes, pids, launched)  # 5.
 
 
 def _check_listen_address(cfg: Config) -> None:
@@ -395,22 +467,45 @@ def _ip(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
         return None  # a host name
 
 
-def _check_ports_free(cfg: Config) -> None:
-    for name, host, port in (
-        ("broker.port", cfg.broker.host, cfg.broker.port),
-        ("broker.controller_port", LOOPBACK, cfg.broker.controller_port),
-    ):
-        if not _port_free(host, port):
-            raise BrokerError(
-                f"port {port} on {host} ({name}) is already in use: stop what listens "
-                f"there (an earlier broker: `rolloutbus broker stop`) or set {name} to "
-                "another port"
-            )
-    if cfg.broker.port == cfg.broker.controller_port:
-        raise BrokerError(f"broker.port and broker.controller_port are both {cfg.broker.port}")
+def _check_ports_free(cfg: Config, nodes: list[BrokerNode]) -> None:
+    stride = f" + {PORT_STRIDE} x node index" if cfg.broker.nodes > 1 else ""
+    for node in nodes:
+        for name, host, port in (
+            ("broker.port", cfg.broker.host, node.port),
+            ("broker.controller_port", LOOPBACK, node.controller_port),
+        ):
+            if not _port_free(host, port, _restart_wait_s(node)):
+                raise BrokerError(
+                    f"port {port} on {host} ({name}{stride}, node {node.node_id}) is already "
+                    "in use: stop what listens there (an earlier broker: `rolloutbus broker "
+                    f"stop`) or set {name} to another port"
+                )
+    everything = broker_nodes(cfg, _data_dir(cfg))
+    ports = [p for n in everything for p in (n.port, n.controller_port)]
+    if len(set(ports)) < len(ports):
+        raise BrokerError(
+            f"broker.port and broker.controller_port give the nodes overlapping ports {ports}: "
+            f"node i uses port + {PORT_STRIDE}i and controller_port + {PORT_STRIDE}i"
+        )
 
 
-def _port_free(host: str, port: int) -> bool:
+def _restart_wait_s(node: BrokerNode) -> float:
+    """A node that ran before (its storage is formatted) may have died a moment ago: the
+    sockets of its connections can hold its ports for a few seconds after a SIGKILL."""
+    formatted = (node.data_dir / "kraft-logs" / "meta.properties").exists()
+    return RESTART_PORT_WAIT_S if formatted else 0.0
+
+
+def _port_free(host: str, port: int, wait_s: float = 0.0) -> bool:
+    deadline = time.monotonic() + wait_s
+    while not _port_bindable(host, port):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.2)
+    return True
+
+
+def _port_bindable(host: str, port: int) -> bool:
     # SO_REUSEADDR like the JVM's own server sockets: TIME_WAIT leftovers from a broker
     # that just stopped do not count as busy, a listening socket does.
     family = socket.AF_INET6 if isinstance(_ip(host), ipaddress.IPv6Address) else socket.AF_INET
@@ -423,88 +518,14 @@ def _port_free(host: str, port: int) -> bool:
     return True
 
 
-def server_properties(cfg: Config, data_dir: Path) -> str:
-    """The single-node broker+controller config (KRaft) for ``cfg``.
-
-    With ``broker.sasl_users`` the text holds their passwords: write it where only the
-    owner can read it (``_write_server_properties`` does).
-    """
-    port, cport = cfg.broker.port, cfg.broker.controller_port
-    client = _client_listener(cfg)
-    client_url = f"{client}://{cfg.broker.host}:{port}"
-    controller_url = f"{CONTROLLER_LISTENER}://{LOOPBACK}:{cport}"
-    # bytes; topic max.message.bytes is set per topic (rolloutbus.kafka.admin), this is the
-    # broker default and the cap that replica fetches and socket requests must exceed.
-    max_bytes = max(cfg.kafka.max_message_bytes, 1048588)
-    request_max = max(104857600, max_bytes + 1048576)  # bytes; Kafka's default 100 MiB
-    lines = {
-        "process.roles": "broker,controller",
-        "node.id": "1",
-        "controller.quorum.bootstrap.servers": f"{LOOPBACK}:{cport}",  # dynamic quorum (KIP-853)
-        "listeners": f"{client_url},{controller_url}",
-        "advertised.listeners": f"{client_url},{controller_url}",
-        "controller.listener.names": CONTROLLER_LISTENER,
-        # the broker reaches itself on the client listener (transaction markers to the
-        # partition leaders): with SASL, as the first user (_sasl_properties)
-        "inter.broker.listener.name": client,
-        "listener.security.protocol.map": f"{CONTROLLER_LISTENER}:PLAINTEXT,{client}:{client}",
-        **_sasl_properties(cfg),
-        "log.dirs": str(data_dir / "kraft-logs"),
-        "num.partitions": "1",
-        "auto.create.topics.enable": "false",  # topics come from rolloutbus.kafka.admin only
-        "message.max.bytes": str(max_bytes),
-        "replica.fetch.max.bytes": str(max_bytes),
-        "socket.request.max.bytes": str(request_max),
-        # One node: every internal topic has one replica.
-        "offsets.topic.replication.factor": "1",
-        "transaction.state.log.replication.factor": "1",
-        "transaction.state.log.min.isr": "1",
-        "share.coordinator.state.topic.replication.factor": "1",
-        "share.coordinator.state.topic.min.isr": "1",
-        # Dev speed: no 3 s wait before the first rebalance, and one partition per internal
-        # topic instead of 50 (each partition is files and a coordinator load on start).
-        "group.initial.rebalance.delay.ms": "0",
-        "offsets.topic.num.partitions": "1",
-        "transaction.state.log.num.partitions": "1",
-        "share.coordinator.state.topic.num.partitions": "1",
-    }
-    header = (
-        "# Written by rolloutbus.kafka.broker on every start; edit the config, not this file.\n"
-    )
-    return header + "".join(f"{key}={value}\n" for key, value in lines.items())
-
-
-def _sasl_properties(cfg: Config) -> dict[str, str]:
-    """SASL/PLAIN on the client listener: one ``user_NAME="PASSWORD"`` per user, and the
-    first user's ``username``/``password`` for the broker's connections to itself.
-    Names and passwords are checked JAAS-safe by BrokerConfig."""
-    users = cfg.broker.sasl_users
-    if not users:
-        return {}
-    mechanism = cfg.broker.sasl_mechanism
-    own_name, own_password = next(iter(users.items()))
-    entries = [
-        f'username="{own_name}"',
-        f'password="{own_password.get_secret_value()}"',
-        *(f'user_{name}="{password.get_secret_value()}"' for name, password in users.items()),
-    ]
-    jaas = f"org.apache.kafka.common.security.plain.PlainLoginModule required {' '.join(entries)};"
-    prefix = f"listener.name.{SASL_LISTENER.lower()}.{mechanism.lower()}"
-    return {
-        "sasl.enabled.mechanisms": mechanism,
-        "sasl.mechanism.inter.broker.protocol": mechanism,
-        f"{prefix}.sasl.jaas.config": jaas,
-    }
-
-
-def _write_server_properties(cfg: Config, data_dir: Path) -> Path:
-    (data_dir / "logs").mkdir(parents=True, exist_ok=True)
-    path = data_dir / "server.properties"
+def _write_server_properties(cfg: Config, node: BrokerNode, nodes: list[BrokerNode]) -> Path:
+    (node.data_dir / "logs").mkdir(parents=True, exist_ok=True)
+    path = node.data_dir / "server.properties"
     # created 0600 before any secret is written into it (SASL passwords)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     os.fchmod(fd, 0o600)  # an older file keeps its mode through O_TRUNC
     with os.fdopen(fd, "w") as handle:
-        handle.write(server_properties(cfg, data_dir))
+        handle.write(server_properties(cfg, node.data_dir, node, nodes))
     return path
 
 
@@ -521,15 +542,28 @@ def _java_command(libs: Path, data_dir: Path, heap: str | None = None) -> list[s
     ]
 
 
-def _format_storage_once(libs: Path, properties: Path, data_dir: Path) -> None:
+def _cluster_id(nodes: list[BrokerNode]) -> str:
+    """The id every node is formatted with: an already formatted node's, else a new one."""
+    for node in nodes:
+        meta = node.data_dir / "kraft-logs" / "meta.properties"
+        if meta.exists():
+            for line in meta.read_text().splitlines():
+                if line.startswith("cluster.id="):
+                    return line.split("=", 1)[1].strip()
+    return _random_cluster_id()
+
+
+def _format_storage_once(
+    libs: Path, properties: Path, data_dir: Path, cluster_id: str, standalone: bool = True
+) -> None:
     if (data_dir / "kraft-logs" / "meta.properties").exists():
         return
-    cluster_id = _random_cluster_id()
     cmd = [
         *_java_command(libs, data_dir),
         STORAGE_TOOL_CLASS,
         "format",
-        "--standalone",
+        # one node: a dynamic quorum of itself; a cluster: the static controller.quorum.voters
+        *(["--standalone"] if standalone else []),
         "-t",
         cluster_id,
         "-c",
@@ -579,25 +613,54 @@ def _launch_jvm(cfg: Config, libs: Path, properties: Path, data_dir: Path) -> in
     return proc.pid
 
 
-def _wait_until_ready(cfg: Config, pid: int) -> BrokerStatus:
-    data_dir, bootstrap = _data_dir(cfg), _bootstrap(cfg)
+def _wait_until_ready(
+    cfg: Config, nodes: list[BrokerNode], pids: dict[int, int | None], launched: list[int]
+) -> BrokerStatus:
+    bootstrap = _bootstrap(cfg)
     deadline = time.monotonic() + cfg.broker.start_timeout_s
     while time.monotonic() < deadline:
-        if not _pid_alive(pid):
-            _pid_file(data_dir).unlink(missing_ok=True)
-            raise BrokerError(
-                f"the Kafka broker (pid {pid}) exited during start-up; last lines of its log:\n"
-                + _broker_log_tail(data_dir)
+        for node in nodes:
+            pid = pids[node.node_id]
+            if pid is None or not _pid_alive(pid):
+                _pid_file(node.data_dir).unlink(missing_ok=True)
+                _stop_launched(nodes, pids, launched)
+                raise BrokerError(
+                    f"the Kafka broker (pid {pid}, node {node.node_id}) exited during "
+                    "start-up; last lines of its log:\n" + _broker_log_tail(node.data_dir)
+                )
+        if _cluster_ready(cfg, nodes):
+            return BrokerStatus(
+                running=True,
+                pid=pids[nodes[0].node_id],
+                bootstrap=bootstrap,
+                data_dir=_data_dir(cfg),
+                node_pids=tuple(pids[n.node_id] for n in nodes),
             )
-        if _answers(cfg):
-            return BrokerStatus(running=True, pid=pid, bootstrap=bootstrap, data_dir=data_dir)
         time.sleep(0.2)
-    _terminate(pid, data_dir)  # a half-started JVM would hold the ports and the data dir
+    _stop_launched(nodes, pids, launched)  # half-started JVMs would hold ports and data dirs
     raise BrokerError(
-        f"the Kafka broker (pid {pid}) did not answer on {bootstrap} within "
-        f"{cfg.broker.start_timeout_s:.0f} s (broker.start_timeout_s); it was stopped. "
-        "Last lines of its log:\n" + _broker_log_tail(data_dir)
+        f"the Kafka broker did not answer on {bootstrap} within "
+        f"{cfg.broker.start_timeout_s:.0f} s (broker.start_timeout_s); the nodes started by "
+        "this call were stopped. Last lines of the first node's log:\n"
+        + _broker_log_tail(nodes[0].data_dir)
     )
+
+
+def _cluster_ready(cfg: Config, nodes: list[BrokerNode]) -> bool:
+    """Every node answers, each sees all of them registered (a topic with three replicas
+    can be created only then)."""
+    for node in nodes:
+        size = _cluster_size(admin_kafka_config(cfg, _node_address(cfg, node)))
+        if size is None or size < len(nodes):
+            return False
+    return True
+
+
+def _stop_launched(nodes: list[BrokerNode], pids: dict[int, int | None], launched: list[int]):
+    for node in nodes:
+        pid = pids[node.node_id]
+        if pid is not None and pid in launched and _pid_alive(pid):
+            _terminate(pid, node.data_dir)
 
 
 def _broker_log_tail(data_dir: Path) -> str:
@@ -621,17 +684,38 @@ def _tail_text(text: str, lines: int) -> str:
 
 
 def stop_broker(cfg: Config) -> bool:
-    """Stop the broker of ``cfg.broker.data_dir``: SIGTERM, then SIGKILL after 30 s.
+    """Stop every node of the broker of ``cfg.broker.data_dir``: SIGTERM to all at once
+    (a cluster shuts down together, no node waits on a quorum already gone), then SIGKILL
+    to any still alive after 30 s.
 
-    Returns True if a broker was running and is now stopped, False if none was running.
+    Returns True if a node was running and every node is now stopped, False if none was.
     """
-    data_dir = _data_dir(cfg)
-    pid = _live_broker_pid(data_dir)
+    cfg = _as_on_disk(cfg)
+    nodes = broker_nodes(cfg, _data_dir(cfg))
+    running = [(node, _live_broker_pid(node.data_dir)) for node in nodes]
+    for node, pid in running:
+        if pid is None:
+            _pid_file(node.data_dir).unlink(missing_ok=True)  # stale: the JVM died on its own
+    alive = [(node, pid) for node, pid in running if pid is not None]
+    for _, pid in alive:
+        _signal(pid, signal.SIGTERM)  # Kafka's shutdown hook: controlled shutdown, clean logs
+    for node, pid in alive:
+        _terminate(pid, node.data_dir)
+    return bool(alive)
+
+
+def kill_node(cfg: Config, node_id: int) -> int:
+    """SIGKILL node ``node_id`` (1-based) of a running broker, as a crash would; returns
+    its pid. For fault tests; ``start_broker`` brings it back."""
+    node = broker_nodes(cfg, _data_dir(cfg))[node_id - 1]
+    pid = _live_broker_pid(node.data_dir)
     if pid is None:
-        _pid_file(data_dir).unlink(missing_ok=True)  # stale: the JVM died on its own
-        return False
-    _terminate(pid, data_dir)
-    return True
+        raise BrokerError(f"node {node_id} of the broker in {_data_dir(cfg)} is not running")
+    _signal(pid, signal.SIGKILL)
+    if not _wait_for_exit(pid, 10.0):  # seconds; SIGKILL cannot be ignored
+        raise BrokerError(f"the Kafka broker (pid {pid}) did not exit after SIGKILL")
+    _pid_file(node.data_dir).unlink(missing_ok=True)
+    return pid
 
 
 def _terminate(pid: int, data_dir: Path) -> None:

@@ -135,3 +135,21 @@ def _position(consumer: Consumer, tp: TopicPartition) -> int:
     with translate_kafka_errors("reading the position", topic=tp.topic, partition=tp.partition):
         [position] = consumer.position([tp])
     return position.offset
+
+
+def offset_for_time(
+    kafka: KafkaConfig, topic: str, partition: int, timestamp_s: float
+) -> int | None:
+    """The first offset of ``topic[partition]`` whose record timestamp is at or after
+    ``timestamp_s`` (seconds since the epoch; Kafka's offsets-for-times), or None when no
+    record is that recent."""
+    tp = TopicPartition(topic, partition, int(timestamp_s * 1000))  # Kafka counts ms
+    consumer = read_committed_consumer(kafka, PARTITION_READER_GROUP)
+    try:
+        with translate_kafka_errors(
+            "finding the offset for a time", topic=topic, partition=partition
+        ):
+            [found] = consumer.offsets_for_times([tp], timeout=POLL_S)
+    finally:
+        consumer.close()
+    return found.offset if found.offset >= 0 else None

@@ -84,6 +84,7 @@ class OutgoingRecord(NamedTuple):
     key: str
     value: bytes
     partition: int  # ANY_PARTITION: the producer's partitioner places it
+    timestamp_ms: int | None = None  # the record's timestamp; None: the produce time
 
 
 class TransactionAborted(RolloutBusError):
@@ -207,6 +208,8 @@ class TransactionalProducer:
         kwargs: dict[str, Any] = (
             {} if record.partition == ANY_PARTITION else {"partition": record.partition}
         )
+        if record.timestamp_ms is not None:
+            kwargs["timestamp"] = record.timestamp_ms
         while True:
             try:
                 self._producer.produce(record.topic, key=record.key, value=record.value, **kwargs)

@@ -8,6 +8,11 @@ tests use ``hang()`` and ``fail()``.
 Its control surface is scripted too: ``pause``/``resume`` hold and abort calls as the real
 engine does, but ``reload_weights`` only checks that the folder exists and records it in
 ``reloads`` (there are no weights to load).
+
+``routed_experts=(layers, top_k)`` makes it answer as a MoE engine started for routing
+replay (verl's R3): every token it "fed through the model" (the prompt and the sampled
+tokens but the last) gets scripted experts, ``scripted_expert(token, layer, k)``, a pure
+function of the token id, so a test can tell which token each row belongs to.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ from rolloutbus.replica.generation import (
 )
 from rolloutbus.replica.pause_gate import PauseGate
 
-__all__ = ["ScriptedEngine", "ScriptedTurn"]
+__all__ = ["ScriptedEngine", "ScriptedTurn", "scripted_expert"]
 
 SCRIPTED_OWNER = "scripted-test-double"
 DEFAULT_LOGPROB = -0.5  # a plausible, non-zero logprob when the script gives none
@@ -66,6 +71,7 @@ class ScriptedEngine:
     calls: list[GenerationRequest] = field(default_factory=list)  # every request, in order
     weight_version: int | str = 0
     reloads: list[str] = field(default_factory=list)  # weights_path of each reload_weights
+    routed_experts: tuple[int, int] | None = None  # (layers, top_k): answer as a MoE engine
 
     def __post_init__(self) -> None:
         self._turns = None if callable(self.script) else iter(list(self.script))
@@ -83,8 +89,12 @@ class ScriptedEngine:
     def is_paused(self) -> bool:
         return self._gate.is_paused
 
-    async def pause(self, mode: PauseMode = "abort") -> None:
-        self._gate.close(mode)
+    @property
+    def pause_gate(self) -> PauseGate:
+        return self._gate
+
+    async def pause(self, mode: PauseMode = "abort", lease_s: float | None = None) -> None:
+        self._gate.close(mode, lease_s)
         if mode == "abort" and self._abort is not None:
             self._abort.set()  # calls in their token delay end now with the tokens so far
         while mode == "wait" and self._decoding:
@@ -100,6 +110,7 @@ class ScriptedEngine:
                 f"weights_path {weights_path!r} is not a folder on the replica"
             )
         self.reloads.append(weights_path)
+        self._gate.reload_finished(weights_path)
 
     # -- faults for tests ---------------------------------------------------------------
 
@@ -221,4 +232,22 @@ class ScriptedEngine:
             weight_versions=[VersionSpan(version=self.weight_version, start=0, end=len(token_ids))]
             if token_ids
             else [],
+            routed_experts=self._routed_experts(list(request.prompt_ids) + token_ids[:-1]),
         )
+
+    def _routed_experts(self, fed: list[int]) -> list[list[list[int]]] | None:
+        if self.routed_experts is None:
+            return None
+        layers, top_k = self.routed_experts
+        return [
+            [[scripted_expert(t, layer, k) for k in range(top_k)] for layer in range(layers)]
+            for t in fed
+        ]
+
+
+SCRIPTED_NUM_EXPERTS = 64  # experts per layer of the pretend MoE model
+
+
+def scripted_expert(token_id: int, layer: int, k: int) -> int:
+    """The expert the scripted MoE engine routes ``token_id`` to at ``layer``, slot ``k``."""
+    return (token_id * 7 + layer * 5 + k * 11) % SCRIPTED_NUM_EXPERTS

@@ -6,8 +6,9 @@ What verl 0.9.1's ``AgentLoopBase`` offers is here under the same names:
 - ``self.server_manager.generate(request_id, prompt_ids=..., sampling_params=...)``
   (token-in/token-out);
 - the Continuous Token helpers ``ct_build_initial_tokens``, ``ct_merge_assistant_token``,
-  ``ct_merge_context_msg`` (and its earlier name ``ct_merge_non_assistant_msg``), the
-  builder as ``self.continuous_token_builder``;
+  ``ct_merge_context_msg`` (verl 0.9.1's name; verl main of 2026-08-22 has only
+  ``ct_merge_non_assistant_msg``, which is here too), the builder as
+  ``self.continuous_token_builder``;
 - ``process_multi_modal_info`` (and ``process_vision_info``), ``_assert_mm_supported``,
   ``_get_mm_processor_kwargs``, ``build_sglang_video_payload``;
 - ``self.loop`` (the running asyncio loop: ``run_in_executor``), ``self.config``,
@@ -116,11 +117,15 @@ class AgentLoopBase(ABC):
 
     @property
     def continuous_token_builder(self) -> ContinuousTokenBuilder:
-        """The CT builder of this tokenizer (cached per tokenizer and template kwargs),
-        built on first use; a loop may assign its own, as in verl."""
+        """The CT builder of this tokenizer, built on first use (cached per tokenizer,
+        ``data.apply_chat_template_kwargs`` and ``data.mm_processor_kwargs``, which it
+        applies to every render, as verl's); a loop may assign its own, as in verl."""
         if self._continuous_token_builder is None:
             self._continuous_token_builder = get_builder(
-                self.tokenizer, self.processor, **self.apply_chat_template_kwargs
+                self.tokenizer,
+                self.processor,
+                mm_processor_kwargs=self.mm_processor_kwargs,
+                **self.apply_chat_template_kwargs,
             )
         return self._continuous_token_builder
 
@@ -182,7 +187,7 @@ class AgentLoopBase(ABC):
         mask, logprobs = builder.align_response_metadata(merge, response_mask, response_logprobs)
         return merge, mask, logprobs
 
-    # verl's name for it before the context merge also took assistant messages
+    # verl main's name (2026-08-22); verl 0.9.1 calls it ct_merge_context_msg
     ct_merge_non_assistant_msg = ct_merge_context_msg
 
     async def ct_merge_assistant_token(
@@ -284,7 +289,9 @@ class AgentLoopBase(ABC):
         kwargs = {**self.apply_chat_template_kwargs, **template_kwargs}
         multimodal = bool(images) or bool(videos)
         self._assert_mm_supported(multimodal)
-        builder = get_builder(self.tokenizer, self.processor, **kwargs)
+        builder = get_builder(
+            self.tokenizer, self.processor, mm_processor_kwargs=self.mm_processor_kwargs, **kwargs
+        )
         ids = await asyncio.to_thread(
             builder.build_initial_tokens, messages, tools=tools, images=images, videos=videos
         )

@@ -27,15 +27,21 @@ The stream is right and the re-render is wrong in each case: the stream is what 
 policy saw and sampled.
 
 verl's runtime API is here too, with its names: ``build_initial_tokens``,
-``merge_assistant_tokens``, ``merge_context_tokens`` (returning a ``MergeResult``) and
-``align_response_metadata``. One builder serves every chat template: verl picks a builder
-per HF ``model_type`` (its Qwen builder inserts ``\\n`` after a sampled ``<|im_end|>``; its
-default builder inserts nothing), this one derives the boundary from the template itself.
+``merge_assistant_tokens``, ``merge_context_tokens`` (verl 0.9.1; verl main of 2026-08-22
+calls it ``merge_non_assistant_tokens``, and its merge kind ``"non_assistant"``: both
+names are here) returning a ``MergeResult``, and ``align_response_metadata``, with verl's
+edge cases and messages: an empty append adds nothing but the rest of an end-of-turn the
+model stopped inside (verl's Qwen builder: the ``\\n`` after a sampled ``<|im_end|>``),
+an unknown merge kind is a ValueError, and so is a missing ``assistant_logprobs``.
+
+One builder serves every chat template: verl picks a builder per HF ``model_type`` (its
+Qwen builder inserts ``\\n`` after a sampled ``<|im_end|>``; its default builder inserts
+nothing), this one derives the boundary from the template itself.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from rolloutbus.errors import AgentLoopError
@@ -44,7 +50,9 @@ OBSERVATION_ROLES = frozenset({"tool", "user", "system"})
 # verl lets a context append carry an assistant message too, if it is not the last one
 CONTEXT_ROLES = OBSERVATION_ROLES | {"assistant"}
 
-MergeKind = Literal["assistant", "context"]
+MergeKind = Literal["assistant", "context", "non_assistant"]
+# the kinds that append observation tokens: verl 0.9.1's "context", verl main's name
+_CONTEXT_KINDS = frozenset({"context", "non_assistant"})
 
 
 @dataclass(frozen=True)
@@ -116,11 +124,22 @@ class ContinuousTokenBuilder:
     One instance per tokenizer (the end-of-turn tokens are computed once).
     """
 
-    def __init__(self, tokenizer: Any, processor: Any = None, **template_kwargs: Any):
+    def __init__(
+        self,
+        tokenizer: Any,
+        processor: Any = None,
+        *,
+        mm_processor_kwargs: dict[str, Any] | None = None,
+        **template_kwargs: Any,
+    ):
         self.tokenizer = tokenizer
         self.processor = processor  # renders multimodal prompts (a VL model's processor)
+        # verl's data.apply_chat_template_kwargs: every render of the template gets them
         self.template_kwargs = template_kwargs
         self.chat_template_kwargs = template_kwargs  # verl's attribute name
+        # verl's data.mm_processor_kwargs: every processor call gets them (a constant of
+        # the builder's life, so the first prompt and later renders expand media alike)
+        self.mm_processor_kwargs = dict(mm_processor_kwargs or {})
         self.end_of_turn_ids = self._end_of_turn_ids()
 
     # ---- verl's runtime API ------------------------------------------------------------
@@ -157,8 +176,9 @@ class ContinuousTokenBuilder:
             tokenize=False,
             **self.template_kwargs,
         )
+        processor_kwargs = {"return_tensors": "pt", **self.mm_processor_kwargs}
         inputs = self.processor(
-            text=[text], images=images or None, videos=videos or None, return_tensors="pt"
+            text=[text], images=images or None, videos=videos or None, **processor_kwargs
         )
         if mm_inputs_out is not None:
             mm_inputs_out.update({k: v for k, v in inputs.items() if k != "input_ids"})
@@ -187,9 +207,19 @@ class ContinuousTokenBuilder:
 
         The history must be append-only (verl raises ValueError otherwise; so does this,
         as ``ContextNotAppendOnlyError``). ``tools`` does not change the suffix of a chat
-        template that renders tools in the system prompt, so it is not re-rendered.
+        template that renders tools in the system prompt, so it is not re-rendered. No new
+        message appends nothing, except the rest of an end-of-turn the stream stopped
+        inside (as verl's Qwen builder adds the ``\n`` after a sampled ``<|im_end|>``).
         """
         appended = _appended_messages(previous_messages, updated_messages)
+        if not appended:
+            boundary = self._rest_of_end_of_turn(runtime_token_ids)
+            return MergeResult(
+                token_ids=list(runtime_token_ids) + boundary,
+                appended_token_count=0,
+                kind="context",
+                inserted_token_ids=boundary,
+            )
         observation = self.observation(runtime_token_ids, appended)
         return MergeResult(
             token_ids=list(runtime_token_ids) + observation.token_ids,
@@ -197,6 +227,20 @@ class ContinuousTokenBuilder:
             kind="context",
             inserted_token_ids=list(observation.boundary_ids),
         )
+
+    def merge_non_assistant_tokens(
+        self,
+        previous_messages: list[dict[str, Any]],
+        updated_messages: list[dict[str, Any]],
+        runtime_token_ids: list[int],
+        *,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> MergeResult:
+        """verl main's name of ``merge_context_tokens`` (merge kind ``"non_assistant"``)."""
+        merge = self.merge_context_tokens(
+            previous_messages, updated_messages, runtime_token_ids, tools=tools
+        )
+        return replace(merge, kind="non_assistant")
 
     @staticmethod
     def align_response_metadata(
@@ -225,17 +269,15 @@ class ContinuousTokenBuilder:
         if merge_result.kind == "assistant":
             mask += [1] * count
             if logprobs is not None:
-                given = list(assistant_logprobs or [])
-                if len(given) != count:
-                    raise ContinuousTokenError(
-                        "assistant_logprobs length must match appended assistant token count, "
-                        f"got {len(given)} and {count}"
-                    )
-                logprobs += given
-        else:
+                logprobs += _assistant_logprobs(assistant_logprobs, count)
+        elif merge_result.kind in _CONTEXT_KINDS:
             mask += [0] * count
             if logprobs is not None:
                 logprobs += [0.0] * count
+        else:
+            raise ContinuousTokenError(
+                f"Unknown Continuous Token merge kind: {merge_result.kind!r}"
+            )
         return mask, logprobs
 
     def _end_of_turn_ids(self) -> list[int]:
@@ -244,6 +286,15 @@ class ContinuousTokenBuilder:
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, **self.template_kwargs)
         tail = text[text.rindex(_END_PROBE) + len(_END_PROBE) :]
         return list(self.tokenizer.encode(tail, add_special_tokens=False))
+
+    def _rest_of_end_of_turn(self, stream_ids: list[int]) -> list[int]:
+        """What completes an end-of-turn the stream stopped inside; [] when it stopped
+        elsewhere (an empty append then adds nothing, as verl's builders)."""
+        end = self.end_of_turn_ids
+        for k in range(len(end) - 1, 0, -1):
+            if stream_ids[-k:] == end[:k]:
+                return end[k:]
+        return []
 
     def boundary_ids(self, stream_ids: list[int]) -> list[int]:
         """The end-of-turn tokens the model did not sample.
@@ -304,15 +355,36 @@ class ContinuousTokenBuilder:
         if not new_messages:
             raise AgentLoopError("an observation needs at least one message")
         roles = [m.get("role") for m in new_messages]
-        if any(role not in CONTEXT_ROLES for role in roles) or roles[-1] == "assistant":
+        for role in roles:  # verl's checks and messages
+            if role not in CONTEXT_ROLES:
+                raise ContextNotAppendOnlyError(
+                    f"Continuous Token only supports appending roles {sorted(CONTEXT_ROLES)}, "
+                    f"got {role!r}"
+                )
+        if roles[-1] == "assistant":
             raise ContextNotAppendOnlyError(
-                "only tool, user or system messages (and an assistant message before them) "
-                f"can be appended to a token stream, got roles {roles}"
+                "Continuous Token context incremental messages cannot end with assistant"
             )
         message_ids = self._suffix_ids(new_messages)
         return ObservationTokens(
             boundary_ids=self.boundary_ids(stream_ids), message_ids=message_ids
         )
+
+
+def _assistant_logprobs(given: list[float] | None, count: int) -> list[float]:
+    """The logprobs of ``count`` appended assistant tokens, checked as verl checks them."""
+    if given is None:
+        if count:
+            raise ContinuousTokenError(
+                "assistant_logprobs is required for assistant Continuous Token alignment"
+            )
+        return []
+    if len(given) != count:
+        raise ContinuousTokenError(
+            "assistant_logprobs length must match appended assistant token count, "
+            f"got {len(given)} and {count}"
+        )
+    return list(given)
 
 
 class ContinuousTokenError(AgentLoopError, ValueError):
@@ -337,19 +409,31 @@ def _appended_messages(
     return updated[len(previous) :]
 
 
-_builders: dict[tuple[int, int, tuple[tuple[str, Any], ...]], ContinuousTokenBuilder] = {}
+_BuilderKey = tuple[int, int, str, str]
+_builders: dict[_BuilderKey, ContinuousTokenBuilder] = {}
 
 
 def get_builder(
-    tokenizer: Any, processor: Any = None, **template_kwargs: Any
+    tokenizer: Any,
+    processor: Any = None,
+    *,
+    mm_processor_kwargs: dict[str, Any] | None = None,
+    **template_kwargs: Any,
 ) -> ContinuousTokenBuilder:
-    """A cached builder per (tokenizer, processor, template kwargs)."""
+    """A cached builder per (tokenizer, processor, template kwargs, processor kwargs)."""
     key = (
         id(tokenizer),
         id(processor),
-        tuple(sorted((k, repr(v)) for k, v in template_kwargs.items())),
+        _kwargs_key(template_kwargs),
+        _kwargs_key(mm_processor_kwargs),
     )
     builder = _builders.get(key)
     if builder is None or builder.tokenizer is not tokenizer or builder.processor is not processor:
-        builder = _builders[key] = ContinuousTokenBuilder(tokenizer, processor, **template_kwargs)
+        builder = _builders[key] = ContinuousTokenBuilder(
+            tokenizer, processor, mm_processor_kwargs=mm_processor_kwargs, **template_kwargs
+        )
     return builder
+
+
+def _kwargs_key(kwargs: dict[str, Any] | None) -> str:
+    return repr(sorted((kwargs or {}).items(), key=lambda item: item[0]))

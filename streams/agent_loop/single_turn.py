@@ -1,8 +1,9 @@
 """``single_turn_agent``: one generate() call; every response token is an action.
 
 verl 0.9.1's ``SingleTurnAgentLoop`` step for step: media from the row (or the messages),
-the CT prompt, one ``generate`` with ``priority``, the sampled tokens merged as assistant
-tokens, and the output capped at ``rollout.response_length``.
+the CT prompt, one ``generate`` with ``priority`` and ``data.mm_processor_kwargs``, the
+sampled tokens merged as assistant tokens, and the output capped at
+``rollout.response_length`` (with verl's ``multi_modal_data`` and ``mm_processor_kwargs``).
 """
 
 from __future__ import annotations
@@ -13,16 +14,19 @@ from rolloutbus.schemas.agent_loop import AgentLoopMetrics, AgentLoopOutput
 from rolloutbus.streams.agent_loop.base import AgentLoopBase, mrope_inputs, multi_modal_inputs
 from rolloutbus.streams.agent_loop.registry import register
 from rolloutbus.streams.agent_loop.timing import simple_timer
+from rolloutbus.streams.agent_loop.tracing import rollout_trace_op
 
 
 @register("single_turn_agent")
 class SingleTurnAgentLoop(AgentLoopBase):
+    @rollout_trace_op
     async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> AgentLoopOutput:
         messages = list(kwargs["raw_prompt"])
         images, videos = multi_modal_inputs(kwargs)
         if images is None and videos is None:
             media = await self.process_multi_modal_info(messages)
             images, videos = media.get("images"), media.get("videos")
+        mm_processor_kwargs = self._get_mm_processor_kwargs(None)
         self._assert_mm_supported(bool(images or videos))
         prompt_ids = await self.ct_build_initial_tokens(messages, images=images, videos=videos)
 
@@ -37,6 +41,7 @@ class SingleTurnAgentLoop(AgentLoopBase):
                 sampling_params=sampling_params,
                 image_data=images,
                 video_data=videos,
+                mm_processor_kwargs=mm_processor_kwargs,
                 **extra,
             )
         logprobs_in = list(token_output.log_probs) if token_output.log_probs else None
@@ -69,7 +74,8 @@ class SingleTurnAgentLoop(AgentLoopBase):
             response_mask=mask[:limit],
             response_logprobs=logprobs[:limit] if logprobs else None,
             routed_experts=routed,
-            multi_modal_data=multi_modal_data or None,
+            multi_modal_data=multi_modal_data,
+            mm_processor_kwargs=mm_processor_kwargs,
             num_turns=2,
             metrics=metrics,
             extra_fields={

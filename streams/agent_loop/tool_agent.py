@@ -15,8 +15,14 @@ would reach it is dropped and the loop ends. verl's rules, kept here as verl has
   later turns' ``max_global_steps`` and summed ``spec_*`` counters, plus whatever tools
   stored there during the trajectory.
 
-One addition: ``rollout.multi_turn.tool_timeout_s`` bounds each call (verl has none); a
-call that runs past it is answered with an error text, reward 0.0.
+verl's override points, with verl's signatures: ``_build_assistant_message(content,
+agent_data)`` and ``_call_tool(tool_call, tools_kwargs, agent_data)``; a subclass that
+still overrides ``_call_tool(call, agent_data)`` (this project's earlier signature) is
+called that way, with a DeprecationWarning.
+
+One addition: ``rollout.multi_turn.tool_timeout_s`` bounds each call (verl has none), an
+overridden ``_call_tool`` included; a call that runs past it is answered with an error
+text, reward 0.0.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import warnings
 from enum import Enum
 from typing import Any
 
@@ -39,31 +46,28 @@ from rolloutbus.streams.agent_loop.base import (
 from rolloutbus.streams.agent_loop.continuous_token import ContinuousTokenError
 from rolloutbus.streams.agent_loop.registry import register
 from rolloutbus.streams.agent_loop.timing import simple_timer
+from rolloutbus.streams.agent_loop.tool_calls import (  # noqa: F401 - markers re-exported
+    TRUNCATED_HEAD,
+    TRUNCATED_MIDDLE,
+    TRUNCATED_TAIL,
+    execute_tool,
+    legacy_call_arguments,
+    merge_turn_fields,
+    overrides_with_old_signature,
+    truncate_text,
+    with_stop_tokens,
+)
+from rolloutbus.streams.agent_loop.tool_metrics import timed_tool_call
 from rolloutbus.streams.agent_loop.tool_parser import (
     FunctionCall,
     ToolParser,
     assistant_tool_calls,
     rendered_tool_schema,
 )
-from rolloutbus.streams.agent_loop.tools import (
-    FunctionTool,
-    ToolResponse,
-    load_tool_catalog,
-    normalize_function_tool_return,
-)
+from rolloutbus.streams.agent_loop.tools import ToolResponse, load_tool_catalog
+from rolloutbus.streams.agent_loop.tracing import rollout_trace_op, trace_span
 
 logger = logging.getLogger(__name__)
-
-# verl's markers: "left" keeps the tail, "right" keeps the head (verl PR #6313)
-TRUNCATED_HEAD = "(truncated)..."  # in front of the kept tail ("left")
-TRUNCATED_TAIL = "...(truncated)"  # after the kept head ("right")
-TRUNCATED_MIDDLE = "...(truncated)..."
-
-SPEC_DECODE_EXTRA_KEYS = (
-    "spec_num_draft_tokens",
-    "spec_num_accepted_tokens",
-    "spec_num_verify_steps",
-)
 
 
 class AgentState(Enum):
@@ -74,24 +78,41 @@ class AgentState(Enum):
 
 
 class AgentData:
-    """All state of one trajectory; tools receive it as ``agent_data`` (verl's AgentData).
+    """All state of one trajectory; tools receive it as ``agent_data`` (verl's AgentData,
+    with verl's constructor: ``messages, image_data, video_data, audio_data,
+    mm_processor_kwargs, metrics, request_id, tools_kwargs``).
 
     Tools may keep session data in ``extra_fields``: it is the output's ``extra_fields``.
+    ``tools`` (also verl's ``_active_tools``) are the tools this trajectory may call, after
+    ``extra_info.tool_selection``.
     """
 
-    def __init__(self, messages, image_data, video_data, request_id, tools_kwargs, tools):
+    def __init__(
+        self,
+        messages: list[dict[str, Any]],
+        image_data: Any,
+        video_data: Any,
+        audio_data: Any = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
+        metrics: dict[str, Any] | None = None,
+        request_id: str = "",
+        tools_kwargs: dict[str, Any] | None = None,
+        tools: dict[str, Any] | None = None,
+    ):
         self.messages: list[dict[str, Any]] = messages
         self.image_data = image_data
         self.video_data = video_data
-        self.audio_data = None
+        self.audio_data = audio_data
+        self.mm_processor_kwargs: dict[str, Any] = mm_processor_kwargs or {}
+        self.metrics: dict[str, Any] = {} if metrics is None else metrics  # timings, preempted
         self.request_id: str = request_id
-        self.tools_kwargs: dict[str, Any] = tools_kwargs
-        self.tools: dict[str, Any] = tools  # after extra_info.tool_selection
+        self.tools_kwargs: dict[str, Any] = tools_kwargs or {}
+        self.tools: dict[str, Any] = dict(tools or {})
         self.tool_schemas: list[dict[str, Any]] = [
-            rendered_tool_schema(t.tool_schema) for t in tools.values()
+            rendered_tool_schema(t.tool_schema) for t in self.tools.values()
         ]
-        self.metrics: dict[str, Any] = {}  # verl: timings + num_preempted
         self.prompt_ids: list[int] = []  # the whole stream: prompt, then every turn
+        self.mm_processor_output: list[dict[str, Any]] | None = None  # verl's SGLang payload
         self.response_ids: list[int] = []  # the last turn's sampled tokens
         self.response_mask: list[int] = []
         self.response_logprobs: list[float] = []
@@ -106,6 +127,15 @@ class AgentData:
     @property
     def timings(self) -> dict[str, Any]:
         return self.metrics
+
+    # verl's names of the per-trajectory tool selection
+    @property
+    def _active_tools(self) -> dict[str, Any]:
+        return self.tools
+
+    @property
+    def _active_tool_schemas(self) -> list[dict[str, Any]]:
+        return self.tool_schemas
 
 
 @register("tool_agent")
@@ -133,15 +163,17 @@ class ToolAgentLoop(AgentLoopBase):
             tool_list = list(tools.tools)
         elif tools is not None:
             tool_list = list(tools)
-        else:  # built outside the session runner: load the configured catalog (cached)
+        else:  # built outside the session runner (which loads them once): load them here
             tool_list = load_tool_catalog(mt.tool_config_path, mt.function_tool_path)
         self.tools = {tool.name: tool for tool in tool_list}
         self.tool_schemas = [rendered_tool_schema(tool.tool_schema) for tool in tool_list]
         self.tool_parser = ToolParser.get_tool_parser(mt.format, self.tokenizer)
         self.tool_parser_name = mt.format
+        self._legacy_call_tool = overrides_with_old_signature(type(self), ToolAgentLoop)
 
     # ---- the loop ------------------------------------------------------------------------
 
+    @rollout_trace_op
     async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> AgentLoopOutput:
         messages = list(kwargs["raw_prompt"])
         images, videos = multi_modal_inputs(kwargs)
@@ -152,6 +184,7 @@ class ToolAgentLoop(AgentLoopBase):
             messages=messages,
             image_data=images,
             video_data=videos,
+            mm_processor_kwargs=self._get_mm_processor_kwargs(None),
             request_id=self.trajectory_request_id(kwargs),
             tools_kwargs=dict(kwargs.get("tools_kwargs") or {}),
             tools=self._selected_tools(kwargs.get("extra_info") or {}),
@@ -177,14 +210,7 @@ class ToolAgentLoop(AgentLoopBase):
         return dict(self.tools)
 
     def _with_stop_tokens(self, sampling_params: dict[str, Any]) -> dict[str, Any]:
-        stops = self.tool_parser.stop_token_ids
-        if not stops:
-            return sampling_params
-        existing = list(sampling_params.get("stop_token_ids") or [])
-        return {
-            **sampling_params,
-            "stop_token_ids": existing + [t for t in stops if t not in existing],
-        }
+        return with_stop_tokens(sampling_params, self.tool_parser.stop_token_ids)
 
     async def _handle_pending_state(
         self, data: AgentData, sampling_params: dict[str, Any] | None = None
@@ -208,6 +234,7 @@ class ToolAgentLoop(AgentLoopBase):
                 sampling_params=self._with_stop_tokens(sampling_params),
                 image_data=data.image_data,
                 video_data=data.video_data,
+                mm_processor_kwargs=data.mm_processor_kwargs,
             )
         await self._record_turn(data, output)
 
@@ -223,30 +250,22 @@ class ToolAgentLoop(AgentLoopBase):
         content, data.tool_calls = await self.tool_parser.extract_tool_calls(
             list(data.response_ids), schemas
         )
-        message: dict[str, Any] = {"role": "assistant", "content": content or ""}
-        if data.tool_calls:
-            message["tool_calls"] = assistant_tool_calls(data.tool_calls[: self.max_parallel_calls])
-        data.messages.append(message)
+        data.messages.append(self._build_assistant_message(content, data))
         return AgentState.PROCESSING_TOOLS if data.tool_calls else AgentState.TERMINATED
+
+    def _build_assistant_message(self, content: str, agent_data: AgentData) -> dict[str, Any]:
+        """verl's override point: the assistant message appended for the turn just parsed
+        (its text, and the first ``max_parallel_calls`` calls in OpenAI format)."""
+        message: dict[str, Any] = {"role": "assistant", "content": content or ""}
+        if agent_data.tool_calls:
+            message["tool_calls"] = assistant_tool_calls(
+                agent_data.tool_calls[: self.max_parallel_calls]
+            )
+        return message
 
     async def _record_turn(self, data: AgentData, output: TokenOutput) -> None:
         """Append the sampled tokens verbatim (mask 1, with their logprobs), as verl does."""
-        preempted = output.num_preempted
-        if data.metrics.get("num_preempted") is None:
-            data.metrics["num_preempted"] = preempted if preempted is not None else -1
-        else:
-            data.metrics["num_preempted"] += preempted if preempted is not None else 0
-        if not data.extra_fields:
-            data.extra_fields.update(output.extra_fields)
-        else:  # later turns: the newest model version, and the spec-decoding counters summed
-            newest = output.extra_fields.get("max_global_steps")
-            if newest:
-                data.extra_fields["max_global_steps"] = newest
-            for key in SPEC_DECODE_EXTRA_KEYS:
-                if key in output.extra_fields and key in data.extra_fields:
-                    data.extra_fields[key] = int(data.extra_fields[key]) + int(
-                        output.extra_fields[key]
-                    )
+        merge_turn_fields(data.metrics, data.extra_fields, output)
         data.assistant_turns += 1
         data.response_ids = list(output.token_ids)
         logprobs = list(output.log_probs) if output.log_probs else None
@@ -273,7 +292,9 @@ class ToolAgentLoop(AgentLoopBase):
         previous_messages = list(data.messages)
         calls = data.tool_calls[: self.max_parallel_calls]
         with simple_timer("tool_calls", data.metrics):
-            responses = await asyncio.gather(*(self._call_tool(call, data) for call in calls))
+            responses = await asyncio.gather(
+                *(timed_tool_call(call.name, self._timed_tool_call(call, data)) for call in calls)
+            )
 
         new_messages = []
         for call, (response, reward, _metrics) in zip(calls, responses, strict=True):
@@ -313,65 +334,66 @@ class ToolAgentLoop(AgentLoopBase):
 
     # ---- tools ---------------------------------------------------------------------------
 
-    async def _call_tool(
+    async def _timed_tool_call(
         self, call: FunctionCall, data: AgentData
     ) -> tuple[ToolResponse, float | None, dict[str, Any]]:
-        """Run one call within ``tool_timeout_s`` (a rolloutbus addition)."""
-        if self.tool_timeout_s is None:
-            return await self._run_tool(call, data)
-        try:
-            return await asyncio.wait_for(self._run_tool(call, data), self.tool_timeout_s)
-        except TimeoutError:
-            logger.warning("tool %s timed out after %s s", call.name, self.tool_timeout_s)
-            text = f"Error executing tool '{call.name}': timed out after {self.tool_timeout_s} s"
-            return ToolResponse(text=text), 0.0, {}
+        """One call through ``_call_tool`` (an override's too), within ``tool_timeout_s``
+        (a rolloutbus addition), as one trace span."""
+        with trace_span("tool_call", tool=call.name) as span:
+            try:
+                result = await asyncio.wait_for(
+                    self._invoke_call_tool(call, data), self.tool_timeout_s
+                )
+            except TimeoutError:
+                logger.warning("tool %s timed out after %s s", call.name, self.tool_timeout_s)
+                text = (
+                    f"Error executing tool '{call.name}': timed out after {self.tool_timeout_s} s"
+                )
+                result = ToolResponse(text=text), 0.0, {}
+            span["reward"] = result[1]
+            return result
 
-    async def _run_tool(
-        self, call: FunctionCall, data: AgentData
+    def _invoke_call_tool(self, call: FunctionCall, data: AgentData) -> Any:
+        if self._legacy_call_tool:
+            warnings.warn(
+                f"{type(self).__qualname__}._call_tool(call, agent_data) is deprecated: "
+                "override verl's _call_tool(tool_call, tools_kwargs, agent_data)",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            return self._call_tool(call, data)
+        return self._call_tool(call, data.tools_kwargs, data)
+
+    async def _call_tool(
+        self, tool_call: FunctionCall, tools_kwargs: Any, agent_data: AgentData | None = None
     ) -> tuple[ToolResponse, float | None, dict[str, Any]]:
-        """verl's dispatch and error texts: every failure is text for the model, reward 0.0;
-        a tool's own text is truncated, verl's error texts are not."""
-        if call.name not in data.tools:
-            text = f"Unknown function '{call.name}'. Available tools: {list(data.tools)}"
+        """verl's override point and dispatch: a function tool is called directly (its
+        ``tools_kwargs`` unused, as in verl); a ``BaseTool`` is created with
+        ``tools_kwargs[name]["create_kwargs"]``, executed and released. Every failure is
+        verl's text for the model, reward 0.0; a tool's own text is truncated, verl's error
+        texts are not. ``_call_tool(call, agent_data)`` (the earlier signature) still works,
+        with a DeprecationWarning."""
+        if agent_data is None:  # the earlier (call, agent_data): deprecated
+            tools_kwargs, agent_data = legacy_call_arguments(tools_kwargs, AgentData)
+        active = getattr(agent_data, "_active_tools", self.tools)
+        if tool_call.name not in active:
+            text = f"Unknown function '{tool_call.name}'. Available tools: {list(active)}"
             logger.warning(text)
             return ToolResponse(text=text), 0.0, {}
         try:
-            args = json.loads(call.arguments)
+            args = json.loads(tool_call.arguments)
         except (json.JSONDecodeError, TypeError) as exc:
-            text = f"Invalid JSON in arguments for '{call.name}': {exc}"
+            text = f"Invalid JSON in arguments for '{tool_call.name}': {exc}"
             logger.warning(text)
             return ToolResponse(text=text), 0.0, {}
-        tool = data.tools[call.name]
-        instance_id = None
-        try:
-            if _is_function_tool(tool):
-                # stateless: called directly, tools_kwargs are not used (as in verl)
-                response, reward, metrics = normalize_function_tool_return(await tool.call(args))
-            else:
-                create_kwargs = (data.tools_kwargs.get(call.name) or {}).get("create_kwargs", {})
-                instance_id, _ = await tool.create(create_kwargs=create_kwargs)
-                result, reward, metrics = await tool.execute(instance_id, args, agent_data=data)
-                response = ToolResponse(text=result) if isinstance(result, str) else result
-        except Exception as exc:  # noqa: BLE001 - any tool failure is data for the model, not a crash
-            logger.warning("Error executing tool '%s': %s", call.name, exc)
-            return ToolResponse(text=f"Error executing tool '{call.name}': {exc}"), 0.0, {}
-        finally:
-            if instance_id and not _is_function_tool(tool):
-                await tool.release(instance_id)
-        kept = self.truncate_tool_text(response.text)
-        return response.model_copy(update={"text": kept}), reward, metrics or {}
+        tool = active[tool_call.name]
+        return await execute_tool(
+            tool, tool_call.name, args, tools_kwargs or {}, agent_data, self.truncate_tool_text
+        )
 
     def truncate_tool_text(self, text: str | None) -> str | None:
         """Cap tool text at ``max_tool_response_length`` characters with verl's markers."""
-        limit = self.max_tool_response_length
-        if not text or len(text) <= limit:
-            return text
-        if self.tool_response_truncate_side == "left":
-            return TRUNCATED_HEAD + text[-limit:]
-        if self.tool_response_truncate_side == "right":
-            return text[:limit] + TRUNCATED_TAIL
-        half = limit // 2
-        return text[:half] + TRUNCATED_MIDDLE + text[-half:]
+        return truncate_text(text, self.max_tool_response_length, self.tool_response_truncate_side)
 
     # ---- output --------------------------------------------------------------------------
 
@@ -390,7 +412,13 @@ class ToolAgentLoop(AgentLoopBase):
             num_preempted=preempted if preempted is not None else -1,
         )
         multi_modal_data = {
-            k: v for k, v in (("images", data.image_data), ("videos", data.video_data)) if v
+            k: v
+            for k, v in (
+                ("images", data.image_data),
+                ("videos", data.video_data),
+                ("audios", data.audio_data),
+            )
+            if v is not None
         }
         extra_fields = data.extra_fields  # tools' session data stays (verl)
         extra_fields.update({"turn_scores": data.turn_scores, "tool_rewards": data.tool_rewards})
@@ -401,13 +429,9 @@ class ToolAgentLoop(AgentLoopBase):
             response_mask=data.response_mask[:limit],
             response_logprobs=data.response_logprobs[:limit] if data.response_logprobs else None,
             routed_experts=routed,
-            multi_modal_data=multi_modal_data or None,
+            multi_modal_data=multi_modal_data,
+            mm_processor_kwargs=data.mm_processor_kwargs,
             num_turns=data.user_turns + data.assistant_turns + 1,
             metrics=metrics,
             extra_fields=extra_fields,
         )
-
-
-def _is_function_tool(tool: Any) -> bool:
-    """Ours, or verl's ``FunctionTool`` carrier (a dataclass with ``fn`` and no life cycle)."""
-    return isinstance(tool, FunctionTool) or (hasattr(tool, "fn") and not hasattr(tool, "create"))

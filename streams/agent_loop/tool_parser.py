@@ -7,6 +7,11 @@ turn whose only call is malformed ends the trajectory. ``extract_tool_calls`` ge
 schemas too: ``qwen3_coder`` types parameter values from them and ``kimi`` infers a name.
 
 Parsing decodes text for reading only; the token stream keeps the sampled ids.
+
+A parser from outside the tree: ``rollout.multi_turn.format`` also takes a dotted path to a
+parser class (``package.module.Parser``, ``module:Parser`` or ``file.py:Parser``), loaded
+by the one importer (``streams/plugins.py``) with its error messages; ``@ToolParser.register``
+still adds a name.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from rolloutbus.errors import AgentLoopError
+from rolloutbus.streams.plugins import import_object
 
 logger = logging.getLogger(__name__)
 
@@ -123,12 +129,17 @@ class ToolParser(ABC):
 
     @classmethod
     def get_tool_parser(cls, name: str, tokenizer: Any) -> ToolParser:
-        if name not in cls._registry:
+        """The parser registered as ``name``, or the class a dotted path names
+        (``package.module.Parser``, ``module:Parser``, ``file.py:Parser``), built with the
+        tokenizer: a parser from outside the tree, as loops, tools and rewards can be."""
+        if name in cls._registry:
+            return cls._registry[name](tokenizer)
+        if "." not in name and ":" not in name:
             raise UnknownToolParserError(
                 f"unknown tool parser {name!r} (rollout.multi_turn.format); registered: "
-                f"{', '.join(sorted(cls._registry))}"
+                f"{', '.join(sorted(cls._registry))}; or give a dotted path to a parser class"
             )
-        return cls._registry[name](tokenizer)
+        return _plugin_parser(name)(tokenizer)
 
     @classmethod
     def register(cls, name: str) -> Callable[[type[ToolParser]], type[ToolParser]]:
@@ -137,6 +148,18 @@ class ToolParser(ABC):
             return subclass
 
         return decorator
+
+
+def _plugin_parser(path: str) -> Callable[[Any], ToolParser]:
+    """A parser class by dotted path, through the one importer (its error messages)."""
+    what = "tool parser (rollout.multi_turn.format)"
+    cls = import_object(path, what=what, kind="class", error=UnknownToolParserError)
+    if not callable(getattr(cls, "extract_tool_calls", None)):
+        raise UnknownToolParserError(
+            f"cannot load {what} from {path!r}: {cls.__qualname__} has no extract_tool_calls "
+            "method (subclass rolloutbus.streams.agent_loop.ToolParser)"
+        )
+    return cls
 
 
 def _json_or_text(raw: str) -> Any:

@@ -1,16 +1,23 @@
 """Tools for ``tool_agent``: verl's ``BaseTool`` life cycle, function tools, a calculator.
 
 - ``BaseTool``: ``create`` → ``execute`` → ``release``; ``execute`` returns
-  ``(ToolResponse | str, reward | None, metrics)``.
+  ``(ToolResponse | str, reward | None, metrics)``. A tool's schema is kept as it was given
+  (a dict, or verl's pydantic ``OpenAIFunctionToolSchema``: never turned into a dict).
 - ``FunctionTool``: a plain Python function (sync or async), called directly (verl's
-  ``verl.tools.function_tool``); ``@function_tool`` registers one with verl's schema
-  inference (``transformers.utils.get_json_schema``), and its return value is read as
-  verl's ``normalize_function_tool_return`` reads it (text, dict, ``ToolResponse`` or a
-  1-, 2- or 3-tuple; a missing reward is 0.0).
+  ``verl.tools.function_tool.FunctionTool``, with verl's constructor too); ``@function_tool``
+  registers one with verl's schema inference (``transformers.utils.get_json_schema``), and
+  its return value is read as verl's ``normalize_function_tool_return`` reads it (text,
+  dict, ``ToolResponse`` or a 1-, 2- or 3-tuple; a missing reward is 0.0).
 - ``load_tools_from_config``: verl's tool YAML (``tools: [{class_name, config, tool_schema}]``).
 - ``load_function_tools``: ``rollout.multi_turn.function_tool_path`` — the ``@function_tool``
-  functions of a ``.py`` file or module, as in verl; a file without any decorated
-  function gives every public function instead (a rolloutbus addition).
+  functions of a ``.py`` file or module, as in verl (with verl's warning when it has none);
+  such a file's public functions are then used instead (a rolloutbus addition).
+- ``load_tool_catalog``: both, as verl's ``load_all_tools``: a function tool named like a
+  YAML tool is a ValueError naming every such name. Each call loads afresh (YAML tools are
+  new instances; a function-tool file runs once per process, as in verl); the session
+  worker loads its catalog once, as verl's ``AgentLoopWorker`` does.
+- Errors as verl raises them: a missing file is a ``FileNotFoundError``, a bad catalog a
+  ``ValueError`` (both also ``AgentLoopError``, this project's root for a loop's errors).
 - ``CalculatorTool`` (``calculator``): arithmetic parsed with ``ast``; never ``eval``.
 """
 
@@ -34,9 +41,18 @@ import yaml
 from pydantic import BaseModel, model_validator
 
 from rolloutbus.errors import AgentLoopError
+from rolloutbus.streams.agent_loop.tool_parser import schema_dict
 from rolloutbus.streams.plugins import import_module, import_object
 
 logger = logging.getLogger(__name__)
+
+
+class ToolConfigError(AgentLoopError, ValueError):
+    """A tool catalog that cannot be built (verl raises ValueError)."""
+
+
+class ToolConfigNotFoundError(AgentLoopError, FileNotFoundError):
+    """A tool config or function-tool file that does not exist (verl: FileNotFoundError)."""
 
 
 class ToolResponse(BaseModel):
@@ -74,21 +90,19 @@ class BaseTool:
 
     def __init__(self, config: dict[str, Any] | None = None, tool_schema: Any = None):
         self.config = dict(config or {})
-        # a dict, or verl's OpenAIFunctionToolSchema (a pydantic model) from a verl tool YAML
-        if tool_schema is not None and hasattr(tool_schema, "model_dump"):
-            tool_schema = tool_schema.model_dump(exclude_unset=True, exclude_none=True)
+        # kept as given: a dict, or verl's OpenAIFunctionToolSchema (a pydantic model)
         self.tool_schema = tool_schema or self.default_schema()
-        if not self.tool_schema.get("function", {}).get("name"):
-            raise AgentLoopError(f"{type(self).__name__}: the tool schema needs function.name")
+        if not tool_name(self.tool_schema):
+            raise ToolConfigError(f"{type(self).__name__}: the tool schema needs function.name")
 
-    def default_schema(self) -> dict[str, Any]:
-        raise AgentLoopError(f"{type(self).__name__} needs a tool_schema")
+    def default_schema(self) -> Any:
+        raise ToolConfigError(f"{type(self).__name__} needs a tool_schema")
 
     @property
     def name(self) -> str:
-        return self.tool_schema["function"]["name"]
+        return tool_name(self.tool_schema)
 
-    def get_openai_tool_schema(self) -> dict[str, Any]:
+    def get_openai_tool_schema(self) -> Any:
         return self.tool_schema
 
     async def create(
@@ -108,6 +122,14 @@ class BaseTool:
         return None
 
 
+def tool_name(schema: Any) -> str:
+    """``function.name`` of a tool schema, a dict or verl's pydantic model ("" if none)."""
+    try:
+        return str(schema_dict(schema).get("function", {}).get("name") or "")
+    except (TypeError, ValueError, AttributeError):
+        return ""
+
+
 # ---- plain-function tools ------------------------------------------------------------
 
 _JSON_TYPES = {
@@ -120,24 +142,43 @@ _JSON_TYPES = {
 }
 
 
-class FunctionTool(BaseTool):
-    """A plain function as a tool; it is called directly (no create/release state).
+class FunctionTool:
+    """A plain function as a tool (verl's ``FunctionTool`` carrier): ``name``, ``fn``,
+    ``tool_schema`` (kept as given: a dict or verl's pydantic schema) and ``is_async``;
+    it is called directly, with no create/release life cycle.
 
-    ``call`` returns what the function returned, as verl's does; ``execute`` (and the tool
-    loop) read it with ``normalize_function_tool_return``.
+    Built as ours, ``FunctionTool(fn, name=None, description=None, tool_schema=None)`` (the
+    schema inferred from the signature and docstring when not given), or as verl's,
+    ``FunctionTool(name, fn, tool_schema, is_async=False)``. ``call`` returns what the
+    function returned, as verl's does; ``execute`` reads it with
+    ``normalize_function_tool_return``.
     """
 
     def __init__(
         self,
-        fn: Callable[..., Any],
-        name: str | None = None,
+        fn: Callable[..., Any] | str,
+        name: str | Callable[..., Any] | None = None,
         description: str | None = None,
         tool_schema: Any = None,
+        is_async: bool | None = None,
     ):
-        self.fn = fn
-        self.is_async = inspect.iscoroutinefunction(fn)
-        schema = tool_schema or schema_from_function(fn, name=name, description=description)
-        super().__init__(tool_schema=schema)
+        if isinstance(fn, str) and callable(name):  # verl's positional (name, fn, schema)
+            fn, name, tool_schema = name, fn, description if tool_schema is None else tool_schema
+            description = None
+        if not callable(fn):
+            raise ToolConfigError(f"FunctionTool needs a callable, got {type(fn).__name__}")
+        self.fn: Callable[..., Any] = fn
+        self.is_async = inspect.iscoroutinefunction(fn) if is_async is None else bool(is_async)
+        given = name if isinstance(name, str) else None
+        self.tool_schema: Any = tool_schema or schema_from_function(
+            fn, name=given, description=description
+        )
+        self.name = given or tool_name(self.tool_schema)
+        if not self.name:
+            raise ToolConfigError("FunctionTool: the tool schema needs function.name")
+
+    def get_openai_tool_schema(self) -> Any:
+        return self.tool_schema
 
     async def call(self, parameters: dict[str, Any]) -> Any:
         if self.is_async:
@@ -146,6 +187,9 @@ class FunctionTool(BaseTool):
 
     async def execute(self, instance_id: str, parameters: dict[str, Any], **kwargs: Any):
         return normalize_function_tool_return(await self.call(parameters))
+
+    def __repr__(self) -> str:
+        return f"FunctionTool(name={self.name!r}, fn={getattr(self.fn, '__qualname__', self.fn)!r})"
 
 
 def normalize_function_tool_return(ret: Any) -> tuple[ToolResponse, float, dict[str, Any]]:
@@ -197,11 +241,14 @@ def function_tool(name: str | Callable[..., Any] | None = None, *, schema: Any =
             built = schema if schema is not None else _verl_schema(fn, final_name)
             existing = FUNCTION_TOOL_REGISTRY.get(final_name)
             if existing is not None and existing.fn is not fn:
-                raise AgentLoopError(
-                    f"function tool {final_name!r} is already registered to "
-                    f"{existing.fn.__module__}.{existing.fn.__qualname__}"
+                raise ToolConfigError(  # verl's ValueError and message
+                    f"Function tool '{final_name}' is already registered to "
+                    f"{existing.fn.__module__}.{existing.fn.__qualname__}; "
+                    f"refusing to overwrite with {fn.__module__}.{fn.__qualname__}."
                 )
-            FUNCTION_TOOL_REGISTRY[final_name] = FunctionTool(fn, tool_schema=built)
+            FUNCTION_TOOL_REGISTRY[final_name] = FunctionTool(
+                fn, name=final_name, tool_schema=built
+            )
             return fn
 
         return decorator
@@ -220,9 +267,11 @@ def _verl_schema(fn: Callable[..., Any], tool_name: str) -> dict[str, Any]:
         if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
     ]
     if variadic:
-        raise AgentLoopError(
-            f"@function_tool {tool_name!r} declares variadic parameter(s) {variadic}, which an "
-            "OpenAI tool schema cannot express"
+        raise ToolConfigError(  # verl's ValueError and message
+            f"@function_tool '{tool_name}' ({fn.__module__}.{fn.__qualname__}) "
+            f"declares variadic parameter(s) {variadic}, which can't be "
+            f"expressed in an OpenAI tool schema. Replace them with explicit "
+            f"named parameters."
         )
     raw = get_json_schema(fn)
     raw["function"]["name"] = tool_name
@@ -279,10 +328,13 @@ def _parse_docstring(doc: str) -> tuple[str, dict[str, str]]:
 
 def load_function_tools(path_or_module: str) -> list[FunctionTool]:
     """The ``@function_tool`` functions a ``.py`` file or module registers (verl), or, if
-    it registers none, every public function it defines (``__all__`` chooses)."""
+    it registers none, verl's warning and then every public function it defines
+    (``__all__`` chooses; a rolloutbus addition)."""
     what = "function tools (rollout.multi_turn.function_tool_path)"
+    if path_or_module.endswith(".py") and not Path(path_or_module).is_file():
+        raise ToolConfigNotFoundError(f"function_tool_path does not exist: {path_or_module}")
     before = dict(FUNCTION_TOOL_REGISTRY)
-    module = import_module(path_or_module, what=what)
+    module = import_module(path_or_module, what=what, error=ToolConfigError)
     decorated = [
         tool
         for name, tool in FUNCTION_TOOL_REGISTRY.items()
@@ -290,6 +342,11 @@ def load_function_tools(path_or_module: str) -> list[FunctionTool]:
     ]
     if decorated:
         return sorted(decorated, key=lambda tool: tool.name)  # verl: sorted new names
+    logger.warning(
+        "function_tool_path '%s' loaded but no @function_tool decorators found; "
+        "did you forget to apply the decorator? (using its public functions instead)",
+        path_or_module,
+    )
     names = getattr(module, "__all__", None) or [
         n
         for n, obj in vars(module).items()
@@ -298,7 +355,11 @@ def load_function_tools(path_or_module: str) -> list[FunctionTool]:
     # through the importer so that an ``__all__`` entry that is missing or not callable is
     # the same clear error as any other plug-in path
     return [
-        FunctionTool(import_object(f"{module.__name__}:{n}", what=what, kind="callable"))
+        FunctionTool(
+            import_object(
+                f"{module.__name__}:{n}", what=what, kind="callable", error=ToolConfigError
+            )
+        )
         for n in names
     ]
 
@@ -313,34 +374,39 @@ def load_tools_from_config(path: str | Path) -> list[BaseTool]:
     try:
         data = yaml.safe_load(path.read_text()) or {}
     except FileNotFoundError as exc:
-        raise AgentLoopError(f"tool config not found: {path}") from exc
+        raise ToolConfigNotFoundError(f"tool config not found: {path}") from exc
+    except yaml.YAMLError as exc:
+        raise ToolConfigError(f"tool config {path} is not valid YAML: {exc}") from exc
     tools = []
     for i, entry in enumerate(data.get("tools") or []):
-        if "class_name" not in entry:
-            raise AgentLoopError(f"tool config {path}, entry {i}: needs class_name")
+        if not isinstance(entry, dict) or "class_name" not in entry:
+            raise ToolConfigError(f"tool config {path}, entry {i}: needs class_name")
         cls = import_object(
-            entry["class_name"], what=f"tool class (tool config {path}, entry {i})", kind="class"
+            entry["class_name"],
+            what=f"tool class (tool config {path}, entry {i})",
+            kind="class",
+            error=ToolConfigError,
         )
         tools.append(cls(config=entry.get("config") or {}, tool_schema=entry.get("tool_schema")))
     return tools
 
 
-_catalogs: dict[tuple[str | None, str | None], list[BaseTool]] = {}
-
-
-def load_tool_catalog(
-    tool_config_path: str | None, function_tool_path: str | None
-) -> list[BaseTool]:
-    """Tools from both sources, loaded once per process (verl: once per worker)."""
-    key = (tool_config_path, function_tool_path)
-    if key not in _catalogs:
-        tools: list[BaseTool] = []
-        if tool_config_path:
-            tools += load_tools_from_config(tool_config_path)
-        if function_tool_path:
-            tools += load_function_tools(function_tool_path)
-        _catalogs[key] = tools
-    return _catalogs[key]
+def load_tool_catalog(tool_config_path: str | None, function_tool_path: str | None) -> list[Any]:
+    """verl's ``load_all_tools``: the YAML tools, then the function tools; a function tool
+    named like a YAML tool raises ValueError naming every such name. Loaded afresh on each
+    call (the caller keeps the catalog: the session worker once per process)."""
+    native = load_tools_from_config(tool_config_path) if tool_config_path else []
+    functions = load_function_tools(function_tool_path) if function_tool_path else []
+    if native and functions:
+        declared = {tool.name for tool in native}
+        collisions = sorted(tool.name for tool in functions if tool.name in declared)
+        if collisions:
+            raise ToolConfigError(  # verl's message
+                f"Function tool name(s) {collisions} collide with tools already declared in "
+                f"'{tool_config_path}'. Each tool name must be unique across `tool_config_path` "
+                f"and `function_tool_path`; rename one of them."
+            )
+    return [*native, *functions]
 
 
 # ---- calculator ------------------------------------------------------------------------

@@ -86,11 +86,13 @@ def verl_tools(tools: list[Any]) -> list[Any]:
 
     out: list[Any] = []
     for tool in tools:
-        if isinstance(tool, VerlFunctionTool) or hasattr(tool.tool_schema, "model_dump"):
+        if isinstance(tool, VerlFunctionTool):
             out.append(tool)  # already verl's
         elif isinstance(tool, FunctionTool):
             schema = OpenAIFunctionToolSchema.model_validate(schema_dict(tool.tool_schema))
             out.append(VerlFunctionTool(tool.name, tool.fn, schema, tool.is_async))
+        elif isinstance(tool.tool_schema, OpenAIFunctionToolSchema):
+            out.append(tool)  # a life-cycle tool whose schema is verl's already
         else:
             out.append(_VerlToolProxy(tool, OpenAIFunctionToolSchema))
     return out
@@ -99,7 +101,7 @@ def verl_tools(tools: list[Any]) -> list[Any]:
 def verl_trainer_config(config: Any) -> Any:
     """Our config as the OmegaConf tree verl's loops read (``actor_rollout_ref.rollout``,
     ``data``); keys verl has and we do not are absent, so a loop reading one fails loudly."""
-    from omegaconf import OmegaConf  # type: ignore[import-not-found]
+    from omegaconf import OmegaConf
 
     return OmegaConf.create(
         {

@@ -78,7 +78,19 @@ from rolloutbus.metrics import ReplayBufferMetrics, start_metrics_server
 from rolloutbus.schemas.trajectories import TrajectoryStatus
 from rolloutbus.schemas.turns import decode_turn_event
 from rolloutbus.streams.assembly.partition_fold import FoldLimits, PartitionFold, ReleasedGroup
-from rolloutbus.streams.assembly.released import read_released_uids, released_record
+from rolloutbus.streams.assembly.release_metrics import (
+    last_turn_timestamp_ms,
+    observe_open_groups,
+    observe_release,
+)
+from rolloutbus.streams.assembly.released import (
+    BadRecord,
+    ReleasedClaims,
+    ReleasedRead,
+    TurnLogProbe,
+    read_released,
+    released_record,
+)
 from rolloutbus.streams.assembly.session_fold import short_error
 from rolloutbus.streams.assembly.trajectories import (
     RECORD_HEADROOM_BYTES,
@@ -162,6 +174,10 @@ class ReplayBuffer:
         self.limits = FoldLimits.from_config(cfg)
         self.max_record_bytes = max_record_bytes(cfg.kafka)
         self.partitions: dict[int, PartitionFold] = {}  # ready: recovered, being folded
+        # released records read on recovery, until the turn log backs them (released.py)
+        self._claims: dict[int, ReleasedClaims] = {}
+        self._probes: dict[int, TurnLogProbe] = {}
+        self._recovery_letters: list[Outgoing] = []  # bad released records, next transaction
         self._pending: dict[int, float] = {}  # assigned, not yet recovered -> since (monotonic)
         self._paused: set[int] = set()
         self._generation = 0  # bumped by every rebalance callback
@@ -197,6 +213,8 @@ class ReplayBuffer:
                 self.step()
         finally:
             self._member.close()
+            for probe in self._probes.values():
+                probe.close()
             self._transactions.close()
 
     def step(self) -> int:
@@ -207,7 +225,7 @@ class ReplayBuffer:
         if generation != self._generation:
             self._seek_ready_partitions_back()
             return 0
-        outgoing: list[Outgoing] = []
+        outgoing, self._recovery_letters = self._recovery_letters, []
         for msg in messages:
             self._fold_message(msg, outgoing)
         idle_commit = self._dirty and time.monotonic() - self._last_commit > COMMIT_IDLE_S
@@ -276,6 +294,7 @@ class ReplayBuffer:
             event = decode_turn_event(msg.value() or b"")  # a null value is dead-lettered too
         except (ValidationError, RolloutBusError) as exc:
             fold.next_offset = offset + 1
+            self._settle_claims(part, offset, None, fold, outgoing)
             outgoing.append(
                 self._dead_letter(
                     msg,
@@ -285,6 +304,7 @@ class ReplayBuffer:
             )
             return
         self.metrics.events.labels(type=event.type).inc()
+        self._settle_claims(part, offset, event.uid, fold, outgoing)
         ignored_before = fold.ignored
         try:
             released = fold.fold(offset, event)
@@ -301,10 +321,38 @@ class ReplayBuffer:
         for group in released:
             outgoing.extend(self._release(part, group))
 
+    def _settle_claims(
+        self, part: int, offset: int, uid: str | None, fold: PartitionFold, out: list[Outgoing]
+    ) -> None:
+        """Released records read on recovery are obeyed only where the turn log backs them:
+        the event at ``offset`` settles those that name it as their group's start, and an
+        event about to be ignored as released settles its uid's (released.py). A refused
+        record is dead-lettered; a uid with no claim left is no longer released."""
+        claims = self._claims.get(part)
+        if claims is None or not len(claims):
+            return
+        refused = claims.passed(offset, uid)
+        if uid is not None and uid in fold.released and claims.pending(uid):
+            probe = self._probes.get(part)
+            if probe is None:
+                probe = self._probes[part] = TurnLogProbe(self.cfg.kafka, self.topics.turns, part)
+            refused += claims.suppressing(offset, uid, probe)
+        out.extend(self._bad_released_letter(bad) for bad in refused)
+        for freed in claims.take_freed():
+            fold.released.pop(freed, None)
+
+    def _bad_released_letter(self, bad: BadRecord) -> Outgoing:
+        key = (bad.key or b"").decode("utf-8", "replace")
+        return self._letter(bad.value, bad.reason, source=bad.source, key=key)
+
     def _release(self, part: int, released: ReleasedGroup) -> list[Outgoing]:
         """Trajectories, dead letters and the released record of one group."""
         done = finalize_group(released, self.cfg.rollout, max_record_bytes=self.max_record_bytes)
+        observe_release(released, done.trajectories, self.cfg.rollout)  # RL figures (Prometheus)
+        stamp = last_turn_timestamp_ms(released)  # trainer clients measure last turn -> trainer
         uid = released.group.uid
+        if (claims := self._claims.get(part)) is not None:
+            claims.forget(uid)  # released here and now: no earlier record decides about it
         self.metrics.groups.inc()
         if released.kind != "completed":
             self.metrics.groups_released_early.labels(kind=released.kind).inc()
@@ -324,7 +372,7 @@ class ReplayBuffer:
         ]
         for t, value in zip(done.trajectories, done.records, strict=True):
             self.metrics.trajectories.labels(status=t.status.value).inc()
-            out.append(Outgoing(self.topics.trajectories, t.key, value, part))
+            out.append(Outgoing(self.topics.trajectories, t.key, value, part, stamp))
         record = released_record(
             uid,
             part,
@@ -414,7 +462,9 @@ class ReplayBuffer:
     def _recover_pending(self) -> None:
         for part, since in sorted(self._pending.items()):
             try:
-                fold = recover_partition(self._member.consumer, self.cfg, part, self.limits)
+                fold, released = recover_partition(
+                    self._member.consumer, self.cfg, part, self.limits
+                )
             except BrokerError as exc:
                 if time.monotonic() - since > BROKER_RETRY_S:
                     raise
@@ -426,6 +476,8 @@ class ReplayBuffer:
                 )
                 self._stop.wait(RETRY_BACKOFF_S)
                 continue
+            self._claims[part] = released.claims
+            self._recovery_letters += [self._bad_released_letter(bad) for bad in released.bad]
             self.partitions[part] = fold
             del self._pending[part]
             self._paused.discard(part)
@@ -434,6 +486,7 @@ class ReplayBuffer:
     def _update_gauges(self) -> None:
         self.metrics.open_groups.set(sum(len(f.open) for f in self.partitions.values()))
         self.metrics.released_uids.set(sum(len(f.released) for f in self.partitions.values()))
+        observe_open_groups(self.metrics, self.partitions.values(), self.cfg.deadlines.group_s)
 
 
 def sized_dead_letter(
@@ -463,9 +516,10 @@ def sized_dead_letter(
 
 def recover_partition(
     consumer: Consumer, cfg: Config, part: int, limits: FoldLimits
-) -> PartitionFold:
+) -> tuple[PartitionFold, ReleasedRead]:
     """The fold of turn-log partition ``part`` as of its committed offset: the uids already
-    released on it (the released topic), then ``consumer`` sought back to that offset."""
+    released on it (the released topic, with the claims the turn log must still back and
+    the records that were bad), then ``consumer`` sought back to that offset."""
     topics = Topics.from_config(cfg.kafka)
     tp = TopicPartition(topics.turns, part)
     with translate_kafka_errors("reading the committed offset", topic=tp.topic, partition=part):
@@ -475,9 +529,9 @@ def recover_partition(
         raise broker_error(
             committed.error, "reading the committed offset", topic=tp.topic, partition=part
         )
-    released, read = read_released_uids(cfg.kafka, topics.released, part, limits.max_released)
     start = max(committed.offset, low) if committed.offset >= 0 else low
-    fold = PartitionFold(start, released=released, limits=limits)
+    released = read_released(cfg.kafka, topics.released, part, limits.max_released, start)
+    fold = PartitionFold(start, released=released.uids, limits=limits)
     with translate_kafka_errors(
         "seeking to the committed offset", topic=tp.topic, partition=part, offset=start
     ):
@@ -488,10 +542,10 @@ def recover_partition(
         tp.topic,
         part,
         start,
-        len(released),
-        read,
+        len(released.uids),
+        released.read,
     )
-    return fold
+    return fold, released
 
 
 def run_replay_buffer(cfg: Config) -> None:

@@ -105,7 +105,9 @@ class SessionFold:
             self.segments[event.segment] = SegmentStream.start(event.prompt_ids)
         elif isinstance(event, Generation):
             first, last = generation_versions(event.policy_version, event.extra_fields)
-            self._segment(event).add_generation(event.token_ids, event.logprobs, last, first)
+            self._segment(event).add_generation(
+                event.token_ids, event.logprobs, last, first, event.routed_experts
+            )
         elif isinstance(event, Observation):
             self._segment(event).add_observation(event.token_ids)
         else:

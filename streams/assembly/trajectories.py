@@ -17,11 +17,18 @@ short and bad input never stops a worker. In particular:
   session of the group, the records carrying no prompt columns;
 * a record that cannot be encoded, or is larger than ``max_record_bytes``, is replaced by
   a failed record without tokens.
+
+The budgets a group is checked against (``prompt_length``, ``response_length``: what makes
+a trajectory ``truncated``, or breaks an invariant) are the ones its ``group_started``
+recorded (``GroupSettings``), never the folding process's own config: the log alone decides.
+Only a group logged before groups recorded their settings is folded with the ``rollout``
+config it is given, and the first such group per process logs a warning.
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+import logging
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 import pyarrow as pa
@@ -30,6 +37,7 @@ from rolloutbus.config import KafkaConfig, RolloutConfig
 from rolloutbus.errors import RolloutBusError, SchemaError
 from rolloutbus.schemas.trajectories import Trajectory, TrajectoryStatus, encode_trajectories
 from rolloutbus.schemas.turns import (
+    FailureClass,
     GroupStarted,
     OutputSummary,
     SessionFailed,
@@ -53,6 +61,40 @@ DATA_ERRORS = (
 )
 # bytes a record of kafka.max_message_bytes leaves for Kafka's record and batch headers
 RECORD_HEADROOM_BYTES = 1024
+log = logging.getLogger(__name__)
+
+
+class Budgets(Protocol):
+    """The token budgets a trajectory is checked against: a group's recorded
+    ``GroupSettings``, or (logs written before they were recorded) a ``RolloutConfig``."""
+
+    @property
+    def prompt_length(self) -> int: ...
+
+    @property
+    def response_length(self) -> int: ...
+
+
+# what has been warned about once in this process (see budgets_of)
+_WARNED: set[str] = set()
+
+
+def budgets_of(group: GroupStarted, fallback: RolloutConfig) -> Budgets:
+    """The budgets ``group`` ran under: its recorded settings, else ``fallback`` (a log
+    written before groups recorded them), with one warning per process."""
+    if group.settings is not None:
+        return group.settings
+    if "budgets" not in _WARNED:
+        _WARNED.add("budgets")
+        log.warning(
+            "group %s was logged before groups recorded their settings: it and every such "
+            "group are folded with this process's rollout.prompt_length = %d and "
+            "rollout.response_length = %d, so their trajectories depend on this config",
+            group.uid,
+            fallback.prompt_length,
+            fallback.response_length,
+        )
+    return fallback
 
 
 def max_record_bytes(kafka: KafkaConfig) -> int:
@@ -77,7 +119,10 @@ class FinalizedGroup(NamedTuple):
 def finalize_group(
     released: ReleasedGroup, rollout: RolloutConfig, *, max_record_bytes: int | None = None
 ) -> FinalizedGroup:
-    """Build, check and encode a released group's trajectories; never raises on bad data."""
+    """Build, check and encode a released group's trajectories; never raises on bad data.
+
+    ``rollout``: the budgets of a group whose ``group_started`` recorded none (a log written
+    before it did); a group's recorded settings always win."""
     group = released.group
     if released.rejected:
         return FinalizedGroup(
@@ -92,8 +137,9 @@ def finalize_group(
                 _original(released),
             )
         )
+    budgets = rollout if released.kind == "head_missing" else budgets_of(group, rollout)
     try:
-        trajectories = _build(released, rollout, letters)
+        trajectories = _build(released, budgets, letters)
         records = _encode(trajectories, max_record_bytes, letters)
     except DATA_ERRORS as exc:  # not expected: every step above contains its own failures
         reason = f"the group cannot be released as built: {short_error(exc)}"
@@ -103,9 +149,7 @@ def finalize_group(
     return FinalizedGroup(trajectories, records, letters)
 
 
-def _build(
-    released: ReleasedGroup, rollout: RolloutConfig, letters: list[Letter]
-) -> list[Trajectory]:
+def _build(released: ReleasedGroup, budgets: Budgets, letters: list[Letter]) -> list[Trajectory]:
     group = released.group
     columns, problem = _checked_prompt_columns(group)
     reason = ""
@@ -121,13 +165,19 @@ def _build(
     per_session = []
     for fold in sorted(released.sessions, key=lambda s: s.session_id):
         failure = reason if problem is not None else released.failed.get(fold.session_id)
-        per_session.append(_session_trajectories(group, fold, columns, failure, rollout, letters))
+        # a row that cannot be carried is the data's (the loop's side); an early release (a
+        # deadline, too many open groups, a lost head) of sessions that never settled is
+        # the pipeline's
+        cause: FailureClass = "loop" if problem is not None else "infrastructure"
+        per_session.append(
+            _session_trajectories(group, fold, columns, (failure, cause), budgets, letters)
+        )
     group_size = sum(len(ts) for ts in per_session)
     out = []
     for ts in per_session:
         for t in ts:
             t = t.model_copy(update={"group_size": group_size})
-            problems = violations(t, rollout)
+            problems = violations(t, budgets)
             if problems:
                 letters.append(
                     Letter(
@@ -145,13 +195,15 @@ def _session_trajectories(
     group: GroupStarted,
     fold: SessionFold,
     columns: dict[str, Any],
-    failure: str | None,
-    rollout: RolloutConfig,
+    imposed: tuple[str | None, FailureClass],
+    budgets: Budgets,
     letters: list[Letter],
 ) -> list[Trajectory]:
-    """The records of one session, group_size 0 (set once every session is built)."""
+    """The records of one session, group_size 0 (set once every session is built);
+    ``imposed``: a failure the whole release imposes on it, and its class."""
+    failure, cause = imposed
     if failure is None and fold.error is not None:
-        failure = f"turn log of the session cannot be folded: {fold.error}"
+        failure, cause = f"turn log of the session cannot be folded: {fold.error}", "loop"
         letters.append(
             Letter(
                 trajectory_key(group.uid, fold.session_id, 0),
@@ -160,18 +212,20 @@ def _session_trajectories(
             )
         )
     if failure is not None:
-        return [_failed(group, fold, failure, columns)]
+        return [_failed(group, fold, failure, columns, failure_class=cause)]
     if isinstance(fold.terminal, SessionFailed):
-        return [
-            _failed(group, fold, fold.terminal.error, columns, agent_name=fold.terminal.agent_name)
-        ]
+        return [_failed_session(group, fold, columns)]
     if not isinstance(fold.terminal, SessionFinished):
-        return [_failed(group, fold, "the session has not settled", columns)]
+        return [
+            _failed(
+                group, fold, "the session has not settled", columns, failure_class="infrastructure"
+            )
+        ]
     outputs = fold.terminal.outputs
     try:
         return [
             _output_trajectory(
-                group, fold, i, len(outputs), summary, 0, rollout.response_length, columns
+                group, fold, i, len(outputs), summary, 0, budgets.response_length, columns
             )
             for i, summary in enumerate(outputs)
         ]
@@ -184,7 +238,21 @@ def _session_trajectories(
                 _event_or_empty(fold.terminal),
             )
         )
-        return [_failed(group, fold, failure, columns)]
+        return [_failed(group, fold, failure, columns, failure_class="loop")]
+
+
+def _failed_session(group: GroupStarted, fold: SessionFold, columns: dict[str, Any]) -> Trajectory:
+    """The record of a session that logged its own failure, with the class it gave."""
+    assert isinstance(fold.terminal, SessionFailed)
+    terminal = fold.terminal
+    return _failed(
+        group,
+        fold,
+        terminal.error,
+        columns,
+        agent_name=terminal.agent_name,
+        failure_class=terminal.failure_class,
+    )
 
 
 def _encode(
@@ -247,6 +315,7 @@ def build_group_trajectories(
                     fold.terminal.error,
                     group_size,
                     agent_name=fold.terminal.agent_name,
+                    failure_class=fold.terminal.failure_class,
                 )
             )
         else:
@@ -357,6 +426,8 @@ def _output_trajectory(
         reward_extra_info=summary.extra_fields.get("reward_extra_info"),
         min_global_steps=min(versions) if versions else None,
         max_global_steps=max(versions) if versions else None,
+        # routing replay: the last generation's routing within the output, as verl keeps it
+        routed_experts=seg.routed_experts_until(end),
         **(_prompt_columns(group) if columns is None else columns),
     )
 
@@ -368,10 +439,17 @@ def failed_trajectory(
     group_size: int,
     *,
     agent_name: str | None = None,
+    failure_class: FailureClass | None = None,
 ) -> Trajectory:
     """The one explicit record a failed session contributes to its group."""
     return _failed(
-        group, fold, reason, _prompt_columns(group), agent_name=agent_name, group_size=group_size
+        group,
+        fold,
+        reason,
+        _prompt_columns(group),
+        agent_name=agent_name,
+        group_size=group_size,
+        failure_class=failure_class,
     )
 
 
@@ -383,6 +461,7 @@ def _failed(
     *,
     agent_name: str | None = None,
     group_size: int = 0,
+    failure_class: FailureClass | None = None,
 ) -> Trajectory:
     return Trajectory(
         key=trajectory_key(group.uid, fold.session_id, 0),
@@ -395,6 +474,7 @@ def _failed(
         error=reason,
         agent_name=agent_name or fold.agent_name,
         attempt=fold.attempt,
+        failure_class=failure_class,
         **columns,
     )
 
@@ -414,6 +494,7 @@ def _stripped_failure(t: Trajectory, reason: str) -> Trajectory:
         attempt=t.attempt,
         validate=t.validate_,
         global_steps=t.global_steps,
+        failure_class=t.failure_class or "loop",  # a record the topic cannot take
     )
 
 
@@ -421,7 +502,14 @@ def _all_failed(released: ReleasedGroup, reason: str) -> list[Trajectory]:
     group = released.group
     sessions = sorted(released.sessions, key=lambda s: s.session_id)
     return [
-        _failed(group, fold, reason, _scalar_columns(group), group_size=len(sessions))
+        _failed(
+            group,
+            fold,
+            reason,
+            _scalar_columns(group),
+            group_size=len(sessions),
+            failure_class="loop",
+        )
         for fold in sessions
     ]
 
@@ -442,8 +530,9 @@ def _encoded_or_empty(t: Trajectory) -> bytes:
         return b""
 
 
-def violations(t: Trajectory, rollout: RolloutConfig) -> list[str]:
-    """Every invariant ``t`` breaks, as sentences that name the numbers."""
+def violations(t: Trajectory, rollout: Budgets) -> list[str]:
+    """Every invariant ``t`` breaks, as sentences that name the numbers (``rollout``: the
+    group's budgets, see :func:`budgets_of`)."""
     if t.status == TrajectoryStatus.FAILED:
         return []
     found = []
@@ -476,5 +565,6 @@ def as_failed(t: Trajectory, problems: list[str]) -> Trajectory:
         update={
             "status": TrajectoryStatus.FAILED,
             "error": "invariant violated: " + "; ".join(problems),
+            "failure_class": "loop",
         }
     )

@@ -9,6 +9,12 @@ trajectories spreads over equally idle replicas instead of avalanching onto the 
 one (verl PR #7613). Under ``full_determinism`` the first choice is a stable hash of the
 request id instead, so a rerun routes every trajectory to the same replica.
 
+verl's plug-in router: ``rollout.router_config_path`` names a YAML file whose
+``router_class`` is a dotted path to a ``LoadBalancer`` subclass; ``load_balancer`` builds it
+as verl builds its plug-in, ``cls(replica_ids, the_whole_yaml_as_a_dict)`` (verl passes its
+servers and the dict). The subclass overrides ``acquire`` (and whatever else it needs);
+membership, health and in-flight bookkeeping are the base class's.
+
 In-flight counts are per worker process, on purpose. Kafka partitions already spread
 prompt groups evenly over the session workers, so each worker balancing its own share
 over all replicas keeps the replicas balanced in aggregate; a shared counter (in Kafka
@@ -22,11 +28,16 @@ import random
 import zlib
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 from types import MappingProxyType
+from typing import Any
 
-from rolloutbus.errors import NoReplicaAvailableError
+import yaml
 
-__all__ = ["DEFAULT_STICKY_CACHE_SIZE", "LoadBalancer", "stable_hash"]
+from rolloutbus.errors import ConfigError, NoReplicaAvailableError
+from rolloutbus.streams.plugins import import_object
+
+__all__ = ["DEFAULT_STICKY_CACHE_SIZE", "LoadBalancer", "load_balancer", "stable_hash"]
 
 # entries; verl's LRUCache(maxsize=10000): enough for every trajectory in flight on
 # one worker, small enough (about a megabyte) to never matter.
@@ -157,3 +168,55 @@ class LoadBalancer:
 
     def __len__(self) -> int:
         return len(self._in_flight)
+
+
+def load_balancer(
+    replica_ids: Iterable[str],
+    *,
+    router_config_path: str | None = None,
+    sticky_cache_size: int = DEFAULT_STICKY_CACHE_SIZE,
+    full_determinism: bool = False,
+    rng: random.Random | None = None,
+) -> LoadBalancer:
+    """The built-in balancer, or the plug-in that ``router_config_path`` names (verl's
+    ``rollout.router_config_path``: a YAML file with ``router_class``)."""
+    if not router_config_path:
+        return LoadBalancer(
+            replica_ids,
+            sticky_cache_size=sticky_cache_size,
+            full_determinism=full_determinism,
+            rng=rng,
+        )
+    settings = _router_yaml(router_config_path)
+    path = settings.get("router_class")
+    if not isinstance(path, str) or not path:
+        raise ConfigError(  # verl's ValueError text, with the file named
+            f"router config {router_config_path} must contain 'router_class' (a dotted path). "
+            "Example: router_class: my_pkg.routing.KvCacheAwareRouter"
+        )
+    what = f"router (router_class of rollout.router_config_path {router_config_path})"
+    cls = import_object(path, what=what, kind="class", error=ConfigError)
+    if not issubclass(cls, LoadBalancer):
+        raise ConfigError(
+            f"cannot load {what} from {path!r}: {cls.__qualname__} is not a subclass of "
+            "rolloutbus.streams.inference.routing.LoadBalancer"
+        )
+    return cls(replica_ids, settings)
+
+
+def _router_yaml(path: str) -> dict[str, Any]:
+    file = Path(path)
+    try:
+        loaded = yaml.safe_load(file.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"Router config file not found: {path}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"router config {path} is not valid YAML: {exc}") from exc
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"router config {path} must be a YAML mapping with 'router_class'")
+    if "defaults" in loaded:  # verl refuses Hydra's defaults blocks too
+        raise ConfigError(
+            f"router config {path} uses a Hydra 'defaults' block, which is not supported: "
+            "inline the referenced configs"
+        )
+    return loaded

@@ -16,6 +16,11 @@ the recorder has the tokenizer, as in the session runner):
   returns them (each must lie in one logged segment, as any output must).
 
 Without a tokenizer every re-render is ``TokenDriftError``, as before.
+
+MoE routed experts (``rollout.enable_rollout_routing_replay``): with routing replay on, a
+turn's routed experts are logged on its generation event and handed back, from the log,
+to a resumed loop; with it off, the loop gets none (as a verl engine started without the
+flag returns none) and none are logged.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from pydantic import BaseModel
 from rolloutbus.errors import AgentLoopError, SessionDivergedError, TokenDriftError
 from rolloutbus.schemas.agent_loop import AgentLoopOutput, TokenOutput
 from rolloutbus.schemas.control import as_policy_version
+from rolloutbus.schemas.routed_experts import RoutedExperts
 from rolloutbus.schemas.turns import (
     Generation,
     Observation,
@@ -40,6 +46,7 @@ from rolloutbus.schemas.turns import (
     SegmentStarted,
     SessionIds,
 )
+from rolloutbus.streams.agent_loop.tracing import trace_span
 from rolloutbus.streams.token_stream import SegmentStream, generation_versions, turn_version
 
 Emit = Callable[[BaseModel], Awaitable[None]]
@@ -59,8 +66,10 @@ class RecordingLLMClient:
         attempt: str,
         replay: Sequence[Any] = (),
         tokenizer: Any = None,
+        routing_replay: bool = False,
     ):
         self._client = client
+        self._routing_replay = routing_replay  # keep and log each turn's routed experts
         self._tokenizer = tokenizer  # tells a re-tokenized history from an edited one
         self.rerendered_segments = 0  # segments started by a loop that edited its history
         self._emit = emit
@@ -90,9 +99,14 @@ class RecordingLLMClient:
             if self._replay:
                 return await self._replay_generation(segment)
             started = time.monotonic()
-            out: TokenOutput = await self._client.generate(
-                request_id, prompt_ids=prompt_ids, sampling_params=sampling_params, **kwargs
-            )
+            with trace_span("generate", segment=segment, turn=self._turn) as span:
+                out: TokenOutput = await self._client.generate(
+                    request_id, prompt_ids=prompt_ids, sampling_params=sampling_params, **kwargs
+                )
+                span.update(prompt_tokens=len(prompt_ids), response_tokens=len(out.token_ids))
+            routed = self._routed_experts(out)
+            if not self._routing_replay:
+                out = out.model_copy(update={"routed_experts": None})
             extra = out.extra_fields or {}
             version = turn_version(extra)
             if version is not None:  # verl's LLMServerClient fills these from global_steps
@@ -112,6 +126,7 @@ class RecordingLLMClient:
                     num_preempted=out.num_preempted,
                     latency_s=time.monotonic() - started,
                     extra_fields=_loggable(extra),
+                    routed_experts=routed,
                 )
             )
             self.segments[segment].add_generation(
@@ -122,6 +137,18 @@ class RecordingLLMClient:
             )
             self._turn += 1
             return out
+
+    def _routed_experts(self, out: TokenOutput) -> RoutedExperts | None:
+        """The turn's routed experts as logged; None without routing replay."""
+        if not self._routing_replay or out.routed_experts is None:
+            return None
+        try:
+            return RoutedExperts.from_array(out.routed_experts)
+        except ValueError as exc:
+            raise AgentLoopError(
+                f"session {self._ids['uid']}_{self._ids['session_id']}: the replica's "
+                f"routed_experts cannot be logged: {exc}"
+            ) from exc
 
     async def _replay_generation(self, segment: int) -> TokenOutput:
         """Answer generate() from the log: no token is sampled twice."""
@@ -137,9 +164,11 @@ class RecordingLLMClient:
         )
         self._turn += 1
         self.replayed_generations += 1
+        routed = logged.routed_experts if self._routing_replay else None
         return TokenOutput(
             token_ids=list(logged.token_ids),
             log_probs=None if logged.logprobs is None else list(logged.logprobs),
+            routed_experts=None if routed is None else routed.to_numpy(),
             stop_reason=logged.stop_reason,
             num_preempted=logged.num_preempted,
             extra_fields=dict(logged.extra_fields),

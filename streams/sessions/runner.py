@@ -3,11 +3,16 @@
 This module is the session processor's algorithm, free of Faust: ``run_group`` takes an
 ``emit`` coroutine that puts one event on rollout.turns. ``streams/sessions/worker.py``
 binds it to a Faust agent and resumes groups from the log (``run_sessions`` with ``resume``).
+
+A session that fails is logged as ``SessionFailed`` with its class (``failure_class_of``):
+``infrastructure`` (a replica, the broker, a hung tool, a deadline: retriable),
+``reward`` (the reward function) or ``loop`` (anything else the loop did).
 """
 
 from __future__ import annotations
 
 import asyncio
+import builtins
 import itertools
 import logging
 import traceback
@@ -16,11 +21,14 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import httpx
 from pydantic import BaseModel
 
 from rolloutbus.config import Config
 from rolloutbus.errors import (
     AgentLoopError,
+    BrokerError,
+    ReplicaError,
     RolloutBusError,
     SchemaError,
     SessionDivergedError,
@@ -28,7 +36,10 @@ from rolloutbus.errors import (
 )
 from rolloutbus.schemas.agent_loop import AgentLoopOutput
 from rolloutbus.schemas.prompts import GroupSamplingParams, PromptGroup
+from rolloutbus.schemas.trace import TraceSpan
 from rolloutbus.schemas.turns import (
+    FailureClass,
+    GroupSettings,
     GroupStarted,
     SessionFailed,
     SessionFinished,
@@ -38,6 +49,8 @@ from rolloutbus.schemas.turns import (
 from rolloutbus.streams.agent_loop import registry
 from rolloutbus.streams.agent_loop.base import DictConfigWrap, ToolListWrap
 from rolloutbus.streams.agent_loop.tools import load_tool_catalog
+from rolloutbus.streams.agent_loop.tracing import collect_spans, trace_span
+from rolloutbus.streams.inference.llm_client import ReplicaRequestError
 from rolloutbus.streams.reward import reward_fn_from_config, score_outputs_async
 from rolloutbus.streams.sessions.recorder import Emit, RecordingLLMClient
 from rolloutbus.streams.sessions.recovery import LoggedAttempt
@@ -51,6 +64,33 @@ class EmitError(RolloutBusError):
 
 class SessionDeadlineError(AgentLoopError):
     """A session ran past ``deadlines.session_s``: it is recorded as failed."""
+
+
+class RewardFailedError(AgentLoopError):
+    """The reward function failed on a session's outputs: the session fails as "reward"."""
+
+
+# What fails a session from outside its loop: retrying it elsewhere or later may work.
+# TimeoutError and ConnectionError are the builtins (a tool's I/O), not pydantic's.
+_INFRASTRUCTURE_ERRORS = (
+    ReplicaError,
+    BrokerError,
+    SessionDeadlineError,
+    httpx.HTTPError,
+    builtins.ConnectionError,
+    builtins.TimeoutError,
+)
+
+
+def failure_class_of(exc: BaseException) -> FailureClass:
+    """Which class a session failure belongs to (``schemas.turns.FailureClass``)."""
+    if isinstance(exc, RewardFailedError):
+        return "reward"
+    if isinstance(exc, ReplicaRequestError) and exc.outcome == "bad_request":
+        return "loop"  # the replica refused the request itself (a 4xx): the loop's doing
+    if isinstance(exc, _INFRASTRUCTURE_ERRORS):
+        return "infrastructure"
+    return "loop"
 
 
 @dataclass
@@ -67,12 +107,23 @@ class SessionContext:
     # called with (original bytes, reason) for a session whose row names no usable agent
     dead_letter: Callable[[bytes, str], None] | None = None
     stats: SessionStats = field(default_factory=lambda: SessionStats())
+    # the tool catalog, loaded on first use and then kept: once per worker, as verl's
+    # AgentLoopWorker loads it (a load builds new YAML tool instances)
+    tools: list[Any] | None = None
 
     def __post_init__(self) -> None:
         if self.processor is None:
             from rolloutbus.replica.models import load_processor
 
             self.processor = load_processor(self.config.model)
+
+    def tool_catalog(self) -> list[Any]:
+        if self.tools is None:
+            multi_turn = self.config.rollout.multi_turn
+            self.tools = load_tool_catalog(
+                multi_turn.tool_config_path, multi_turn.function_tool_path
+            )
+        return self.tools
 
 
 def new_attempt_id() -> str:
@@ -88,8 +139,9 @@ class SessionStats:
     diverged_sessions: int = 0  # resumed loops that did not match their log: re-run
 
 
-def group_started(group: PromptGroup) -> GroupStarted:
-    """The first event of a group in the turn log; once written, the group belongs to the log."""
+def group_started(group: PromptGroup, config: Config) -> GroupStarted:
+    """The first event of a group in the turn log; once written, the group belongs to the log,
+    with the settings (``config``'s, the worker's) that shape its trajectories."""
     return GroupStarted(
         uid=group.uid,
         attempt=new_attempt_id(),
@@ -99,6 +151,23 @@ def group_started(group: PromptGroup) -> GroupStarted:
         global_steps=group.global_steps,
         policy_version=group.policy_version,
         sampling_params=group.sampling_params.model_dump(),
+        settings=group_settings(config),
+    )
+
+
+def group_settings(config: Config) -> GroupSettings:
+    """What ``config`` decides about a group's trajectories, as the turn log records it."""
+    rollout = config.rollout
+    reward = config.reward_function
+    return GroupSettings(
+        prompt_length=rollout.prompt_length,
+        response_length=rollout.response_length,
+        max_model_len=rollout.max_model_len,
+        calculate_log_probs=rollout.calculate_log_probs,
+        default_agent_loop=rollout.agent.default_agent_loop,
+        # as reward_fn_for chooses: the custom function when a path is set
+        reward_function=f"{reward.path}:{reward.name}" if reward.path else "default_compute_score",
+        reward_kwargs=dict(reward.reward_kwargs) if reward.path else {},
     )
 
 
@@ -117,7 +186,7 @@ def prompt_group_of(started: GroupStarted) -> PromptGroup:
 
 async def run_group(ctx: SessionContext, group: PromptGroup, emit: Emit) -> list[BaseModel]:
     """Log GroupStarted, run n sessions concurrently; siblings survive a failed session."""
-    started = group_started(group)
+    started = group_started(group, ctx.config)
     await emit(started)
     return await run_sessions(ctx, group, started.attempt, emit)
 
@@ -181,6 +250,7 @@ async def _run_attempt(
 ) -> BaseModel:
     ids = SessionIds(uid=group.uid, session_id=session_id, attempt=attempt)
     agent_name: str | None = None
+    spans: list[TraceSpan] = []  # the trace of the agent loop's run, into the terminal event
     seq = itertools.count()  # this attempt's event sequence numbers
 
     async def checked_emit(event: BaseModel) -> None:
@@ -208,34 +278,23 @@ async def _run_attempt(
             **ids,
             replay=resume.events if resume else (),
             tokenizer=ctx.tokenizer,
+            routing_replay=ctx.config.rollout.enable_rollout_routing_replay,
         )
         try:
-            outputs = await _within_deadline(
-                _run_agent_loop(ctx, group, session_id, agent_name, recorder),
-                ctx.config.deadlines.session_s,
-            )
+            with collect_spans() as spans:
+                outputs = await _within_deadline(
+                    _run_agent_loop(ctx, group, session_id, agent_name, recorder),
+                    ctx.config.deadlines.session_s,
+                )
             recorder.check_replayed()
         finally:
             ctx.stats.replayed_generations += recorder.replayed_generations
         summaries = recorder.summarize(outputs, ctx.config.rollout.response_length)
-        terminal: BaseModel = SessionFinished(**ids, outputs=summaries)
+        terminal: BaseModel = SessionFinished(**ids, outputs=summaries, spans=spans)
     except (EmitError, SessionDivergedError):
         raise
     except Exception as exc:  # the loop failed: an explicit record, siblings go on
-        log.warning(
-            "session %s_%s (agent %r) failed: %s",
-            group.uid,
-            session_id,
-            agent_name,
-            exc,
-            exc_info=not isinstance(exc, RolloutBusError),
-        )
-        terminal = SessionFailed(
-            **ids,
-            agent_name=agent_name,
-            error=_describe(exc),
-            retriable=not isinstance(exc, AgentLoopError | ValueError),
-        )
+        terminal = _failed(ids, agent_name, exc, spans)
         if isinstance(exc, UnknownAgentLoopError) and ctx.dead_letter is not None:
             ctx.dead_letter(
                 group.model_dump_json(by_alias=True).encode(),
@@ -245,10 +304,37 @@ async def _run_attempt(
         await checked_emit(terminal)
     except SchemaError as exc:
         terminal = SessionFailed(
-            **ids, agent_name=agent_name, error=f"the session's result cannot be logged: {exc}"
+            **ids,
+            agent_name=agent_name,
+            error=f"the session's result cannot be logged: {exc}",
+            failure_class="loop",
         )
         await checked_emit(terminal)
     return terminal
+
+
+def _failed(
+    ids: SessionIds, agent_name: str | None, exc: Exception, spans: list[TraceSpan]
+) -> SessionFailed:
+    failure_class = failure_class_of(exc)
+    log.warning(
+        "session %s_%s (agent %r) failed (%s): %s",
+        ids["uid"],
+        ids["session_id"],
+        agent_name,
+        failure_class,
+        exc,
+        exc_info=not isinstance(exc, RolloutBusError) and failure_class != "infrastructure",
+    )
+    return SessionFailed(
+        **ids,
+        agent_name=agent_name,
+        error=_describe(exc),
+        retriable=failure_class == "infrastructure"
+        or not isinstance(exc, AgentLoopError | ValueError),
+        failure_class=failure_class,
+        spans=spans,
+    )
 
 
 async def _run_agent_loop(
@@ -258,9 +344,8 @@ async def _run_agent_loop(
     agent_name: str | None,
     recorder: RecordingLLMClient,
 ) -> list[AgentLoopOutput]:
-    multi_turn = ctx.config.rollout.multi_turn
-    # what verl's AgentLoopWorker hands every loop; the tools are loaded once per process
-    tools = load_tool_catalog(multi_turn.tool_config_path, multi_turn.function_tool_path)
+    # what verl's AgentLoopWorker hands every loop; the tools are loaded once per worker
+    tools = ctx.tool_catalog()
     loop = registry.create_agent_loop(
         agent_name,
         trainer_config=DictConfigWrap(ctx.config),
@@ -276,8 +361,12 @@ async def _run_agent_loop(
     if not outputs:
         log.warning("agent loop %r returned no output for %s_%s", agent_name, group.uid, session_id)
     if outputs and group.row.get("reward_model") is not None:
-        scorer = reward_fn_from_config(ctx.config)  # custom_reward_function, or verl's default
-        await score_outputs_async(outputs, group.row, ctx.tokenizer, scorer)
+        try:
+            scorer = reward_fn_from_config(ctx.config)  # custom_reward_function, or verl's
+            with trace_span("compute_score", data_source=str(group.row.get("data_source", ""))):
+                await score_outputs_async(outputs, group.row, ctx.tokenizer, scorer)
+        except Exception as exc:
+            raise RewardFailedError(f"scoring failed: {exc}") from exc
     return outputs
 
 

@@ -37,30 +37,20 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 import faust
-from confluent_kafka import TopicPartition
 from pydantic import BaseModel, ValidationError
 
 from rolloutbus.config import Config
 from rolloutbus.errors import BrokerError, SchemaError
 from rolloutbus.kafka.admin import check_partition_counts
 from rolloutbus.kafka.async_producer import AsyncProducer
-from rolloutbus.kafka.clients import (
-    read_committed_consumer,
-    record_location,
-    translate_kafka_errors,
-)
+from rolloutbus.kafka.clients import record_location
 from rolloutbus.kafka.dead_letters import DeadLetterWriter
-from rolloutbus.kafka.partition_reader import read_partition
 from rolloutbus.metrics import SessionMetrics, start_metrics_server
 from rolloutbus.replica.models import load_tokenizer
-from rolloutbus.schemas.prompts import PromptGroup
-from rolloutbus.schemas.turns import (
-    SessionFailed,
-    SessionFinished,
-    decode_turn_event,
-    encode_turn_event,
-)
+from rolloutbus.schemas.prompts import PromptGroup, decode_prompt_group
+from rolloutbus.schemas.turns import SessionFailed, SessionFinished
 from rolloutbus.streams.agent_loop import registry
+from rolloutbus.streams.inference.admission import ControlVersionWatch
 from rolloutbus.streams.inference.llm_client import LLMClient
 from rolloutbus.streams.sessions.recovery import TurnLogScan, UnfinishedGroup
 from rolloutbus.streams.sessions.runner import (
@@ -71,7 +61,8 @@ from rolloutbus.streams.sessions.runner import (
     run_sessions,
 )
 from rolloutbus.streams.sessions.stall import StallWatch, waits_on
-from rolloutbus.topics import Topics, partition_for, session_key
+from rolloutbus.streams.sessions.turn_log import RecordTooLargeError, TurnLog, scan_turn_log
+from rolloutbus.topics import Topics, session_key
 
 log = logging.getLogger(__name__)
 
@@ -80,14 +71,9 @@ EXIT_TURN_LOG_UNWRITABLE = 70  # EX_SOFTWARE: restart the worker; it resumes fro
 # skipped); a prompt redelivered after more groups than this is run again, and the replay
 # buffer's released record keeps it from being released twice
 STARTED_UIDS_MEMORY = 100_000
-OFFSET_QUERY_TIMEOUT_S = 30.0  # seconds for the committed-offset lookup on assignment
 # seconds a revocation waits for stopped sessions and the producer's queue: well inside
 # Faust's rebalance timeout, and a turn-log write takes milliseconds
 REVOKE_DRAIN_S = 10.0
-
-
-class RecordTooLargeError(SchemaError):
-    """An event is larger than the topic accepts: it cannot be logged, ever."""
 
 
 @dataclass
@@ -100,32 +86,6 @@ class PartitionState:
         self.started_uids[uid] = None
         while len(self.started_uids) > STARTED_UIDS_MEMORY:
             self.started_uids.popitem(last=False)
-
-
-class TurnLog:
-    """Writes turn events to their group's partition of rollout.turns, durably, in order."""
-
-    def __init__(self, cfg: Config, producer: AsyncProducer, metrics: SessionMetrics):
-        self.topic = Topics.from_config(cfg.kafka).turns
-        self.partitions = cfg.kafka.partitions
-        self.max_bytes = cfg.kafka.max_message_bytes
-        self._producer = producer
-        self._metrics = metrics
-
-    async def emit(self, event: BaseModel) -> None:
-        uid: str = event.uid  # type: ignore[attr-defined]  # every turn event has one
-        session_id = getattr(event, "session_id", None)
-        key = uid if session_id is None else session_key(uid, session_id)
-        value = encode_turn_event(event)
-        if len(value) > self.max_bytes:
-            raise RecordTooLargeError(
-                f"{getattr(event, 'type', 'event')} of {key} is {len(value)} bytes, over "
-                f"kafka.max_message_bytes ({self.max_bytes})"
-            )
-        await self._producer.send(
-            self.topic, key=key.encode(), value=value, partition=partition_for(uid, self.partitions)
-        )
-        self._metrics.count_event(event)
 
 
 class SessionWorker:
@@ -151,6 +111,7 @@ class SessionWorker:
         self.producer = AsyncProducer(self.cfg.kafka)
         self.turn_log = TurnLog(self.cfg, self.producer, self.metrics)
         self.ctx = _build_context(self.cfg, self.dlq)
+        await self.ctx.llm_client.probe_replicas()  # names every replica it cannot reach
         if self.cfg.sessions.metrics_port is not None:
             start_metrics_server(self.cfg.sessions.metrics_port, self.cfg.sessions.metrics_host)
         self._background.add(asyncio.ensure_future(self.stalls.run()))
@@ -194,7 +155,9 @@ class SessionWorker:
         scan = await asyncio.to_thread(self._scan_turn_log, partition)
         for uid in scan.started_uids:
             state.remember(uid)
-        unfinished = scan.unfinished()
+        # a gateway group's sessions are driven by an agent outside the bus: only the
+        # gateway resumes them, when the agent calls again (streams/gateway)
+        unfinished = [g for g in scan.unfinished() if g.group.driven_by != "gateway"]
         log.info(
             "turns[%d]: %d events scanned, %d groups to resume",
             partition,
@@ -207,29 +170,7 @@ class SessionWorker:
         state.recovered.set()
 
     def _scan_turn_log(self, partition: int) -> TurnLogScan:
-        scan = TurnLogScan()
-        start = self._scan_start(partition)
-        for msg in read_partition(self.cfg.kafka, self.topics.turns, partition, start):
-            try:
-                event = decode_turn_event(msg.value() or b"")
-            except ValidationError:
-                continue  # the replay buffer dead-letters it; it is no session's event
-            scan.apply(msg.offset() or 0, event)
-        return scan
-
-    def _scan_start(self, partition: int) -> int:
-        """The replay buffer's committed offset: every group before it was released."""
-        consumer = read_committed_consumer(self.cfg.kafka, self.cfg.replay_buffer.group_id)
-        try:
-            with translate_kafka_errors(
-                "reading committed offsets", topic=self.topics.turns, partition=partition
-            ):
-                [tp] = consumer.committed(
-                    [TopicPartition(self.topics.turns, partition)], timeout=OFFSET_QUERY_TIMEOUT_S
-                )
-        finally:
-            consumer.close()
-        return max(tp.offset, 0)  # never committed: the whole retained log
+        return scan_turn_log(self.cfg, partition)
 
     # -- prompts -----------------------------------------------------------------------
     async def take(self, event: Any) -> None:
@@ -288,7 +229,7 @@ class SessionWorker:
             # but take() runs in Faust's agent): a group started now would run unowned
             # next to its new owner's and log turns after that owner's scan
             return "revoked"
-        started = group_started(group)
+        started = group_started(group, self.cfg)
         self.stalls.waiting(group.uid, group.uid, "the turn log (writing group_started)")
         try:
             await self.turn_log.emit(started)
@@ -315,8 +256,8 @@ class SessionWorker:
             )
             return None
         try:
-            return PromptGroup.model_validate_json(event.value)
-        except ValidationError as exc:
+            return decode_prompt_group(event.value)
+        except (ValidationError, SchemaError) as exc:
             self.dlq.write(
                 event.value, f"prompt group does not match its schema: {exc}", source=_source(event)
             )
@@ -412,7 +353,9 @@ def _build_context(cfg: Config, dlq: DeadLetterWriter) -> SessionContext:
     return SessionContext(
         config=cfg,
         tokenizer=load_tokenizer(cfg.model),
-        llm_client=LLMClient(cfg.replicas, cfg.rollout),
+        # following rollout.control: a replica that restarts is routed to once it serves
+        # the current policy version (streams/inference/admission.py)
+        llm_client=LLMClient(cfg.replicas, cfg.rollout, versions=ControlVersionWatch(cfg)),
         dead_letter=lambda original, reason: dlq.write(original, reason),
     )
 
@@ -497,7 +440,9 @@ def run_session_worker(cfg: Config, loglevel: str = "info") -> None:
     # if the cluster's topics disagree with each other or with kafka.partitions
     check_partition_counts(cfg.kafka)
     app = build_app(cfg)
-    worker = faust.Worker(app, loglevel=loglevel, quiet=True)
+    # the CLI's logging stays in charge (one format, Faust's and aiokafka's INFO lines
+    # quiet unless -v): mode's own setup would install a second format on the root logger
+    worker = faust.Worker(app, loglevel=loglevel, quiet=True, override_logging=False)
     worker.execute_from_commandline()
 
 

@@ -1,0 +1,191 @@
+"""What a released group says about the RL run, for Prometheus (``RolloutMetrics``).
+
+The replay buffer sees every trajectory exactly when it is released, so the run's RL
+figures are computed here, from the records as released: reward per data source (mean,
+std, min, max, the share of 0 and 1 scores), response length and the clip ratio, turns per
+trajectory, verl's per-trajectory agent-loop timings, failures by class, staleness at
+release and the group's latency from its first turn event.
+
+Reward and length figures describe a window of the last ``RELEASE_WINDOW_TRAJECTORIES``
+trajectories of each data source (about a verl train batch), so they read as verl's
+per-step figures do; distributions are histograms. A batch whose transaction is aborted is
+folded and observed again: the figures are monitoring, not accounting.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import weakref
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+from statistics import fmean, pstdev
+
+from prometheus_client import REGISTRY, CollectorRegistry
+
+from rolloutbus.config import RolloutConfig
+from rolloutbus.metrics import (
+    RELEASE_WINDOW_TRAJECTORIES,
+    ReplayBufferMetrics,
+    RolloutMetrics,
+    failure_class_of,
+)
+from rolloutbus.schemas.trajectories import Trajectory, TrajectoryStatus
+from rolloutbus.streams.assembly.partition_fold import PartitionFold, ReleasedGroup
+
+__all__ = [
+    "ReleaseObserver",
+    "last_turn_timestamp_ms",
+    "observe_open_groups",
+    "observe_release",
+]
+
+KNOWN_AGENT_LOOP_TIMINGS = ("generate_sequences", "tool_calls", "compute_score")
+
+
+@dataclass(frozen=True)
+class _Sample:
+    """What the window keeps of one released trajectory."""
+
+    reward: float | None
+    response_len: int
+    clipped: bool
+
+
+class ReleaseObserver:
+    """The window state and the series of one registry; see the module docstring."""
+
+    def __init__(
+        self,
+        metrics: RolloutMetrics,
+        response_length: int | None,
+        window: int = RELEASE_WINDOW_TRAJECTORIES,
+    ):
+        self.metrics = metrics
+        self.response_length = response_length
+        self.window = window
+        self.windows: dict[str, deque[_Sample]] = {}
+        self.newest_version: int | None = None  # the newest policy version released so far
+
+    def observe(
+        self, released: ReleasedGroup, trajectories: list[Trajectory], now: float | None = None
+    ) -> None:
+        now = time.time() if now is None else now
+        self._observe_group_latency(released, now)
+        self._note_versions(trajectories)
+        touched = set()
+        for t in trajectories:
+            source = t.data_source or "unknown"
+            self.metrics.trajectories.labels(data_source=source, status=t.status.value).inc()
+            if t.status == TrajectoryStatus.FAILED:
+                self.metrics.failed.labels(failure_class=failure_class_of(t)).inc()
+                continue
+            self._observe_trajectory(t, source)
+            touched.add(source)
+        for source in touched:
+            self._export_window(source)
+
+    def _observe_group_latency(self, released: ReleasedGroup, now: float) -> None:
+        first = released.group.ts
+        if math.isfinite(first) and now >= first:
+            self.metrics.group_latency.observe(now - first)
+
+    def _note_versions(self, trajectories: list[Trajectory]) -> None:
+        versions = [t.max_global_steps for t in trajectories if t.max_global_steps is not None]
+        if versions:
+            newest = max(versions)
+            self.newest_version = max(newest, self.newest_version or newest)
+
+    def _observe_trajectory(self, t: Trajectory, source: str) -> None:
+        m = self.metrics
+        m.response_length.labels(data_source=source).observe(t.response_len)
+        m.num_turns.labels(agent_name=t.agent_name or "unknown").observe(t.num_turns)
+        if t.min_global_steps is not None and self.newest_version is not None:
+            m.staleness.observe(max(0, self.newest_version - t.min_global_steps))
+        self._observe_agent_loop(t)
+        clipped = t.status == TrajectoryStatus.TRUNCATED or (
+            self.response_length is not None and t.response_len >= self.response_length
+        )
+        samples = self.windows.setdefault(source, deque(maxlen=self.window))
+        samples.append(_Sample(t.reward_score, t.response_len, clipped))
+
+    def _observe_agent_loop(self, t: Trajectory) -> None:
+        """verl's per-trajectory agent-loop metrics, and any other numeric one a loop
+        reports (exported under its own name: what arrives is exported)."""
+        for name, value in t.metrics.model_dump().items():
+            if not isinstance(value, int | float) or isinstance(value, bool):
+                continue
+            if name in KNOWN_AGENT_LOOP_TIMINGS:
+                self.metrics.agent_loop[name].observe(value)
+            elif name == "num_preempted":
+                if value >= 0:  # -1: the engine did not report it
+                    self.metrics.num_preempted.observe(value)
+            elif name.isidentifier() and name.isascii():
+                self.metrics.agent_loop_extra(name).observe(value)
+
+    def _export_window(self, source: str) -> None:
+        samples = self.windows[source]
+        m, label = self.metrics, {"data_source": source}
+        lengths = [s.response_len for s in samples]
+        m.length_mean.labels(**label).set(fmean(lengths))
+        m.length_max.labels(**label).set(max(lengths))
+        m.clip_ratio.labels(**label).set(sum(s.clipped for s in samples) / len(samples))
+        rewards = [s.reward for s in samples if s.reward is not None]
+        if not rewards:
+            return
+        m.reward_mean.labels(**label).set(fmean(rewards))
+        m.reward_std.labels(**label).set(pstdev(rewards))
+        m.reward_min.labels(**label).set(min(rewards))
+        m.reward_max.labels(**label).set(max(rewards))
+        m.reward_zero_ratio.labels(**label).set(sum(r == 0 for r in rewards) / len(rewards))
+        m.reward_one_ratio.labels(**label).set(sum(r == 1 for r in rewards) / len(rewards))
+
+
+_observers: weakref.WeakKeyDictionary[CollectorRegistry, ReleaseObserver] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def observe_release(
+    released: ReleasedGroup,
+    trajectories: list[Trajectory],
+    rollout: RolloutConfig,
+    registry: CollectorRegistry | None = None,
+) -> None:
+    """The replay buffer's one call per released group (the process keeps one observer per
+    registry, so the windows live as long as the process)."""
+    registry = REGISTRY if registry is None else registry
+    observer = _observers.get(registry)
+    if observer is None:
+        observer = ReleaseObserver(RolloutMetrics(registry), rollout.response_length)
+        _observers[registry] = observer
+    observer.observe(released, trajectories)
+
+
+def last_turn_timestamp_ms(released: ReleasedGroup) -> int | None:
+    """When the group's last session ended, in ms since the epoch (the log timestamp of its
+    latest terminal event): the replay buffer stamps the group's trajectory records with it,
+    so a trainer client measures last turn → trainer from the record alone. None when no
+    session reached a terminal event (a group released early)."""
+    stamps = [
+        fold.terminal.ts
+        for fold in released.sessions
+        if fold.terminal is not None and math.isfinite(fold.terminal.ts) and fold.terminal.ts > 0
+    ]
+    return int(max(stamps) * 1000) if stamps else None
+
+
+def observe_open_groups(
+    metrics: ReplayBufferMetrics, folds: Iterable[PartitionFold], group_deadline_s: float
+) -> None:
+    """The age of the oldest open group against its deadline (alert: open groups past
+    their deadline, which log-time deadlines release only when a later event arrives)."""
+    # a fold keeps its open groups oldest first: the first dated one per partition suffices
+    oldest = (
+        next((g.first_ts for g in fold.open.values() if g.first_ts is not None), None)
+        for fold in folds
+    )
+    firsts = [ts for ts in oldest if ts is not None and math.isfinite(ts)]
+    metrics.oldest_open_group.set(min(firsts) if firsts else 0)
+    metrics.group_deadline.set(group_deadline_s)
