@@ -251,6 +251,32 @@ def test_turn_log_counts_tell_replayed_turns_from_resampled_ones():
     assert row.notes == ["1 resumed sessions did not replay what was logged"]
 
 
+def test_turn_log_counts_tell_a_resume_cut_short_from_one_that_resampled():
+    """A worker killed part way through replaying a session's log re-logged only a prefix of
+    it; the next attempt resumes from the whole log (recovery.LoggedAttempt.history)."""
+    events = [
+        GroupStarted(uid="u", attempt="a", n=1, row={"prompt": [{"role": "user", "content": "x"}]}),
+        SessionStarted(uid="u", session_id=0, attempt="a", agent_name="p"),
+        _generation("a", 0, "r0", [1, 2], seq=2),
+        _generation("a", 1, "r1", [3, 4], seq=4),
+        # resumed, killed after replaying turn 0 of 2
+        SessionStarted(uid="u", session_id=0, attempt="b", agent_name="p", resumed_from="a"),
+        _generation("b", 0, "r0", [1, 2], seq=2),
+        # resumed from b, whose history is b's turn 0 then a's turn 1: both replayed
+        SessionStarted(uid="u", session_id=0, attempt="c", agent_name="p", resumed_from="b"),
+        _generation("c", 0, "r0", [1, 2], seq=2),
+        _generation("c", 1, "r1", [3, 4], seq=4),
+        _generation("c", 2, "r2", [5, 6], seq=6),
+    ]
+    row = FaultRow("unit", expected=1)
+    turn_log_counts(events, row)
+    assert (row.attempts, row.resumed, row.resampled) == (3, 1, 0)
+    assert row.notes == [
+        "1 resumed sessions stopped part way through replaying their log (their worker was "
+        "stopped; a later attempt resumes them)"
+    ]
+
+
 def test_turn_seeds_are_stable_and_distinct(monkeypatch):
     monkeypatch.syspath_prepend(str(FIXTURES))  # as the workers' PYTHONPATH has it
     loop = importlib.import_module("seeded_paced_loop")

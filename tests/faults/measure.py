@@ -212,16 +212,32 @@ def turn_log_counts(events: list[Any], row: FaultRow) -> None:
     nothing = sum(1 for s in resumed if not generations.get((s.uid, s.session_id, s.resumed_from)))
     if nothing:
         row.notes.append(f"{nothing} more sessions resumed with no generation logged yet")
-    mismatched = len(resumed) - nothing - row.resumed
+    cut = sum(1 for s in resumed if _cut_short(s, generations))
+    if cut:
+        row.notes.append(
+            f"{cut} resumed sessions stopped part way through replaying their log (their "
+            "worker was stopped; a later attempt resumes them)"
+        )
+    mismatched = len(resumed) - nothing - cut - row.resumed
     if mismatched:
         row.notes.append(f"{mismatched} resumed sessions did not replay what was logged")
 
 
+def _turns(generations: list[Any]) -> list[tuple[str, list[int]]]:
+    return [(g.engine_request_id, list(g.token_ids)) for g in generations]
+
+
 def _replayed_as_logged(start: Any, generations: dict[tuple[str, int, str], list[Any]]) -> bool:
-    old = generations.get((start.uid, start.session_id, start.resumed_from), [])
-    new = generations.get((start.uid, start.session_id, start.attempt), [])
-    replayed = [(g.engine_request_id, list(g.token_ids)) for g in new[: len(old)]]
-    return bool(old) and replayed == [(g.engine_request_id, list(g.token_ids)) for g in old]
+    old = _turns(generations.get((start.uid, start.session_id, start.resumed_from), []))
+    new = _turns(generations.get((start.uid, start.session_id, start.attempt), []))
+    return bool(old) and new[: len(old)] == old
+
+
+def _cut_short(start: Any, generations: dict[tuple[str, int, str], list[Any]]) -> bool:
+    """Resumed, replayed as logged as far as it went, but stopped before the end of its log."""
+    old = _turns(generations.get((start.uid, start.session_id, start.resumed_from), []))
+    new = _turns(generations.get((start.uid, start.session_id, start.attempt), []))
+    return len(new) < len(old) and new == old[: len(new)]
 
 
 __all__ = ["explain_lost", "measure_run", "release_stall", "turn_log_counts"]
