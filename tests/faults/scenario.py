@@ -47,7 +47,13 @@ class FaultContext:
         self.wait_for_released(int(fraction * self.workload.sessions))
 
     def kill(self, service: Service) -> None:
-        """SIGKILL; the supervisor starts it again."""
+        """SIGKILL; the supervisor starts it again. A kill waits for the supervisor's restart
+        of the last one first: a kill that lands while the process is down kills nothing,
+        and the row would prove one kill fewer than it says."""
+        while not service.running():
+            if time.monotonic() > self.deadline:
+                raise ScenarioTimeout(f"{service.name} was not restarted")
+            time.sleep(POLL_S)
         self.note(f"SIGKILL {service.name} (pid {service.popen.pid if service.popen else '-'})")
         self.killed_at.append((service.name, time.time()))
         service.kill()

@@ -73,6 +73,10 @@ class Service:
         self._down_since = None
         self._injected = False
 
+    def running(self) -> bool:
+        with self.lock:
+            return self.popen is not None and self.popen.poll() is None
+
     def kill(self, sig: int = signal.SIGKILL) -> None:
         with self.lock:
             if self.popen is not None and self.popen.poll() is None:
