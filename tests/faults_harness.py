@@ -62,7 +62,7 @@ from confluent_kafka import Consumer, TopicPartition
 from helpers import free_port, unique_name
 from pipeline import read_topic, wait_http_ok
 
-from rolloutbus.config import BrokerConfig, Config, KafkaConfig, ReplayBufferConfig
+from rolloutbus.config import BrokerConfig, Config, KafkaConfig, ReplayBufferConfig, load_config
 from rolloutbus.errors import BrokerError
 from rolloutbus.kafka.admin import delete_topics, ensure_topics
 from rolloutbus.kafka.broker import start_broker, stop_broker
@@ -376,7 +376,12 @@ class Pipeline:
 
     def publish(self, workload: Workload) -> list[str]:
         rows = write_jsonl(workload.rows(), self.workdir / "rows.jsonl")
-        return list(PromptPublisher(self.cfg).publish_file(rows, progress=False).uids or [])
+        # checked as the workers will run them: with WORKER_ENV's settings (a row's scorer)
+        cfg = load_config(self.config_path, env=WORKER_ENV)
+        report = PromptPublisher(cfg).publish_file(rows, progress=False)
+        # a refused row would only show as a run waiting for keys that never come
+        assert report.dead_lettered == 0, f"rows refused by the publisher: {report.examples}"
+        return list(report.uids or [])
 
     def _supervise(self) -> None:
         while not self._closing.wait(POLL_S):
