@@ -9,6 +9,7 @@ working in every ``tests/test_faults*.py``.
 from faults import (
     FIXTURES,
     ROWS,
+    WORKER_ENV,
     FaultContext,
     FaultRow,
     FaultRun,
@@ -32,6 +33,7 @@ from faults import (
 __all__ = [
     "FIXTURES",
     "ROWS",
+    "WORKER_ENV",
     "FaultContext",
     "FaultRow",
     "FaultRun",

@@ -38,7 +38,7 @@ session gets a fresh one, and so does every session of every run).
 
 from faults.broker_control import dedicated_broker, kill_broker, restart_broker
 from faults.measure import explain_lost, release_stall, turn_log_counts
-from faults.processes import Pipeline
+from faults.processes import WORKER_ENV, Pipeline
 from faults.run import FaultRun, run_fault_scenario
 from faults.scenario import (
     FaultContext,
@@ -54,6 +54,7 @@ from faults.workload import FIXTURES, Workload
 __all__ = [
     "FIXTURES",
     "ROWS",
+    "WORKER_ENV",
     "FaultContext",
     "FaultRow",
     "FaultRun",

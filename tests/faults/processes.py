@@ -15,7 +15,7 @@ from pipeline import wait_http_ok
 
 from faults.services import Service
 from faults.workload import LOOP_NAME, LOOP_TARGET, Workload
-from rolloutbus.config import Config
+from rolloutbus.config import Config, load_config
 from rolloutbus.kafka.admin import delete_topics, ensure_topics
 from rolloutbus.producers.datasets import write_jsonl
 from rolloutbus.producers.publish import PromptPublisher
@@ -146,7 +146,12 @@ class Pipeline:
 
     def publish(self, workload: Workload) -> list[str]:
         rows = write_jsonl(workload.rows(), self.workdir / "rows.jsonl")
-        return list(PromptPublisher(self.cfg).publish_file(rows, progress=False).uids or [])
+        # checked as the workers will run them: with WORKER_ENV's settings (a row's scorer)
+        cfg = load_config(self.config_path, env=WORKER_ENV)
+        report = PromptPublisher(cfg).publish_file(rows, progress=False)
+        # a refused row would only show as a run waiting for keys that never come
+        assert report.dead_lettered == 0, f"rows refused by the publisher: {report.examples}"
+        return list(report.uids or [])
 
     def _supervise(self) -> None:
         while not self._closing.wait(POLL_S):
