@@ -102,7 +102,18 @@ class SessionMetrics(PerRegistry):
             ["kind"],
             registry=registry,
         )
-
+        self.stalls = Counter(
+            "rolloutbus_sessions_stalls_total",
+            "Sessions or groups found with no progress for sessions.stall_warn_s (each "
+            "stall counted once; the log line names the key and what it waits on); stalls",
+            registry=registry,
+        )
+        self.stalled = Gauge(
+            "rolloutbus_sessions_stalled",
+            "Sessions or groups stalled now (no progress for sessions.stall_warn_s); "
+            "sessions or groups",
+            registry=registry,
+        )
         self.failed_sessions = Counter(
             "rolloutbus_sessions_failed_total",
             "Sessions that ended in session_failed, by failure class (infrastructure, loop, "
@@ -263,8 +274,16 @@ class ReplayBufferMetrics(PerRegistry):
         self.transaction_aborts = Counter(
             "rolloutbus_replay_buffer_transaction_aborts_total",
             "Transactions aborted and retried from the committed offsets, by cause: abortable "
-            "(a broker error), retries_exhausted, wedged (a client call that never returned); "
-            "transactions",
+            "(a broker error), retries_exhausted, wedged (a client call that never returned), "
+            "fatal (the producer fenced or its transaction state beyond repair); transactions",
+            ["cause"],
+            registry=registry,
+        )
+        self.producer_replacements = Counter(
+            "rolloutbus_replay_buffer_producer_replacements_total",
+            "Transactional producers replaced by a new one with the same transactional id "
+            "(which fences the old and ends its transaction), by cause: fatal, wedged, or "
+            "abortable/retries_exhausted when the abort itself failed; replacement events",
             ["cause"],
             registry=registry,
         )
