@@ -221,7 +221,7 @@ async def run_in_process(
 def run_through_bus(cfg: Config, config_path: Path, work: Path, groups, warmup, replica) -> Way:
     from pipeline import spawn, stop
 
-    from rolloutbus.consumers.trainer import TrainerClient
+    from rolloutbus.consumers.client import TrainerClient
     from rolloutbus.producers.publish import PromptPublisher
 
     worker = spawn(["sessions", "run"], config_path, work / "sessions.log", [FIXTURES])

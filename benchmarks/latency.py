@@ -45,7 +45,7 @@ from pipeline import spawn, stop, write_config
 from synthetic import group_events
 
 from rolloutbus.config import Config, KafkaConfig
-from rolloutbus.consumers.trainer import TrainerClient
+from rolloutbus.consumers.client import TrainerClient
 from rolloutbus.kafka.admin import ensure_topics
 from rolloutbus.kafka.clients import idempotent_producer
 from rolloutbus.schemas.turns import TERMINAL_TYPES, decode_turn_event, encode_turn_event

@@ -48,7 +48,7 @@ from pipeline import spawn, stop, write_config
 from synthetic import TURNS, N, make_events
 
 from rolloutbus.config import Config, KafkaConfig, ReplayBufferConfig
-from rolloutbus.consumers.trainer import TrainerClient
+from rolloutbus.consumers.client import TrainerClient
 from rolloutbus.kafka.admin import ensure_topics
 from rolloutbus.kafka.clients import (
     admin_client,

@@ -1,18 +1,61 @@
-"""Receive groups as a trainer would, print a table, and write them to an Arrow file."""
+"""Receive groups as a trainer would, print a table, and write them to an Arrow file.
+
+**Looking never takes.** A trainer's consumer group records, by committing, which groups it
+has used; a reader that commits in that group takes those groups from the trainer for good.
+So ``consume_and_report`` reads in a consumer group of its own (``throwaway_group_id``) and
+never commits, unless it is told to consume *as* a group (``group_id`` with ``commit``).
+Given a group without ``commit``, it starts where that group stands (its committed
+positions, read without joining it) and still takes nothing.
+"""
 
 from __future__ import annotations
 
+import logging
 import sys
+import uuid
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+from confluent_kafka import TopicPartition
 
-from rolloutbus.config import Config
-from rolloutbus.consumers.trainer import TrainerClient, TrajectoryGroup
+from rolloutbus.config import Config, KafkaConfig
+from rolloutbus.consumers.client import TrainerClient
+from rolloutbus.consumers.groups import TrajectoryGroup
+from rolloutbus.consumers.position import ASSIGN_TIMEOUT_S, PartitionPosition, TrainerPosition
+from rolloutbus.kafka.clients import read_committed_consumer, translate_kafka_errors
 from rolloutbus.schemas.trajectories import TRAJECTORY_SCHEMA, Trajectory, trajectories_to_batch
+from rolloutbus.topics import Topics
 
+log = logging.getLogger(__name__)
 TEXT_WIDTH = 48  # characters of decoded response shown per row
+
+
+def throwaway_group_id(purpose: str = "consume") -> str:
+    """A consumer group of one reader that never commits: nobody else's position moves."""
+    return f"rolloutbus-{purpose}-{uuid.uuid4().hex[:12]}"
+
+
+def committed_position(kafka: KafkaConfig, group_id: str) -> TrainerPosition | None:
+    """Where ``group_id`` stands on the trajectory topic (its committed offsets and the
+    trainer client's commit metadata), read without joining the group; None if it has
+    committed nothing there."""
+    topic = Topics.from_config(kafka).trajectories
+    consumer = read_committed_consumer(kafka, group_id)  # never subscribes: never joins
+    try:
+        with translate_kafka_errors(f"reading the offsets of group {group_id!r}", topic=topic):
+            committed = consumer.committed(
+                [TopicPartition(topic, p) for p in range(kafka.partitions)],
+                timeout=ASSIGN_TIMEOUT_S,
+            )
+    finally:
+        consumer.close()
+    partitions = {
+        tp.partition: PartitionPosition.from_commit(tp.offset, tp.metadata)
+        for tp in committed
+        if tp.offset >= 0
+    }
+    return TrainerPosition(topic=topic, partitions=partitions) if partitions else None
 
 
 def consume_and_report(
@@ -21,21 +64,60 @@ def consume_and_report(
     max_groups: int | None,
     timeout_s: float | None,
     out: Path | None,
-    group_id: str,
+    group_id: str | None = None,
+    commit: bool = False,
     tokenizer: Any = None,
     stream=sys.stdout,
 ) -> list[TrajectoryGroup]:
+    """Receive up to ``max_groups`` complete groups (stopping after ``timeout_s`` without
+    one), print them as a table on ``stream`` and write them to ``out``.
+
+    Takes nothing from anyone unless ``commit``: then it consumes as ``group_id``, and the
+    groups it receives are used up for that group (a trainer in it never gets them).
+    """
+    if commit and group_id is None:
+        raise ValueError("commit needs the group_id to commit in")
     groups: list[TrajectoryGroup] = []
-    with TrainerClient(cfg.kafka, group_id, config=cfg.trainer) as client:
+    with _client(cfg, group_id, commit) as client:
         for group in client.groups(max_groups=max_groups, timeout_s=timeout_s):
             groups.append(group)
-            client.commit(group)
+            if commit:
+                client.commit(group)
             print(f"received group {group.uid} ({len(group)} trajectories)", file=sys.stderr)
     print_table(groups, tokenizer, stream)
     if out is not None:
         write_arrow(groups, out)
         print(f"wrote {sum(len(g) for g in groups)} trajectories to {out}", file=sys.stderr)
     return groups
+
+
+def _client(cfg: Config, group_id: str | None, commit: bool) -> TrainerClient:
+    if commit and group_id is not None:
+        _warn_if_a_trainers_group(cfg, group_id)
+        return TrainerClient(cfg.kafka, group_id, config=cfg.trainer)
+    start = committed_position(cfg.kafka, group_id) if group_id is not None else None
+    if group_id is not None:
+        log.info(
+            "reading from where group %r stands (%s), without joining it or committing",
+            group_id,
+            "its committed offsets" if start else "it has committed nothing: the beginning",
+        )
+    return TrainerClient(cfg.kafka, throwaway_group_id(), config=cfg.trainer, resume_from=start)
+
+
+def _warn_if_a_trainers_group(cfg: Config, group_id: str) -> None:
+    if group_id == cfg.trainer.group_id:
+        why = "it is trainer.group_id"
+    elif committed_position(cfg.kafka, group_id) is not None:
+        why = "it has committed offsets on the trajectory topic, as a trainer's group has"
+    else:
+        return
+    log.warning(
+        "consuming as group %r with --commit: %s, so a trainer in that group will never "
+        "train on the groups received here",
+        group_id,
+        why,
+    )
 
 
 def write_arrow(groups: list[TrajectoryGroup], path: Path) -> None:

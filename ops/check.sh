@@ -6,7 +6,7 @@ if [ -f .venv/bin/activate ]; then
   . .venv/bin/activate
 fi
 
-PATHS=(schemas streams producers consumers rolloutbus tests benchmarks ops)
+PATHS=(schemas streams producers consumers rolloutbus tests benchmarks ops examples)
 
 ruff format --check "${PATHS[@]}"
 ruff check "${PATHS[@]}"

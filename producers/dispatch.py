@@ -9,9 +9,17 @@ the trainer's current policy version is ``v``, at most
 groups have ever been started (published to ``rollout.prompts``), where
 ``groups_per_version = ppo_mini_batch_size * require_batches * trigger_parameter_sync_step``
 is what the trainer consumes between two versions. So a group started under version ``v``
-is trained at the latest by version ``v + staleness_threshold``. The version is read from
-``rollout.control`` (the last ``PolicyVersionPublished``); before the trainer publishes any,
-the version is 0 (the initial weights).
+is trained at the latest by version ``v + staleness_threshold``. The version is the newest
+run's current one on ``rollout.control`` (``rolloutbus.kafka.version_ledger``); before the
+trainer publishes any, it is 0 (the initial weights).
+
+**Runs.** A new training run starts again at version 0, so the bound counts the groups
+started since the run began: ``groups_before_run + (v + staleness_threshold + 1) *
+groups_per_version``. ``groups_before_run`` are this dispatcher's groups that lie before
+the prompt topic's end offsets the trainer recorded when the run first started
+(``RunStarted.prompt_offsets``): a restarted dispatcher finds the same number. When a run
+names no offsets, the groups before it are those this process had started when it saw the
+run (none, for the run current at start).
 
 Group ``k`` of a run is row ``k % N`` of epoch ``k // N`` (N rows), and its uid is derived
 from (dataset identity, row, epoch) as ``rolloutbus publish --epoch`` derives it. That makes
@@ -44,9 +52,11 @@ from rolloutbus.kafka.clients import (
     PartitionEnd,
     poll_record,
     read_committed_consumer,
+    record_position,
     translate_kafka_errors,
 )
-from rolloutbus.kafka.control import PolicyVersionFollower, latest_policy_version
+from rolloutbus.kafka.control import PolicyVersionFollower, read_control_log
+from rolloutbus.kafka.version_ledger import supersedes
 from rolloutbus.producers.datasets import BadRow, read_rows
 from rolloutbus.producers.publish import (
     PromptPublisher,
@@ -54,9 +64,11 @@ from rolloutbus.producers.publish import (
     dataset_identity,
     derive_uid,
 )
+from rolloutbus.producers.row_checks import RowChecker
+from rolloutbus.schemas.control import PolicyVersionPublished, RunStarted
 from rolloutbus.topics import Topics
 
-__all__ = ["DispatchReport", "Dispatcher", "started_uids"]
+__all__ = ["DispatchReport", "Dispatcher", "started_groups", "started_uids"]
 
 log = logging.getLogger(__name__)
 VERSION_POLL_S = 0.5  # seconds one wait for a new version lasts: the stop latency
@@ -74,6 +86,8 @@ class DispatchReport:
     dead_lettered: int = 0  # bad rows (written once per process start)
     policy_version: int = 0  # the trainer's version when the dispatcher stopped
     bound: int = 0  # groups the bound allowed at that version
+    run_id: str = ""  # the trainer's run then ("": none, or records without a run)
+    groups_before_run: int = 0  # groups of this dispatcher started before that run began
     finished: bool = False  # every requested epoch was dispatched
 
 
@@ -105,6 +119,10 @@ class Dispatcher:
         # set while the bound holds the dispatcher back (every allowed group is on the
         # topic): for tests and callers that want to know it is waiting for the trainer
         self.waiting = threading.Event()
+        # the trainer's newest run and its current version (see "Runs" above)
+        self._event: PolicyVersionPublished | None = None
+        self._version = self._global_step = self._before_run = 0
+        self._run_id: str | None = None  # None: no control record read yet
 
     @property
     def total(self) -> int | None:
@@ -131,74 +149,112 @@ class Dispatcher:
     def _dispatch(
         self, follower: PolicyVersionFollower, stop: threading.Event, report: DispatchReport
     ) -> None:
-        on_topic = started_uids(self.cfg)
-        version, global_step = self._current_version(follower)
-        k, already = self._resume_point(on_topic, version)
+        on_topic = started_groups(self.cfg)
+        ledger = read_control_log(self.cfg)
+        self._follow(ledger.current, ledger.run, on_topic, k=0)
+        k, already = self._resume_point(set(on_topic))
         report.found_on_topic = k + len(already)
         self._say(f"{report.found_on_topic} groups of this run already on the prompt topic")
         while not stop.is_set() and (self.total is None or k < self.total):
-            bound = self.cfg.async_training.max_groups_started(version)
+            bound = self._bound()
             stop_at = bound if self.total is None else min(bound, self.total)
             while k < stop_at and not stop.is_set():
                 if k not in already:
-                    self._publish(k, version, global_step)
+                    self._publish(k)
                     report.published += 1
                 k += 1
             self._publisher.flush()  # a group counts as started once the broker has it
-            report.started, report.policy_version, report.bound = k, version, bound
+            self._report(report, k)
             if self.total is not None and k >= self.total:
                 break
-            self._say(f"{k} groups started at version {version} (bound {bound}); waiting")
-            version, global_step = self._wait_for_new_version(follower, version, stop)
-        report.started, report.policy_version = k, version
-        report.bound = self.cfg.async_training.max_groups_started(version)
+            self._say(f"{k} groups started at version {self._version} (bound {bound}); waiting")
+            self._wait_for_new_version(follower, stop, k)
+        self._report(report, k)
         report.finished = self.total is not None and k >= self.total
         self._say(
             f"{'done' if report.finished else 'stopped'}: {k} groups started "
-            f"({report.published} by this process), version {version}"
+            f"({report.published} by this process), version {self._version}"
         )
 
-    def _resume_point(self, on_topic: set[str], version: int) -> tuple[int, set[int]]:
+    def _report(self, report: DispatchReport, k: int) -> None:
+        report.started, report.policy_version, report.bound = k, self._version, self._bound()
+        report.run_id, report.groups_before_run = self._run_id or "", self._before_run
+
+    def _bound(self) -> int:
+        """Groups this dispatcher may have started in all, at the current version."""
+        return self._before_run + self.cfg.async_training.max_groups_started(self._version)
+
+    def _follow(
+        self,
+        event: PolicyVersionPublished | None,
+        run: RunStarted | None,
+        on_topic: dict[str, tuple[int, int]] | None,
+        *,
+        k: int,
+    ) -> None:
+        """Take the newest run's version; a run not seen before moves the bound's base."""
+        run_id = run.run_id if run is not None else (event.run_id if event is not None else "")
+        if run_id != self._run_id:
+            self._before_run = self._groups_before(run, on_topic, k)
+            self._run_id = run_id
+            self._say(f"trainer run {run_id or '(none)'}: {self._before_run} groups before it")
+        self._event = event
+        self._version = event.policy_version if event is not None else 0
+        self._global_step = event.global_step if event is not None else 0
+
+    def _groups_before(
+        self, run: RunStarted | None, on_topic: dict[str, tuple[int, int]] | None, k: int
+    ) -> int:
+        """This dispatcher's groups on the prompt topic before ``run`` began."""
+        if run is None or not run.prompt_offsets:
+            return k  # unknown: what this process started so far (0 at start)
+        on_topic = on_topic if on_topic is not None else started_groups(self.cfg)
+        before = 0
+        for j in range(self.total if self.total is not None else len(on_topic)):
+            found = on_topic.get(self.uid(j))
+            if found is None:
+                break  # the dispatcher's groups are started in order
+            partition, offset = found
+            if offset < run.prompt_offsets.get(partition, 0):
+                before += 1
+        return before
+
+    def _resume_point(self, on_topic: set[str]) -> tuple[int, set[int]]:
         """The first group of this run not on the topic, and any later ones that are (a
         crash can lose an earlier record while a later one, on another partition, landed);
         they lie within the bound of the current version, so only that range is searched."""
         k = 0
         while (self.total is None or k < self.total) and self.uid(k) in on_topic:
             k += 1
-        horizon = self.cfg.async_training.max_groups_started(version)
+        horizon = self._bound()
         if self.total is not None:
             horizon = min(horizon, self.total)
         later = {j for j in range(k + 1, horizon) if self.uid(j) in on_topic}
         return k, later
 
-    def _publish(self, k: int, version: int, global_step: int) -> None:
+    def _publish(self, k: int) -> None:
         row = self.rows[k % len(self.rows)]  # without its own uid column (see above)
         group = build_group(
-            self.cfg, row, uid=self.uid(k), global_steps=global_step, policy_version=version
+            self.cfg,
+            row,
+            uid=self.uid(k),
+            global_steps=self._global_step,
+            policy_version=self._version,
         )
         self._publisher.publish_group(group)
 
-    def _current_version(self, follower: PolicyVersionFollower) -> tuple[int, int]:
-        """Read to the end of the control topic (a follower's first poll may return before
-        it has fetched the newest record)."""
-        event = latest_policy_version(self.cfg)
-        if event is None:
-            return 0, 0  # nothing published yet: the initial weights
-        return event.policy_version, event.global_step
-
     def _wait_for_new_version(
-        self, follower: PolicyVersionFollower, version: int, stop: threading.Event
-    ) -> tuple[int, int]:
+        self, follower: PolicyVersionFollower, stop: threading.Event, k: int
+    ) -> None:
         self.waiting.set()
         try:
             while not stop.is_set():
                 event = follower.poll(VERSION_POLL_S)
-                # only forward: the follower reads from the topic's start, so it may first
-                # return versions older than the one read at start
-                if event is not None and event.policy_version > version:
+                # the follower's first answer may be the version read at start again
+                if event is not None and supersedes(event, self._event):
+                    self._follow(event, follower.ledger.run, None, k=k)
                     self._say(f"trainer published version {event.policy_version}")
-                    return event.policy_version, event.global_step
-            return version, 0
+                    return
         finally:
             self.waiting.clear()
 
@@ -214,7 +270,13 @@ class Dispatcher:
 
 
 def started_uids(cfg: Config) -> set[str]:
-    """Every uid on the prompt topic now (its keys), all partitions read to their end.
+    """Every uid on the prompt topic now (its keys), all partitions read to their end."""
+    return set(started_groups(cfg))
+
+
+def started_groups(cfg: Config) -> dict[str, tuple[int, int]]:
+    """Every uid on the prompt topic now, with the (partition, offset) of its first record;
+    all partitions read to their end.
 
     A consumer assigned to every partition, not ``read_partition``'s watermark query: the
     consumer waits out a partition that has no leader yet (a topic created a moment ago)
@@ -223,7 +285,7 @@ def started_uids(cfg: Config) -> set[str]:
     kafka = cfg.kafka
     topic = Topics.from_config(kafka).prompts
     consumer = read_committed_consumer(kafka, DISPATCH_READER_GROUP, partition_eof=True)
-    uids: set[str] = set()
+    uids: dict[str, tuple[int, int]] = {}
     ended: set[int] = set()
     try:
         with translate_kafka_errors("assigning", topic=topic):
@@ -243,7 +305,8 @@ def started_uids(cfg: Config) -> set[str]:
             if isinstance(msg, PartitionEnd):
                 ended.add(msg.partition)
             elif msg is not None and (key := msg.key()) is not None:
-                uids.add(key.decode() if isinstance(key, bytes) else str(key))
+                uid = key.decode() if isinstance(key, bytes) else str(key)
+                uids.setdefault(uid, record_position(msg))
     finally:
         consumer.close()
     return uids
@@ -255,13 +318,14 @@ def _load(cfg: Config, dataset: str | Path) -> tuple[list[dict[str, Any]], list[
     bad row cannot stop the run in a later epoch."""
     rows: list[dict[str, Any]] = []
     bad: list[BadRow] = []
+    checker = RowChecker(cfg)  # what `rolloutbus publish` checks: loop, scorer, lengths
     for item in read_rows(dataset):
         if isinstance(item, BadRow):
             bad.append(item)
             continue
         data = {k: v for k, v in item.data.items() if k != "uid"}
         try:
-            build_group(cfg, data, uid="check")
+            checker.check(build_group(cfg, data, uid="check"))
         except (ValidationError, ValueError) as exc:
             original = json.dumps(item.data, ensure_ascii=False, default=str).encode()
             bad.append(BadRow(item.source, original, f"row {item.source}: {exc}"))

@@ -17,8 +17,11 @@ rollouts of the rows sent twice, never a second group. Publishing the same rows 
 purpose* (another epoch) takes ``epoch=`` (``rolloutbus publish --epoch``).
 
 Rows are validated where they enter: a verl row (``DatasetRow``), ``n`` within
-``limits.max_n``, the record within ``kafka.max_message_bytes``; anything else is a dead
-letter whose reason names the row.
+``limits.max_n``, the record within ``kafka.max_message_bytes``, and what
+``row_checks.RowChecker`` checks (a registered agent loop, a scorer for the row's
+``data_source``, the prompt's length); anything else is a dead letter whose reason names the
+row, and no session starts for it. ``check_file`` runs the same checks with no broker
+(``rolloutbus publish --dry-run``).
 """
 
 from __future__ import annotations
@@ -27,7 +30,9 @@ import hashlib
 import logging
 import sys
 import uuid
-from dataclasses import dataclass
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +45,22 @@ from rolloutbus.kafka.clients import broker_error, idempotent_producer
 from rolloutbus.kafka.dead_letters import DeadLetterWriter
 from rolloutbus.producers.datasets import BadRow, RawRow, count_rows, read_rows
 from rolloutbus.producers.multimodal import build_multimodal_row
-from rolloutbus.schemas.prompts import DatasetRow, GroupSamplingParams, PromptGroup
+from rolloutbus.producers.row_checks import (
+    BAD_N,
+    DUPLICATE_UID,
+    NOT_A_VERL_ROW,
+    TOO_LARGE,
+    UNREADABLE,
+    RowChecker,
+    RowProblem,
+    problem_kind,
+)
+from rolloutbus.schemas.prompts import (
+    DatasetRow,
+    GroupSamplingParams,
+    PromptGroup,
+    group_sampling_params,
+)
 from rolloutbus.topics import Topics, partition_for
 
 log = logging.getLogger(__name__)
@@ -53,13 +73,45 @@ UID_SCHEME = "rolloutbus-uid-v1"  # versions the derivation: changing it changes
 
 @dataclass
 class PublishReport:
+    """What a publish did (or, from ``check_file``, would do) with a dataset's rows."""
+
     published: int = 0
     dead_lettered: int = 0
     uids: list[str] | None = None
+    # why rows were refused: kind -> rows, and the first such row's reason as an example
+    problems: Counter[str] = field(default_factory=Counter)
+    examples: dict[str, str] = field(default_factory=dict)
+    notes: Counter[str] = field(default_factory=Counter)  # note -> rows that passed with it
 
     @property
     def read(self) -> int:
         return self.published + self.dead_lettered
+
+    def refuse(self, problem: RowProblem) -> None:
+        self.dead_lettered += 1
+        self.problems[problem.kind] += 1
+        self.examples.setdefault(problem.kind, str(problem))
+
+    def summary(self) -> list[str]:
+        """One line per reason a row was refused (most frequent first), then the notes."""
+        lines = [
+            f"{count:>7} {kind}; first: {self.examples[kind]}"
+            for kind, count in self.problems.most_common()
+        ]
+        lines += [f"{count:>7} note: {note}" for note, count in self.notes.most_common()]
+        return lines
+
+
+@dataclass(frozen=True)
+class CheckedRow:
+    """One dataset row after every check: its group and record, or why it is refused."""
+
+    source: str
+    group: PromptGroup | None = None
+    value: bytes | None = None  # the record of a row that passed
+    problem: RowProblem | None = None
+    original: bytes = b""  # a refused row's bytes, for its dead letter
+    notes: tuple[str, ...] = ()
 
 
 def new_uid() -> str:
@@ -99,23 +151,7 @@ def derive_uid(
 def sampling_params(cfg: Config, validate: bool) -> GroupSamplingParams:
     """verl's agent-loop path: rollout.temperature/top_p/top_k, or val_kwargs' when
     validating (``val_kwargs.do_sample`` is not read there: temperature 0 is greedy)."""
-    r = cfg.rollout
-    if validate:
-        v = r.val_kwargs
-        return GroupSamplingParams(
-            temperature=v.temperature,
-            top_p=v.top_p,
-            top_k=v.top_k,
-            repetition_penalty=r.repetition_penalty,
-            logprobs=r.calculate_log_probs,
-        )
-    return GroupSamplingParams(
-        temperature=r.temperature,
-        top_p=r.top_p,
-        top_k=r.top_k,
-        repetition_penalty=r.repetition_penalty,
-        logprobs=r.calculate_log_probs,
-    )
+    return group_sampling_params(cfg.rollout, validate)
 
 
 def build_group(
@@ -155,9 +191,10 @@ def encode_group(cfg: Config, group: PromptGroup) -> bytes:
     """The record value; ValueError if it is over ``kafka.max_message_bytes``."""
     value = group.model_dump_json(by_alias=True).encode()
     if len(value) > cfg.kafka.max_message_bytes:
-        raise ValueError(
+        raise RowProblem(
+            TOO_LARGE,
             f"the prompt group is {len(value)} bytes, over kafka.max_message_bytes "
-            f"({cfg.kafka.max_message_bytes})"
+            f"({cfg.kafka.max_message_bytes})",
         )
     return value
 
@@ -169,9 +206,9 @@ def _group_size(cfg: Config, override: Any, validate: bool) -> int:
     elif isinstance(override, int) and not isinstance(override, bool):
         n = override
     else:
-        raise ValueError(f"__rollout_n__ must be an integer, got {override!r}")
+        raise RowProblem(BAD_N, f"__rollout_n__ must be an integer, got {override!r}")
     if not 1 <= n <= cfg.limits.max_n:
-        raise ValueError(f"n = {n} is outside 1..{cfg.limits.max_n} (limits.max_n)")
+        raise RowProblem(BAD_N, f"n = {n} is outside 1..{cfg.limits.max_n} (limits.max_n)")
     return n
 
 
@@ -181,22 +218,112 @@ def _prompt_from_column(row: dict[str, Any], prompt_key: str) -> dict[str, Any]:
     if prompt_key == "prompt":
         return row
     if prompt_key not in row:
-        raise ValueError(
-            f"the row has no {prompt_key!r} column (data.prompt_key); columns: {sorted(row)}"
+        raise RowProblem(
+            NOT_A_VERL_ROW,
+            f"the row has no {prompt_key!r} column (data.prompt_key); columns: {sorted(row)}",
         )
     if "prompt" in row:  # two candidate prompts: refuse rather than drop one silently
-        raise ValueError(f"the row has both {prompt_key!r} (data.prompt_key) and 'prompt' columns")
+        raise RowProblem(
+            NOT_A_VERL_ROW,
+            f"the row has both {prompt_key!r} (data.prompt_key) and 'prompt' columns",
+        )
     row = dict(row)
     row["prompt"] = row.pop(prompt_key)
     return row
 
 
+def check_rows(
+    cfg: Config,
+    path: str | Path,
+    checker: RowChecker,
+    *,
+    validate: bool = False,
+    global_steps: int = 0,
+    epoch: int = 0,
+    dataset_id: str | None = None,
+) -> Iterator[CheckedRow]:
+    """Every row of the file (up to ``data.*_max_samples``), checked, with its derived uid:
+    the same file, epoch, global_steps and validate flag give the same uids
+    (``dataset_id`` replaces the file's content hash as its identity)."""
+    identity = dataset_id or dataset_identity(path)
+    rows_by_uid: dict[str, str] = {}  # a row's own uid -> that row, within this file
+    data = cfg.data
+    limit = data.val_max_samples if validate else data.train_max_samples  # verl: > 0 caps
+    for index, item in enumerate(read_rows(path)):
+        if 0 < limit <= index:  # the first `limit` rows (verl draws them at random)
+            break
+        uid = derive_uid(identity, index, epoch=epoch, global_steps=global_steps, validate=validate)
+        yield _check_row(
+            cfg, checker, item, rows_by_uid, uid=uid, validate=validate, global_steps=global_steps
+        )
+
+
+def _check_row(
+    cfg: Config,
+    checker: RowChecker,
+    item: RawRow | BadRow,
+    rows_by_uid: dict[str, str],
+    **kw: Any,
+) -> CheckedRow:
+    if isinstance(item, BadRow):
+        return CheckedRow(
+            item.source, problem=RowProblem(UNREADABLE, item.reason), original=item.original
+        )
+    try:
+        group = build_group(cfg, item.data, **kw)
+        value = encode_group(cfg, group)
+        if "uid" in item.data:  # derived uids are distinct by construction
+            _check_unused(group.uid, item.source, rows_by_uid)
+        notes = checker.check(group)
+    except (ValidationError, ValueError) as exc:
+        original, cut = _letter_original(_json_bytes(item.data), cfg.kafka.max_message_bytes)
+        reason = _row_reason(exc, item.source) + cut
+        return CheckedRow(
+            item.source, problem=RowProblem(problem_kind(exc), reason), original=original
+        )
+    return CheckedRow(item.source, group=group, value=value, notes=tuple(notes))
+
+
+def check_file(
+    cfg: Config,
+    path: str | Path,
+    *,
+    validate: bool = False,
+    checker: RowChecker | None = None,
+) -> PublishReport:
+    """``rolloutbus publish --dry-run``: every check a publish makes, with no broker; nothing
+    is published. ``published`` counts the rows that would be, ``dead_lettered`` the rest."""
+    report = PublishReport(uids=[])
+    for row in check_rows(cfg, path, checker or RowChecker(cfg), validate=validate):
+        _tally(row, report)
+    return report
+
+
+def _tally(row: CheckedRow, report: PublishReport) -> None:
+    if row.problem is not None:
+        report.refuse(row.problem)
+        return
+    assert row.group is not None and report.uids is not None
+    report.published += 1
+    report.uids.append(row.group.uid)
+    report.notes.update(row.notes)
+
+
 class PromptPublisher:
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, checker: RowChecker | None = None):
         self.cfg = cfg
         self.topics = Topics.from_config(cfg.kafka)
+        self._checker = checker
         self._producer = idempotent_producer(cfg.kafka, {"linger.ms": LINGER_MS})
         self.dlq = DeadLetterWriter(cfg.kafka, stage="publish", producer=self._producer)
+
+    @property
+    def checker(self) -> RowChecker:
+        """Made on first use: it loads the agent-loop config, the custom reward function
+        and the tokenizer, which ``publish_group`` alone does not need."""
+        if self._checker is None:
+            self._checker = RowChecker(self.cfg)
+        return self._checker
 
     def publish_group(self, group: PromptGroup) -> None:
         """Send one group (keyed and partitioned by uid); ValueError if it is too large."""
@@ -241,61 +368,37 @@ class PromptPublisher:
         dataset_id: str | None = None,
         progress: bool = True,
     ) -> PublishReport:
-        """Publish every row; the same file, epoch, global_steps and validate flag give the
-        same uids (``dataset_id`` replaces the file's content hash as its identity)."""
+        """Publish every row that passes the checks; dead-letter the rest with the reason.
+        The same file, epoch, global_steps and validate flag give the same uids
+        (``dataset_id`` replaces the file's content hash as its identity)."""
         report = PublishReport(uids=[])
         bar = _progress(count_rows(path), progress)  # checks the path first
-        identity = dataset_id or dataset_identity(path)
-        rows_by_uid: dict[str, str] = {}  # a row's own uid -> that row, within this file
-        data = self.cfg.data
-        limit = data.val_max_samples if validate else data.train_max_samples  # verl: > 0 caps
-        for index, item in enumerate(read_rows(path)):
-            if 0 < limit <= index:  # the first `limit` rows (verl draws them at random)
-                break
-            uid = derive_uid(
-                identity, index, epoch=epoch, global_steps=global_steps, validate=validate
-            )
-            self._publish_item(
-                item, report, rows_by_uid, uid=uid, validate=validate, global_steps=global_steps
-            )
+        checked = check_rows(
+            self.cfg,
+            path,
+            self.checker,
+            validate=validate,
+            global_steps=global_steps,
+            epoch=epoch,
+            dataset_id=dataset_id,
+        )
+        for row in checked:
+            if row.problem is not None:
+                self.dlq.write(row.original, str(row.problem), source=row.source)
+            else:
+                assert row.group is not None and row.value is not None
+                self._produce(row.group.uid, row.value)
+            _tally(row, report)
             bar.update(1)
         bar.close()
         self.flush()
         return report
 
-    def _publish_item(
-        self, item: RawRow | BadRow, report: PublishReport, rows_by_uid: dict[str, str], **kw: Any
-    ) -> None:
-        if isinstance(item, BadRow):
-            self._dead_letter(item.original, item.reason, item.source, report)
-            return
-        try:
-            group = build_group(self.cfg, item.data, **kw)
-            value = encode_group(self.cfg, group)
-            if "uid" in item.data:  # derived uids are distinct by construction
-                _check_unused(group.uid, item.source, rows_by_uid)
-        except (ValidationError, ValueError) as exc:
-            original, note = _letter_original(
-                _json_bytes(item.data), self.cfg.kafka.max_message_bytes
-            )
-            self._dead_letter(original, _row_reason(exc, item.source) + note, item.source, report)
-            return
-        self._produce(group.uid, value)
-        report.published += 1
-        assert report.uids is not None
-        report.uids.append(group.uid)
-
-    def _dead_letter(
-        self, original: bytes, reason: str, source: str, report: PublishReport
-    ) -> None:
-        self.dlq.write(original, reason, source=source)
-        report.dead_lettered += 1
-
 
 def _check_unused(uid: str, source: str, rows_by_uid: dict[str, str]) -> None:
     """Two rows of one file naming the same uid would silently make one group downstream."""
     if uid in rows_by_uid:
-        raise ValueError(f"uid {uid!r} is already used by row {rows_by_uid[uid]}")
+        raise RowProblem(DUPLICATE_UID, f"uid {uid!r} is already used by row {rows_by_uid[uid]}")
     rows_by_uid[uid] = source
 
 
@@ -335,7 +438,7 @@ class _NoBar:
 
 
 def _progress(total: int | None, enabled: bool):
-    if not enabled:
+    if not enabled or not sys.stderr.isatty():  # a bar redraws with \r: noise in a log file
         return _NoBar()
     from tqdm import tqdm
 

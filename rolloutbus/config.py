@@ -269,6 +269,19 @@ class ReplicasConfig(_Section):
     resume_aborted: bool = True
     abort_retry_delay_s: float = 1.0  # seconds; verl waits 1 s for the engine to resume
     max_abort_resumes: int = 8  # then the turn ends "aborted": an engine that never resumes
+    # seconds; the lease the weight sync takes on each pause of an embedded replica, renewed
+    # every third of it while the sync works: a weight sync killed mid-reload leaves the
+    # replica paused this long at most (vLLM has no lease: the next weight sync resumes it)
+    pause_lease_s: float = Field(default=30.0, gt=0)
+    # seconds a replica may stay paused before the session workers warn (and count it in
+    # rolloutbus_client_replica_paused_too_long_total); above a slow weight sync (minutes
+    # for a large checkpoint from disk)
+    paused_warn_s: float = Field(default=300.0, gt=0)
+    # seconds a replica that (re)starts waits to report the current policy version (from
+    # rollout.control) before it is routed to anyway, on older weights (counted in
+    # rolloutbus_client_replica_admissions_total{reason="stale_timeout"}); 0: never wait.
+    # Above the weight sync's health_interval_s plus one reload.
+    admit_stale_s: float = Field(default=60.0, ge=0)
 
 
 class SessionsConfig(_Section):
@@ -279,6 +292,10 @@ class SessionsConfig(_Section):
     # seconds without a heartbeat before the group gives a dead worker's partitions to the
     # others (Faust's default is 60): how long a crashed worker's groups wait to be resumed
     broker_session_timeout_s: float = Field(default=20.0, gt=0)
+    # seconds a session (or a group waiting for a slot) may go without progress (a logged
+    # event) before it is logged as stalled with what it waits on, and counted; it only
+    # reports. Above a healthy turn: a long decode plus a slow tool on a busy fleet.
+    stall_warn_s: float = Field(default=300.0, gt=0)
     # Faust's local folder (it keeps no tables here, but creates one): {data_dir}/{app_id}.
     # Faust's default, "{app_id}-data" in the working directory, littered checkouts.
     data_dir: Path = Path("var/faust")
@@ -291,6 +308,24 @@ class ReplayBufferConfig(_Section):
     # through the consumer group instead, KIP-447). Set it only to pin an id: a second
     # process with the same id fences the first.
     transactional_id: str | None = None
+    # Static membership (KIP-345): this process's fixed name in the consumer group, kept
+    # across its restarts (a StatefulSet's pod name, a systemd instance). A restarted member
+    # takes its partitions back at once, without a rebalance or waiting session_timeout_s
+    # for the dead one; its transactional id (unless pinned) is then
+    # ``{group_id}-{group_instance_id}``, so the restart also fences the dead process's
+    # producer and ends its open transaction at once. Unique per live process: a second one
+    # with the same name fences the first (which exits with FENCED_INSTANCE_ID). None:
+    # dynamic membership, and a transactional id of its own per process.
+    group_instance_id: str | None = None
+    # seconds without a heartbeat before the group gives a dead member's partitions to the
+    # others (librdkafka's default is 45): how long a member that is gone for good stalls the
+    # releases of its partitions; heartbeats come from librdkafka's own thread every 3 s
+    session_timeout_s: float = Field(default=10.0, ge=6.0, le=1800.0)  # the broker's bounds
+    # seconds the transaction coordinator lets a transaction stay open before it aborts it:
+    # a dead member's open transaction holds back read_committed readers of its output
+    # (trainers, the next owner's read of the released topic) until then; a batch's
+    # transaction takes well under a second
+    transaction_timeout_s: float = Field(default=10.0, gt=0, le=900.0)
     # Open groups per turn-log partition; past it the oldest is released with its unsettled
     # sessions as failed records ("too many open groups") and a dead letter. An open group
     # holds its sessions' token streams, ~80 bytes per token (8 sessions x 4k tokens is
@@ -313,6 +348,25 @@ class ReplayBufferConfig(_Section):
     # shows the trade-off).
     batch_window_s: float = Field(default=0.1, gt=0)  # seconds
     batch_max_records: int = Field(default=5000, ge=1)  # turn events
+
+
+class GatewayConfig(_Section):
+    """``rolloutbus gateway``: the OpenAI-compatible endpoint for agents written outside the
+    bus (docs/gateway.md). Each agent session it serves is logged to rollout.turns as a
+    session worker's is."""
+
+    host: str = LOOPBACK  # where the gateway listens; loopback until an operator opens it
+    port: int = 8100
+    # the base of the URLs handed to agents (``base_url`` of each opened session), e.g.
+    # ``http://gateway.internal:8100``; None: the scheme and Host of the opening request
+    public_url: str | None = None
+    # seconds without a call before an open session is recorded as failed (its group can
+    # then be released): above the longest an agent spends between two calls (a slow tool,
+    # a sandbox build). Applies to sessions this process opened or resumed; a session no
+    # call reaches after a restart is released by deadlines.group_s.
+    session_idle_timeout_s: float = Field(default=1800.0, gt=0)
+    # bytes of one request body: a long agent history is sent whole on every call
+    max_request_bytes: int = Field(default=64 * 1024 * 1024, ge=1024)
 
 
 class DeadlinesConfig(_Section):
@@ -348,6 +402,10 @@ class TrainerConfig(_Section):
     # seconds a trainer may spend between two requests for groups (a train step) before
     # the broker hands its partitions to another member; librdkafka's default is 300 s
     max_poll_interval_s: float = Field(default=900.0, gt=0)
+    # members of a group that must have completed or been truncated (not failed) for the
+    # trainer client to yield the group; a group with fewer is skipped (consumed, counted
+    # in rolloutbus_trainer_client_skipped_groups_total). 0: every complete group is yielded
+    min_successful_per_group: int = Field(default=0, ge=0)
     # -- `rolloutbus train` (verl's trainer.* names where verl has one) --
     # checkpoints: {default_local_dir}/global_step_{n}/ (HF safetensors + trainer_state.json)
     default_local_dir: Path = Path("checkpoints")
@@ -578,6 +636,7 @@ class Config(_Section):
     data: DataConfig = Field(default_factory=DataConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     monitoring: MonitoringConfig = Field(default_factory=MonitoringConfig)
+    gateway: GatewayConfig = Field(default_factory=GatewayConfig)
     # verl's legacy top-level custom_reward_function; when any of its values is set it
     # replaces reward.custom_reward_function, as verl 0.9.1's reward loop migrates it
     custom_reward_function: CustomRewardFunctionConfig = Field(

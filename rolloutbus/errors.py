@@ -18,6 +18,10 @@ class BrokerError(RolloutBusError):
     """The Kafka broker cannot be reached, started or administered."""
 
 
+class TrainerFencedError(BrokerError):
+    """A newer trainer started on the same topics: this one may no longer publish versions."""
+
+
 class SchemaError(RolloutBusError):
     """An event or a dataset row does not match its schema."""
 

@@ -102,7 +102,18 @@ class SessionMetrics(PerRegistry):
             ["kind"],
             registry=registry,
         )
-
+        self.stalls = Counter(
+            "rolloutbus_sessions_stalls_total",
+            "Sessions or groups found with no progress for sessions.stall_warn_s (each "
+            "stall counted once; the log line names the key and what it waits on); stalls",
+            registry=registry,
+        )
+        self.stalled = Gauge(
+            "rolloutbus_sessions_stalled",
+            "Sessions or groups stalled now (no progress for sessions.stall_warn_s); "
+            "sessions or groups",
+            registry=registry,
+        )
         self.failed_sessions = Counter(
             "rolloutbus_sessions_failed_total",
             "Sessions that ended in session_failed, by failure class (infrastructure, loop, "
@@ -156,6 +167,38 @@ class SessionMetrics(PerRegistry):
         for kind, value in after.items():
             if value > before.get(kind, 0):
                 self.recovery.labels(kind=kind).inc(value - before.get(kind, 0))
+
+
+class GatewayMetrics(PerRegistry):
+    """``rolloutbus gateway``: its HTTP calls and sessions (its turn events are counted by
+    ``SessionMetrics``, as a session worker's are)."""
+
+    def _init(self, registry: CollectorRegistry) -> None:
+        self.requests = Counter(
+            "rolloutbus_gateway_requests_total",
+            "HTTP requests answered, by route and status code; requests",
+            ["route", "status"],
+            registry=registry,
+        )
+        self.turns = Counter(
+            "rolloutbus_gateway_turns_total",
+            "Completions answered, by outcome: sampled, repeated (a retried request answered "
+            "from the log) or length (the response budget was spent); turns",
+            ["outcome"],
+            registry=registry,
+        )
+        self.sessions = Counter(
+            "rolloutbus_gateway_sessions_total",
+            "Sessions by event: opened, resumed (from the turn log), finished, aborted, "
+            "idle (failed after gateway.session_idle_timeout_s); sessions",
+            ["event"],
+            registry=registry,
+        )
+        self.open_sessions = Gauge(
+            "rolloutbus_gateway_open_sessions",
+            "Sessions this gateway holds open; sessions",
+            registry=registry,
+        )
 
 
 class ReplayBufferMetrics(PerRegistry):
@@ -231,8 +274,16 @@ class ReplayBufferMetrics(PerRegistry):
         self.transaction_aborts = Counter(
             "rolloutbus_replay_buffer_transaction_aborts_total",
             "Transactions aborted and retried from the committed offsets, by cause: abortable "
-            "(a broker error), retries_exhausted, wedged (a client call that never returned); "
-            "transactions",
+            "(a broker error), retries_exhausted, wedged (a client call that never returned), "
+            "fatal (the producer fenced or its transaction state beyond repair); transactions",
+            ["cause"],
+            registry=registry,
+        )
+        self.producer_replacements = Counter(
+            "rolloutbus_replay_buffer_producer_replacements_total",
+            "Transactional producers replaced by a new one with the same transactional id "
+            "(which fences the old and ends its transaction), by cause: fatal, wedged, or "
+            "abortable/retries_exhausted when the abort itself failed; replacement events",
             ["cause"],
             registry=registry,
         )
@@ -255,6 +306,25 @@ class StalenessMetrics(PerRegistry):
             "Current policy version minus the group's min policy version, per group received "
             "(staleness at training); versions",
             buckets=(0, 1, 2, 3, 4, 6, 8, 16, 32),
+            registry=registry,
+        )
+
+
+class ControlMetrics(PerRegistry):
+    """Readers of ``rollout.control`` (``rolloutbus.kafka.version_ledger``)."""
+
+    def _init(self, registry: CollectorRegistry) -> None:
+        self.refused = Counter(
+            "rolloutbus_control_records_refused_total",
+            "Control records a follower did not take, by reason: older_run (a superseded "
+            "run's, ignored), backwards, no_weights, unknown_run, conflicting_run, malformed "
+            "(errors: dead-lettered by the weight sync)",
+            ["reason"],
+            registry=registry,
+        )
+        self.run_epoch = Gauge(
+            "rolloutbus_control_run_epoch",
+            "Run epoch of the newest trainer run this process follows (0: none yet)",
             registry=registry,
         )
 
@@ -384,6 +454,19 @@ TRAINER_GAUGES: dict[str, tuple[str, str]] = {
         "Seconds the last step waited for its groups (a starving trainer waits long); seconds",
     ),
 }
+
+
+class TrainerClientMetrics(PerRegistry):
+    """The trainer client's groups that never reach the trainer, besides stale ones."""
+
+    def _init(self, registry: CollectorRegistry) -> None:
+        self.skipped_groups = Counter(
+            "rolloutbus_trainer_client_skipped_groups_total",
+            "Complete groups skipped (consumed, never yielded), by reason: too_few_successful "
+            "(fewer completed or truncated members than trainer.min_successful_per_group); groups",
+            ["reason"],
+            registry=registry,
+        )
 
 
 class TrainerMetrics(PerRegistry):

@@ -53,12 +53,15 @@ class Topics:
 
 
 # rollout.control has one partition (kafka/admin.py), and every record on it is keyed by its
-# event type, so compaction keeps the latest event of each type (the latest policy version).
+# event type and run epoch, so compaction keeps the latest event of each type per run (the
+# latest policy version of every run; schemas/control.py).
 CONTROL_PARTITION = 0
 
 
-def control_key(event_type: str) -> str:
-    return event_type
+def control_key(event_type: str, run_epoch: int | None = None) -> str:
+    """``policy_version`` (no run: records written before runs existed) or
+    ``policy_version@3`` (run epoch 3)."""
+    return event_type if run_epoch is None else f"{event_type}@{run_epoch}"
 
 
 def partition_for(uid: str, num_partitions: int) -> int:

@@ -1,4 +1,4 @@
-"""What flows on ``rollout.control``: the trainer's policy versions.
+"""What flows on ``rollout.control``: the trainer's runs and their policy versions.
 
 A policy version is an event, not a setting: the trainer writes its weights to a folder
 (Hugging Face format, safetensors) and then publishes ``PolicyVersionPublished``. Whatever
@@ -6,27 +6,43 @@ acts on versions reads them from the log: the weight sync that loads them into t
 replicas, the dispatcher that bounds staleness, the trainer client that drops stale groups.
 So a process that restarts catches up by reading the topic, never by being told again.
 
-Every record is keyed by ``topics.control_key(type)``: one key per event type, so a
-compacted read of the topic keeps the latest version (and the latest offset wins in a full
-read, too: see ``rolloutbus.kafka.control.latest_policy_version``).
+**Runs.** Every version belongs to the run that published it: ``run_id`` names a training
+run (it survives the trainer's restarts, stored in its checkpoints) and ``run_epoch``
+counts trainer starts on these topics. Each start of ``rolloutbus train`` fences the
+previous trainer (a transactional producer with the trainer role's fixed id) and writes
+``RunStarted`` with ``run_epoch`` = the highest epoch on the topic + 1, before any version
+of its own. Readers follow the newest epoch (``rolloutbus.kafka.version_ledger``): an older
+epoch's records are ignored, and inside an epoch a version never goes backwards.
+
+**Evolution.** Fields are only added, with defaults: a record written before runs existed
+has no ``run_id``/``run_epoch`` and decodes as run epoch 0, which any real run supersedes.
+
+Every record is keyed by ``topics.control_key(type, run_epoch)``: one key per event type
+and run epoch, so a compacted topic keeps the latest version of every run (and a stray
+record without a run cannot compact a real run's version away).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter
 
+from rolloutbus.schemas.evolution import decode_json_record
 from rolloutbus.schemas.version import SCHEMA_VERSION
 
 POLICY_VERSION_TYPE: Literal["policy_version"] = "policy_version"
+RUN_STARTED_TYPE: Literal["run_started"] = "run_started"
 INT64_MAX = 2**63 - 1  # the trajectories' min/max_global_steps columns are int64
 
 __all__ = [
     "POLICY_VERSION_TYPE",
-    "as_policy_version",
+    "RUN_STARTED_TYPE",
+    "ControlEvent",
     "PolicyVersionPublished",
+    "RunStarted",
+    "as_policy_version",
     "decode_control_event",
     "encode_control_event",
 ]
@@ -39,8 +55,10 @@ class PolicyVersionPublished(BaseModel):
     ``weight_versions`` spans) and what the trajectories' ``min_global_steps`` /
     ``max_global_steps`` hold; ``global_step`` is the trainer's optimizer step that
     produced the weights (verl's ``global_steps``: with ``trigger_parameter_sync_step`` k,
-    version v is published after step v·k). Version 0 with ``weights_path`` None is the
-    initial weights: the replicas already serve them, nothing is loaded.
+    version v is published after step v·k). Version 0 is a run's initial weights: with a
+    ``weights_path`` (what ``rolloutbus train`` publishes, from its step-0 checkpoint) the
+    replicas load them; without one they keep the weights they serve and only relabel.
+    A version above 0 always names its weights.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -56,19 +74,59 @@ class PolicyVersionPublished(BaseModel):
     # the model the weights belong to (``model.name``), so a replica serving another model
     # refuses the load by name instead of failing on a shape mismatch; "" when unknown
     model_name: str = ""
+    # the run that published it (see the module docstring); "" and 0: written before runs
+    # existed, or by a publisher without one: superseded by any run
+    run_id: str = ""
+    run_epoch: int = Field(default=0, ge=0, le=INT64_MAX)
 
 
-# One event type today; a union (``Field(discriminator="type")``) when a second one comes.
-ControlEvent = PolicyVersionPublished
+class RunStarted(BaseModel):
+    """A trainer started (or restarted): from here on, ``run_epoch`` is the newest run.
+
+    Written by the trainer, fenced (its transactional producer's ``init_transactions``
+    came first), in the same transaction as the version it starts from.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    schema_version: int = SCHEMA_VERSION
+    type: Literal["run_started"] = RUN_STARTED_TYPE
+    run_id: str = Field(min_length=1)
+    run_epoch: int = Field(ge=1, le=INT64_MAX)
+    trainer_id: str = ""
+    started_at: float = Field(default_factory=time.time)  # seconds since the epoch
+    # the prompt topic's end offsets (partition -> offset) when the run first started (kept
+    # across the trainer's restarts): the groups dispatched before the run, which the
+    # dispatcher does not count against the run's staleness bound; {}: unknown
+    prompt_offsets: dict[int, int] = Field(default_factory=dict)
 
 
-def encode_control_event(event: ControlEvent) -> bytes:
+def _event_type(value: Any) -> str | None:
+    """The discriminator: a record without ``type`` is a policy version (the first and,
+    for a while, the only control event)."""
+    if isinstance(value, dict):
+        found = value.get("type", POLICY_VERSION_TYPE)
+        return found if isinstance(found, str) else None
+    return getattr(value, "type", None)
+
+
+ControlEvent = Annotated[
+    Annotated[PolicyVersionPublished, Tag(POLICY_VERSION_TYPE)]
+    | Annotated[RunStarted, Tag(RUN_STARTED_TYPE)],
+    Discriminator(_event_type),
+]
+_CONTROL_EVENT: TypeAdapter[PolicyVersionPublished | RunStarted] = TypeAdapter(ControlEvent)
+
+
+def encode_control_event(event: PolicyVersionPublished | RunStarted) -> bytes:
     return event.model_dump_json().encode()
 
 
-def decode_control_event(value: bytes) -> ControlEvent:
-    """Raises pydantic's ValidationError for a record that is not a control event."""
-    return PolicyVersionPublished.model_validate_json(value)
+def decode_control_event(value: bytes) -> PolicyVersionPublished | RunStarted:
+    """Raises pydantic's ValidationError for a record that is not a control event (an
+    unknown ``type`` included), SchemaError for one of a schema version this reader cannot
+    read (``evolution.py``)."""
+    return decode_json_record(_CONTROL_EVENT, value, "control_event")
 
 
 # vLLM's weight version label before any /update_weight_version: the initial weights

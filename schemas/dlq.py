@@ -5,8 +5,9 @@ from __future__ import annotations
 import base64
 import time
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
+from rolloutbus.schemas.evolution import decode_json_record
 from rolloutbus.schemas.version import SCHEMA_VERSION
 
 
@@ -32,3 +33,12 @@ class DeadLetter(BaseModel):
     @property
     def original(self) -> bytes:
         return base64.b64decode(self.original_b64)
+
+
+_DEAD_LETTER = TypeAdapter(DeadLetter)
+
+
+def decode_dead_letter(value: bytes) -> DeadLetter:
+    """Raises pydantic's ValidationError for a record that is not a dead letter,
+    SchemaError for one of a schema version this reader cannot read (``evolution.py``)."""
+    return decode_json_record(_DEAD_LETTER, value, "dead_letter")

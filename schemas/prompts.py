@@ -5,8 +5,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator
 
+from rolloutbus.config import RolloutConfig
+from rolloutbus.schemas.evolution import decode_json_record
 from rolloutbus.schemas.tokens import INT32_MAX, Int64
 from rolloutbus.schemas.version import SCHEMA_VERSION
 from rolloutbus.topics import KEY_SEPARATOR
@@ -76,6 +78,27 @@ class GroupSamplingParams(BaseModel):
     seed: int | None = None
 
 
+def group_sampling_params(rollout: RolloutConfig, validate: bool = False) -> GroupSamplingParams:
+    """verl's agent-loop path: rollout.temperature/top_p/top_k, or val_kwargs' when
+    validating (``val_kwargs.do_sample`` is not read there: temperature 0 is greedy)."""
+    if validate:
+        v = rollout.val_kwargs
+        return GroupSamplingParams(
+            temperature=v.temperature,
+            top_p=v.top_p,
+            top_k=v.top_k,
+            repetition_penalty=rollout.repetition_penalty,
+            logprobs=rollout.calculate_log_probs,
+        )
+    return GroupSamplingParams(
+        temperature=rollout.temperature,
+        top_p=rollout.top_p,
+        top_k=rollout.top_k,
+        repetition_penalty=rollout.repetition_penalty,
+        logprobs=rollout.calculate_log_probs,
+    )
+
+
 # The name before the engine's and the client's sampling models got their own names; kept so
 # existing imports of ``rolloutbus.schemas.SamplingParams`` still work.
 SamplingParams = GroupSamplingParams
@@ -111,6 +134,15 @@ class PromptGroup(BaseModel):
         # itself is kept as it came (agent_name absent and null mean different things).
         DatasetRow.model_validate(row)
         return row
+
+
+_PROMPT_GROUP = TypeAdapter(PromptGroup)
+
+
+def decode_prompt_group(value: bytes) -> PromptGroup:
+    """Raises pydantic's ValidationError for a record that is not a prompt group,
+    SchemaError for one of a schema version this reader cannot read (``evolution.py``)."""
+    return decode_json_record(_PROMPT_GROUP, value, "prompt_group")
 
 
 def check_uid_text(uid: str) -> str:

@@ -20,6 +20,7 @@ from typing import Annotated, Any, Literal, TypedDict
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from rolloutbus.schemas.agent_loop import AgentLoopMetrics
+from rolloutbus.schemas.evolution import decode_json_record
 from rolloutbus.schemas.routed_experts import RoutedExperts
 from rolloutbus.schemas.tokens import INT32_MAX, Int32, Int64, Logprobs, Mask, TokenIds
 from rolloutbus.schemas.trace import TraceSpan
@@ -92,6 +93,10 @@ class GroupStarted(_Event):
     # the worker's settings that shape the group's trajectories; None in logs written before
     # this field existed (the fold then falls back to its own config's, with a warning)
     settings: GroupSettings | None = None
+    # who runs the group's sessions: a session worker (taken from rollout.prompts; resumed
+    # by whichever worker owns the partition) or the OpenAI gateway (an agent outside the
+    # bus calls it; only the gateway resumes such a group, when the agent calls again)
+    driven_by: Literal["session_worker", "gateway"] = "session_worker"
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
@@ -164,6 +169,14 @@ class SessionFinished(_SessionEvent):
     spans: list[TraceSpan] = Field(default_factory=list)
 
 
+# What a failed session is attributed to, so a trainer and a dashboard can tell an outage
+# from a bad loop: "infrastructure" (a replica, the broker, a hung tool or a deadline; the
+# same session may well succeed when run again), "loop" (the agent loop, its tools' answers
+# or its output), "reward" (the reward function).
+FailureClass = Literal["infrastructure", "loop", "reward"]
+FAILURE_CLASSES: tuple[FailureClass, ...] = ("infrastructure", "loop", "reward")
+
+
 class SessionFailed(_SessionEvent):
     """A session that could not produce a trajectory: an explicit record, never a gap."""
 
@@ -172,6 +185,8 @@ class SessionFailed(_SessionEvent):
     error: str
     retriable: bool = False
     spans: list[TraceSpan] = Field(default_factory=list)  # what ran before it failed
+    # None in logs written before failure classes existed
+    failure_class: FailureClass | None = None
 
 
 TurnEvent = Annotated[
@@ -194,4 +209,6 @@ def encode_turn_event(event: BaseModel) -> bytes:
 
 
 def decode_turn_event(data: bytes):
-    return _TURN_EVENT.validate_json(data)
+    """Raises pydantic's ValidationError for a record that is not a turn event, SchemaError
+    for one of a schema version this reader cannot read (``schemas/evolution.py``)."""
+    return decode_json_record(_TURN_EVENT, data, "turn_event")

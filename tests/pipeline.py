@@ -17,7 +17,8 @@ import yaml
 from confluent_kafka import Consumer, KafkaError, TopicPartition
 
 from rolloutbus.config import Config
-from rolloutbus.consumers.trainer import TrainerClient, TrajectoryGroup
+from rolloutbus.consumers.client import TrainerClient
+from rolloutbus.consumers.groups import TrajectoryGroup
 from rolloutbus.topics import Topics
 
 READY_TIMEOUT_S = 180.0  # seconds; torch import and model build on 2 shared cores

@@ -24,8 +24,15 @@ import pytest
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 # scripts in benchmarks/ that are not benchmarks: shared code, a baseline's child process,
-# the learning curve's reward function
-NOT_BENCHMARKS = {"bench_harness.py", "plain_consume.py", "short_answer_reward.py"}
+# the learning curve's reward function, and a loop over fault rows (it runs the fault suite
+# itself, counting passes) with its pytest plugin
+NOT_BENCHMARKS = {
+    "bench_harness.py",
+    "plain_consume.py",
+    "short_answer_reward.py",
+    "fault_row_loop.py",
+    "repeat_items.py",
+}
 # benchmark -> a line of its table (a regular expression); None: needs no broker
 WITH_BROKER = {
     "pipeline_throughput.py": r"ratio pipeline/baseline throughput: \d",

@@ -12,6 +12,7 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 import yaml
+from confluent_kafka.admin import AdminClient
 from helpers import free_port, unique_name
 from pipeline import write_config
 
@@ -38,6 +39,7 @@ SUBCOMMANDS = [
     "top",
     "inspect",
     "config",
+    "gateway",
 ]
 
 
@@ -160,6 +162,12 @@ def test_demo_main_job_prints_trajectories_and_writes_arrow(kafka_bootstrap, tmp
         table = pa.ipc.open_file(source).read_all()
     assert table.num_rows == 4
     assert "equal lengths" in result.stderr
+    # the demo's records are apart: a `rolloutbus train` on the configured topics sees none
+    prefix = cfg.kafka.topic_prefix
+    assert f"[demo] records go to topics {prefix}-demo.*" in result.stderr
+    topics = AdminClient(cfg.kafka.client_settings()).list_topics(timeout=30).topics
+    assert f"{prefix}-demo.trajectories" in topics
+    assert not [t for t in topics if t.startswith(f"{prefix}.")]
 
 
 def test_missing_dataset_and_unreachable_broker_are_clear_errors(tmp_path):

@@ -1,7 +1,8 @@
 """Policy versions on rollout.control, on the real broker: the latest published version is
 what a late reader finds, a follower sees the current one and then new ones in order (the
-newest of what arrived since its last poll),
-and a record that is not a control event is skipped instead of stopping the followers."""
+newest of what arrived since its last poll), a record that is not a control event is
+skipped instead of stopping the followers, and each trainer start is a newer run that
+fences the trainer before it."""
 
 from __future__ import annotations
 
@@ -10,11 +11,16 @@ import time
 import pytest
 from pydantic import ValidationError
 
+from rolloutbus.errors import TrainerFencedError
 from rolloutbus.kafka.control import (
     PolicyVersionFollower,
     PolicyVersionPublisher,
+    TrainerControlWriter,
     latest_policy_version,
+    publish_policy_version,
+    read_control_log,
 )
+from rolloutbus.kafka.partition_reader import read_partition
 from rolloutbus.schemas.control import (
     PolicyVersionPublished,
     decode_control_event,
@@ -76,3 +82,37 @@ def test_follower_sees_the_current_version_then_new_ones_in_order(kafka_config, 
         assert follower.current is not None and follower.current.policy_version == 4
     latest = latest_policy_version(kafka_config)
     assert latest is not None and latest.policy_version == 4
+
+
+def test_each_trainer_start_is_a_newer_run_and_fences_the_one_before(kafka_config):
+    publish_policy_version(kafka_config, _version(3))  # written before runs existed: epoch 0
+    first = TrainerControlWriter(kafka_config)
+    announced = first.start_run("run-a", PolicyVersionPublished(policy_version=0))
+    assert (announced.run_id, announced.run_epoch) == ("run-a", 1)
+    first.publish(_version(1))
+    second = TrainerControlWriter(kafka_config)  # fences the first
+    second.start_run("run-b", _version(0), prompt_offsets={0: 5})
+    with pytest.raises(TrainerFencedError, match="another trainer started"):
+        first.publish(_version(2))
+    ledger = read_control_log(kafka_config)
+    assert ledger.run is not None and (ledger.run.run_id, ledger.run_epoch) == ("run-b", 2)
+    assert ledger.run.prompt_offsets == {0: 5}
+    latest = latest_policy_version(kafka_config)
+    assert latest is not None and (latest.run_id, latest.policy_version) == ("run-b", 0)
+    # keyed by type and run epoch: compaction keeps every run's latest version
+    records = read_partition(kafka_config, _control(kafka_config), CONTROL_PARTITION, 0)
+    keys = [m.key().decode() for m in records]
+    assert keys == [
+        "policy_version",
+        "run_started@1",
+        "policy_version@1",
+        "policy_version@1",
+        "run_started@2",
+        "policy_version@2",
+    ]
+    first.close()
+    second.close()
+
+
+def _control(kafka_config) -> str:
+    return Topics.from_config(kafka_config).control

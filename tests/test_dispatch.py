@@ -1,6 +1,7 @@
 """The dispatcher on the real broker: it never starts more groups than AReaL's bound allows
 while the trainer's version stands still, starts more when a version is published, goes
-epoch after epoch with new uids, and a restarted dispatcher publishes nothing twice."""
+epoch after epoch with new uids, a restarted dispatcher publishes nothing twice, and a new
+training run bounds the groups started since it began."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from collections import Counter
 from pipeline import read_topic, write_config
 
 from rolloutbus.config import Config, with_overrides
-from rolloutbus.kafka.control import publish_policy_version
+from rolloutbus.consumers.position import end_offsets
+from rolloutbus.kafka.control import TrainerControlWriter, publish_policy_version
 from rolloutbus.producers.datasets import make_arithmetic_rows, write_jsonl
 from rolloutbus.producers.dispatch import Dispatcher, DispatchReport
 from rolloutbus.schemas.control import PolicyVersionPublished
@@ -156,3 +158,47 @@ def test_the_command_stops_cleanly_on_sigterm_and_says_where_it_stands(kafka_con
     assert "4 groups started (4 now, 0 found on the topic)" in rest
     assert "stopped before the last epoch" in rest
     assert len(_prompt_keys(cfg)) == 4
+
+
+def test_a_new_run_bounds_the_groups_started_since_it_began(kafka_config, tmp_path):
+    """Run 2 starts again at version 0: the bound counts from the groups started before
+    it (the prompt offsets its RunStarted recorded), in the running dispatcher and in a
+    restarted one; the dispatcher neither stalls nor runs ahead."""
+    cfg = _cfg(kafka_config)  # bound within a run: (v + 2) * 2
+    path = write_jsonl(make_arithmetic_rows(ROWS, seed=6), tmp_path / "rows.jsonl")
+    prompts = Topics.from_config(cfg.kafka).prompts
+    run1 = TrainerControlWriter(cfg)
+    run1.start_run("run-1", _weights(0), prompt_offsets=end_offsets(cfg.kafka, prompts))
+    run1.publish(_weights(2))
+    dispatcher = Dispatcher(cfg, path, epochs=6, progress=False)
+    thread, stop, out = _start(dispatcher)
+    try:
+        assert len(_wait_until_held(dispatcher, cfg, 8)) == 8
+        run2 = TrainerControlWriter(cfg)  # a new run on the same topics, at version 0
+        run2.start_run("run-2", _weights(0), prompt_offsets=end_offsets(cfg.kafka, prompts))
+        keys = _wait_until_held(dispatcher, cfg, 12)  # 8 before it + (0 + 2) * 2
+        time.sleep(1.0)  # the dispatcher polls the control topic meanwhile
+        assert sorted(_prompt_keys(cfg)) == sorted(keys) and len(keys) == 12
+    finally:
+        stop.set()
+        thread.join(WAIT_S)
+    assert (out[0].run_id, out[0].groups_before_run, out[0].bound) == ("run-2", 8, 12)
+
+    again = Dispatcher(cfg, path, epochs=6, progress=False)
+    thread, stop, out = _start(again)
+    try:
+        _wait_until_held(again, cfg, 12)
+        run2.publish(_weights(1))  # 8 + (1 + 2) * 2
+        keys = _wait_until_held(again, cfg, 14)
+    finally:
+        stop.set()
+        thread.join(WAIT_S)
+    report = out[0]
+    assert (report.found_on_topic, report.groups_before_run, report.published) == (12, 8, 2)
+    assert len(keys) == 14 and max(Counter(keys).values()) == 1
+    run1.close()
+    run2.close()
+
+
+def _weights(v: int) -> PolicyVersionPublished:
+    return PolicyVersionPublished(policy_version=v, weights_path=f"/ckpt/{v}", global_step=v)

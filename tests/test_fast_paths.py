@@ -26,6 +26,7 @@ from rolloutbus.schemas.trajectories import (
     decode_trajectory_batch,
     encode_trajectories,
     trajectories_to_batch,
+    trajectory_row,
 )
 from rolloutbus.schemas.turns import Generation, OutputSummary, decode_turn_event
 
@@ -88,22 +89,11 @@ def test_a_token_list_is_still_checked_item_by_item() -> None:
 
 
 def _reference_row(t: Trajectory) -> dict:
-    """A trajectory's Arrow row built field by field from model_dump: the definition the
-    column-wise build must equal."""
-    row = t.model_dump(by_alias=True, exclude={"metrics"})
-    for name in ("extra_fields", "raw_prompt", "reward_model", "extra_info", "extra_columns"):
-        row[name] = None if row[name] is None else json.dumps(row[name], sort_keys=True)
-    row["reward_extra_info"] = (
-        None if t.reward_extra_info is None else json.dumps(t.reward_extra_info, sort_keys=True)
-    )
-    row.update(t.metrics.model_dump())
-    row.update(
-        status=t.status.value,
-        loss_mask=t.response_mask,
-        prompt_len=t.prompt_len,
-        response_len=t.response_len,
-        seq_len=t.prompt_len + t.response_len,
-        routed_experts=None if t.routed_experts is None else t.routed_experts.to_numpy().tolist(),
+    """A trajectory's Arrow row as the layout's row-wise ``trajectory_row`` gives it (from
+    model_dump): the definition the column-wise build must equal."""
+    row = trajectory_row(t)
+    row["routed_experts"] = (
+        None if t.routed_experts is None else t.routed_experts.to_numpy().tolist()
     )
     return row
 

@@ -41,7 +41,7 @@ from helpers import unique_name
 from pipeline import dead_letters, read_topic
 
 from rolloutbus.config import Config
-from rolloutbus.consumers.trainer import TrainerClient
+from rolloutbus.consumers.client import TrainerClient
 from rolloutbus.errors import RolloutBusError
 from rolloutbus.kafka.broker import kill_node, start_broker
 from rolloutbus.kafka.clients import idempotent_producer, record_location

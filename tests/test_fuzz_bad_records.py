@@ -10,7 +10,9 @@ real processes (``rolloutbus ... run --config``) against a scripted replica (a t
 that returns fixed tokens: no model is needed to route bad records). A few hundred
 generated bad records go to rollout.prompts and rollout.turns, interleaved with good
 prompt groups; the workers must stay up, every good group must arrive exactly once, and
-every bad record must come out as exactly one dead letter.
+every bad record must come out as exactly one dead letter. "Bad" is what the workers'
+decoders refuse: a valid record with an unknown field added is what a newer writer sends,
+and is read, its field skipped (``docs/schema-evolution.md``).
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ from rolloutbus.producers.datasets import make_arithmetic_rows
 from rolloutbus.producers.publish import PromptPublisher, build_group
 from rolloutbus.replica.scripted import ScriptedEngine, ScriptedTurn
 from rolloutbus.replica.server import replica_in_thread
-from rolloutbus.schemas.prompts import DatasetRow, PromptGroup
+from rolloutbus.schemas.prompts import DatasetRow, PromptGroup, decode_prompt_group
 from rolloutbus.schemas.trajectories import TRAJECTORY_SCHEMA, decode_trajectory_batch
 from rolloutbus.schemas.turns import (
     Generation,
@@ -92,7 +94,7 @@ def _short(value: Any, limit: int = 300) -> str:
 
 
 def _decode_prompt_group(value: bytes) -> PromptGroup | None:
-    return _decode(PromptGroup.model_validate_json, value)
+    return _decode(decode_prompt_group, value)  # the session worker's decoder
 
 
 def _decode_turn(value: bytes) -> BaseModel | None:
@@ -370,9 +372,7 @@ def test_workers_survive_bad_records_and_dead_letter_each_once(fuzz_pipeline) ->
     cfg, workers, logs = fuzz_pipeline
     topics = Topics.from_config(cfg.kafka)
     bad = {
-        "prompts": rejected(
-            generate(bad_prompt_record, BAD_PER_TOPIC), PromptGroup.model_validate_json
-        ),
+        "prompts": rejected(generate(bad_prompt_record, BAD_PER_TOPIC), decode_prompt_group),
         "turns": rejected(generate(bad_turn_record, BAD_PER_TOPIC), decode_turn_event),
     }
     assert all(len(values) > BAD_PER_TOPIC // 2 for values in bad.values()), {
@@ -536,7 +536,7 @@ def test_the_trainer_client_dead_letters_junk_on_the_trajectory_topic(
     by the trainer client, once, and the good group around them is yielded whole."""
     from fuzz_records import UID
 
-    from rolloutbus.consumers.trainer import TrainerClient
+    from rolloutbus.consumers.client import TrainerClient
 
     cfg = Config(kafka=kafka_config)
     topic = Topics.from_config(kafka_config).trajectories

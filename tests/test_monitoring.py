@@ -55,7 +55,8 @@ _SUFFIXES = {
 UNIT_WORDS = re.compile(
     r"(seconds|tokens|ratio|versions|version number|groups|sessions|events|trajectories|"
     r"calls|rows|partitions|transactions|uids|records|steps|syncs|turns|preemptions|"
-    r"consumers|readings|scorer's units|unitless|loss units|nats per token|per second|"
+    r"consumers|readings|replicas|warnings|boolean|scorer's units|unitless|loss units|"
+    r"nats per token|per second|"
     r"else 0|the loop's own units|as the kind says)",
 )
 

@@ -29,7 +29,7 @@ from rolloutbus.config import Config, with_overrides
 from rolloutbus.consumers.log_replay import replay_turns
 from rolloutbus.kafka.admin import ensure_topics
 from rolloutbus.producers.datasets import make_arithmetic_rows, write_jsonl
-from rolloutbus.producers.publish import PromptPublisher
+from rolloutbus.producers.publish import PromptPublisher, build_group
 from rolloutbus.replica.models import load_tokenizer
 from rolloutbus.schemas.trajectories import (
     TrajectoryStatus,
@@ -158,9 +158,17 @@ def test_bad_input_goes_to_dead_letters_and_counts_add_up(pipeline):
     ]
     path.write_text("\n".join(lines) + "\n")
     before = len(dead_letters(cfg))
-    report = PromptPublisher(cfg).publish_file(path, progress=False)
-    assert (report.published, report.dead_lettered) == (4, 2)
-    groups = receive_groups(cfg, set(report.uids))
+    publisher = PromptPublisher(cfg)
+    report = publisher.publish_file(path, progress=False)
+    # the rows whose agent loop is unknown are refused at publish, before any rollout
+    assert (report.published, report.dead_lettered) == (2, 4)
+    assert report.problems["agent loop not registered"] == 2
+    # a producer that skips those checks: the session worker records the failure
+    unchecked = [build_group(cfg, dict(good, agent_name=name)) for name in (None, "no_such_loop")]
+    for group in unchecked:
+        publisher.publish_group(group)
+    publisher.flush()
+    groups = receive_groups(cfg, {*(report.uids or []), *(g.uid for g in unchecked)})
     by_agent: dict = {}
     for g in groups.values():
         rows_out = g.batch.to_pylist()
@@ -180,9 +188,9 @@ def test_bad_input_goes_to_dead_letters_and_counts_add_up(pipeline):
     letters = dead_letters(cfg)[before:]
     reasons = " | ".join(d["reason"] for d in letters)
     assert "not valid JSON" in reasons and "prompt" in reasons
-    assert "no_such_loop" in reasons
-    # in = out + dlq: 6 rows read; 4 groups out (2 with failed sessions), 2 rows dead-lettered
-    assert report.read == len(groups) + report.dead_lettered
+    assert "no_such_loop" in reasons and "agent_name is null" in reasons
+    # in = out + dlq: 6 rows read; 2 groups out, 4 rows dead-lettered (plus the 2 unchecked)
+    assert report.read == len(groups) - len(unchecked) + report.dead_lettered
 
 
 def test_invariant_breaking_loop_yields_failed_records_and_dead_letters(pipeline):

@@ -17,6 +17,7 @@ PACKAGES = [
     "rolloutbus.streams.inference",
     "rolloutbus.streams.sessions",
     "rolloutbus.streams.assembly",
+    "rolloutbus.streams.gateway",
 ]
 
 

@@ -427,7 +427,7 @@ def test_the_workers_run_end_to_end_with_a_login_per_role(
 
 def _receive_as_trainer(cfg: Config, uid: str, tmp_path: Path, timeout_s: float = 120.0) -> int:
     """Trajectories of ``uid`` read by the trainer client in the trainer's own group."""
-    from rolloutbus.consumers.trainer import TrainerClient
+    from rolloutbus.consumers.client import TrainerClient
 
     deadline = time.monotonic() + timeout_s
     with TrainerClient(cfg.kafka, cfg.trainer.group_id) as client:

@@ -11,10 +11,12 @@ import uuid
 from prometheus_client import CollectorRegistry
 
 from rolloutbus.config import AsyncTrainingConfig, KafkaConfig, TrainerConfig
-from rolloutbus.consumers.trainer import StalenessFilter, TrainerClient, TrajectoryGroup
+from rolloutbus.consumers.client import TrainerClient
+from rolloutbus.consumers.groups import TrajectoryGroup
+from rolloutbus.consumers.staleness import StalenessFilter
 from rolloutbus.kafka.clients import idempotent_producer
 from rolloutbus.kafka.control import publish_policy_version
-from rolloutbus.schemas.control import PolicyVersionPublished
+from rolloutbus.schemas.control import PolicyVersionPublished, RunStarted
 from rolloutbus.schemas.trajectories import (
     Trajectory,
     TrajectoryStatus,
@@ -135,7 +137,10 @@ def test_stale_groups_are_dropped_counted_and_not_redelivered(kafka_config):
 
 
 def test_the_client_follows_the_version_on_the_control_topic(kafka_config):
-    publish_policy_version(kafka_config, PolicyVersionPublished(policy_version=4, global_step=4))
+    publish_policy_version(
+        kafka_config,
+        PolicyVersionPublished(policy_version=4, weights_path="/ckpt/v4", global_step=4),
+    )
     old, fresh = uuid.uuid4().hex, uuid.uuid4().hex
     _publish(kafka_config, {old: [(1, 1)] * GROUP_SIZE, fresh: [(4, 4)] * GROUP_SIZE})
     with TrainerClient(
@@ -146,5 +151,37 @@ def test_the_client_follows_the_version_on_the_control_topic(kafka_config):
         registry=CollectorRegistry(),
     ) as client:
         got = _take(client, 1)
-    assert [g.uid for g in got] == [fresh]
-    assert client.stale.recent_dropped == [(old, 1, 4)]
+        assert [g.uid for g in got] == [fresh]
+        assert client.stale.recent_dropped == [(old, 1, 4)]
+
+        # a second run supersedes the first: its v3 is current, and a later record of the
+        # older run (v9, no run fields: epoch 0) is ignored
+        run = RunStarted(run_id="run2", run_epoch=1)
+        for event in (
+            run,
+            _run_version(run, 0),
+            _run_version(run, 3),
+            PolicyVersionPublished(policy_version=9, weights_path="/ckpt/v9"),
+        ):
+            publish_policy_version(kafka_config, event)
+        _wait_for_version(client, 3)
+        # stale under v4 (or v9), within the bound under run 2's v3
+        second = uuid.uuid4().hex
+        _publish(kafka_config, {second: [(1, 1)] * GROUP_SIZE})
+        [group] = _take(client, 1)
+        assert group.uid == second and group.staleness == 2
+        assert client.staleness is not None and client.staleness.policy_version == 3
+
+
+def _run_version(run: RunStarted, v: int) -> PolicyVersionPublished:
+    return PolicyVersionPublished(
+        policy_version=v, weights_path=f"/ckpt/run2/v{v}", run_id=run.run_id, run_epoch=1
+    )
+
+
+def _wait_for_version(client: TrainerClient, version: int) -> None:
+    """Idle polls follow the control topic (no group is waiting meanwhile)."""
+    deadline = time.monotonic() + TAKE_TIMEOUT_S
+    while client.staleness is not None and client.staleness.policy_version != version:
+        assert time.monotonic() < deadline, f"still at {client.staleness.policy_version}"
+        assert list(client.groups(max_groups=1, timeout_s=0.5)) == []

@@ -22,7 +22,9 @@ from helpers import unique_name
 from pipeline import write_config
 
 from rolloutbus.config import Config, KafkaConfig, TrainerConfig
-from rolloutbus.consumers.trainer import PartitionPosition, TrainerClient, TrajectoryGroup
+from rolloutbus.consumers.client import TrainerClient
+from rolloutbus.consumers.groups import TrajectoryGroup
+from rolloutbus.consumers.position import PartitionPosition
 from rolloutbus.errors import BrokerError
 from rolloutbus.kafka.clients import idempotent_producer, read_committed_consumer
 from rolloutbus.schemas.trajectories import Trajectory, TrajectoryStatus, encode_trajectories

@@ -8,12 +8,13 @@ import json
 import pytest
 
 from rolloutbus.config import TrainerConfig
-from rolloutbus.consumers.trainer import (
+from rolloutbus.consumers.groups import PartitionProgress
+from rolloutbus.consumers.position import (
     COMMIT_METADATA_MAX_BYTES,
     PartitionPosition,
-    PartitionProgress,
     TrainerPosition,
-    _later,
+    checked_position,
+    later_position,
 )
 from rolloutbus.errors import SchemaError
 from rolloutbus.schemas.trajectories import Trajectory, TrajectoryStatus, encode_trajectories
@@ -128,9 +129,9 @@ def test_commit_metadata_round_trip_and_foreign_metadata():
 
 def test_a_reassigned_partition_never_moves_back():
     older, newer = PartitionPosition(offset=3), PartitionPosition(offset=5, yielded={"x": 6})
-    assert _later(older, newer) == newer and _later(newer, older) == newer
-    assert _later(None, older) == older
-    same = _later(PartitionPosition(offset=5, yielded={"y": 8}), newer)
+    assert later_position(older, newer) == newer and later_position(newer, older) == newer
+    assert later_position(None, older) == older
+    same = later_position(PartitionPosition(offset=5, yielded={"y": 8}), newer)
     assert same == PartitionPosition(offset=5, yielded={"x": 6, "y": 8})
 
 
@@ -139,9 +140,8 @@ def test_position_json_is_plain_and_checked():
     data = json.loads(json.dumps(position.model_dump(mode="json")))
     assert data == {"topic": "t.trajectories", "partitions": {"1": {"offset": 4, "yielded": {}}}}
     assert TrainerPosition.model_validate(data) == position and position.offsets == {1: 4}
-    from rolloutbus.consumers.trainer import _checked_position
 
     with pytest.raises(SchemaError, match="this client reads 'other'"):
-        _checked_position(data, "other")
+        checked_position(data, "other")
     with pytest.raises(SchemaError, match="not a trainer position"):
-        _checked_position({"topic": "t", "partitions": {"0": {"offset": -1}}}, "t")
+        checked_position({"topic": "t", "partitions": {"0": {"offset": -1}}}, "t")

@@ -13,8 +13,9 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from rolloutbus.config import ModelConfig
+from rolloutbus.consumers.groups import TrajectoryGroup
+from rolloutbus.consumers.position import PartitionPosition, TrainerPosition
 from rolloutbus.consumers.tensors import to_padded
-from rolloutbus.consumers.trainer import PartitionPosition, TrainerPosition, TrajectoryGroup
 from rolloutbus.consumers.training.batch import build_train_batch
 from rolloutbus.consumers.training.checkpoint import (
     LATEST,

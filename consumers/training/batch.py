@@ -19,8 +19,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
+from rolloutbus.consumers.groups import TrajectoryGroup
 from rolloutbus.consumers.tensors import to_padded
-from rolloutbus.consumers.trainer import TrajectoryGroup
 from rolloutbus.errors import SchemaError
 from rolloutbus.schemas.trajectories import TRAJECTORY_SCHEMA, TrajectoryStatus
 

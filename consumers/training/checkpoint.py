@@ -9,6 +9,10 @@ Layout (verl's): ``{default_local_dir}/global_step_{n}/``
   scalar state and hyper-parameters, and the trainer client's position
   (``TrainerPosition``: per partition the resume offset and the groups yielded past it).
 
+``global_step_0`` is the step-0 checkpoint a new run writes before its first step: the
+initial weights (policy version 0's ``weights_path``), the run id, and where the trajectory
+topic starts; so even the first step's groups are never committed ahead of a checkpoint.
+
 ``latest_checkpointed_iteration.txt`` (verl's name) holds the newest complete step. A step
 folder is written under a temporary name and renamed, then the pointer file is replaced
 (write + rename), so a trainer killed at any moment leaves the previous checkpoint whole and
@@ -30,7 +34,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from safetensors.torch import load_file, save_file
 
-from rolloutbus.consumers.trainer import TrainerPosition
+from rolloutbus.consumers.position import TrainerPosition
 from rolloutbus.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -49,6 +53,14 @@ class TrainerState(BaseModel):
     groups_trained: int = 0
     trainer_id: str = ""
     model_name: str = ""
+    # the training run these weights belong to (rollout.control's run_id): drawn when the
+    # step-0 checkpoint is written, kept across restarts; "" in checkpoints older than runs
+    run_id: str = ""
+    # the step whose weights are ``policy_version`` (its folder is what the version's
+    # weights_path names, and is never pruned while it is current); None: unknown (older)
+    version_step: int | None = Field(default=None, ge=0)
+    # the prompt topic's end offsets when the run started (RunStarted.prompt_offsets)
+    prompt_offsets: dict[int, int] = Field(default_factory=dict)
     saved_at: float = Field(default_factory=time.time)
     # AdamW's state_dict without its tensors: param_groups (lr, betas, ...) and the step
     # count of each parameter
@@ -81,7 +93,7 @@ def save_checkpoint(
     shutil.rmtree(final, ignore_errors=True)  # a step re-trained after a restart
     tmp.rename(final)
     _write_atomically(root / LATEST, str(state.global_step))
-    _prune(root, keep, state.global_step)
+    _prune(root, keep, state.global_step, state.version_step)
     return final
 
 
@@ -160,8 +172,10 @@ def _fsync_tree(folder: Path) -> None:
                 os.fsync(f.fileno())
 
 
-def _prune(root: Path, keep: int, newest: int) -> None:
-    """Delete the step folders older than the newest ``keep`` up to ``newest``."""
+def _prune(root: Path, keep: int, newest: int, current_version: int | None) -> None:
+    """Delete the step folders older than the newest ``keep`` up to ``newest``, but never
+    ``current_version``'s: the folder the current policy version names (a replica that
+    restarts, or the trainer's next start, loads it again)."""
     steps = sorted(
         int(p.name.removeprefix("global_step_"))
         for p in root.glob("global_step_*")
@@ -169,5 +183,7 @@ def _prune(root: Path, keep: int, newest: int) -> None:
     )
     older = [step for step in steps if step <= newest]
     for step in older[: max(0, len(older) - keep)]:
+        if step == current_version:
+            continue
         shutil.rmtree(step_folder(root, step), ignore_errors=True)
         log.debug("deleted checkpoint step %d (keeping the newest %d)", step, keep)

@@ -8,12 +8,15 @@ The loop, as verl's fully-async trainer runs it:
    truncated importance weights against the rollout's own logprobs, and GRPO advantages;
 3. one AdamW step per mini-batch of ``ppo_mini_batch_size`` groups on the PPO-clip loss;
 4. every ``trigger_parameter_sync_step`` steps: save a checkpoint (weights, optimizer, the
-   client's position) and publish the policy version on ``rollout.control``, from where the
-   weight sync loads it into the replicas and the dispatcher widens its bound.
+   client's position), publish the policy version on ``rollout.control``, from where the
+   weight sync loads it into the replicas and the dispatcher widens its bound, and commit
+   the saved position.
 
-A restarted trainer resumes from its newest checkpoint: weights, optimizer, step, version,
-and the trajectory position saved with them, so it neither skips nor re-trains a group
-into those weights (``consumers/training/checkpoint.py``).
+Before the first step a new run saves a step-0 checkpoint, and every start announces the
+run on ``rollout.control`` (``consumers/training/lifecycle.py``). A restarted trainer
+resumes from its newest checkpoint: weights, optimizer, step, version, and the trajectory
+position saved with them, so it neither skips nor re-trains a group into those weights
+(``consumers/training/checkpoint.py``), from step 0 on.
 """
 
 from __future__ import annotations
@@ -32,7 +35,9 @@ from typing import Any
 import torch
 
 from rolloutbus.config import Config
-from rolloutbus.consumers.trainer import TrainerClient, TrainerPosition, TrajectoryGroup
+from rolloutbus.consumers.client import TrainerClient
+from rolloutbus.consumers.groups import TrajectoryGroup
+from rolloutbus.consumers.position import TrainerPosition
 from rolloutbus.consumers.training.algorithm import (
     grpo_outcome_advantage,
     offpolicy_metrics,
@@ -40,20 +45,12 @@ from rolloutbus.consumers.training.algorithm import (
     rollout_is_weights,
 )
 from rolloutbus.consumers.training.batch import TrainBatch, build_train_batch
-from rolloutbus.consumers.training.checkpoint import (
-    TrainerState,
-    latest_checkpoint,
-    load_optimizer,
-    load_state,
-    save_checkpoint,
-    weights_folder,
-)
+from rolloutbus.consumers.training.checkpoint import TrainerState, load_optimizer, weights_folder
+from rolloutbus.consumers.training.lifecycle import TrainerRun
 from rolloutbus.consumers.training.policy import load_policy, pad_token_id, response_log_probs
 from rolloutbus.consumers.training.step_log import StepLog
 from rolloutbus.errors import ConfigError
-from rolloutbus.kafka.control import PolicyVersionPublisher, latest_policy_version
 from rolloutbus.metrics import TrainerMetrics, start_metrics_server
-from rolloutbus.schemas.control import PolicyVersionPublished
 
 log = logging.getLogger(__name__)
 GROUP_POLL_S = 0.5  # seconds one wait for a group lasts: how quickly a stop is noticed
@@ -81,46 +78,51 @@ class GRPOTrainer:
             )
         self.cfg = cfg
         self.trainer_id = f"{socket.gethostname()}-{os.getpid()}"
-        self.root = Path(cfg.trainer.default_local_dir)
         if cfg.trainer.torch_threads:
             torch.set_num_threads(cfg.trainer.torch_threads)
         torch.manual_seed(cfg.trainer.seed)
-        resume = latest_checkpoint(self.root)
-        state = load_state(resume) if resume is not None else None
+        self.durable = TrainerRun(cfg, self.trainer_id)
+        resume = self.durable.checkpoint
         self.lm = load_policy(cfg.model, weights_folder(resume) if resume is not None else None)
         optim = cfg.actor.optim
         self.optimizer = torch.optim.AdamW(
             self.lm.parameters(), lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay
         )
-        if resume is not None and state is not None:
-            load_optimizer(self.optimizer, resume, state)
-            log.info("resuming from %s (step %d)", resume, state.global_step)
-        self.state = state or TrainerState(global_step=0, policy_version=0)
-        self.state = self.state.model_copy(
-            update={"trainer_id": self.trainer_id, "model_name": cfg.model.name}
-        )
-        self.checkpoint = resume
+        if resume is not None:
+            load_optimizer(self.optimizer, resume, self.state)
+            log.info("resuming from %s (step %d)", resume, self.state.global_step)
         self.pad_token_id = pad_token_id(self.lm)
         self.metrics = TrainerMetrics()
         self.step_log = StepLog(
             cfg.trainer.metrics_log, self.metrics, stream, console="console" in cfg.trainer.logger
         )
 
+    @property
+    def state(self) -> TrainerState:
+        return self.durable.state
+
+    @property
+    def checkpoint(self) -> Path | None:
+        return self.durable.checkpoint
+
     # -- the loop ----------------------------------------------------------------------
     def run(self, stop: threading.Event | None = None) -> TrainSummary:
         stop = stop or threading.Event()
         started_at = self.state.global_step
-        publisher = PolicyVersionPublisher(self.cfg)
-        self._announce_current_version(publisher)
+        self.durable.start(self.lm, self.optimizer)  # fence, step 0, announce the run
         client = TrainerClient(
             self.cfg.kafka,
             self.cfg.trainer.group_id,
             resume_from=self.state.position,
             config=self.cfg.trainer,
             async_training=self.cfg.async_training,  # the staleness bound, on the trainer's side
+            commit_on_revoke=False,  # committed: only what a checkpoint holds
+            # static membership: the trainer is its group's only member, and a restarted
+            # one takes its place at once instead of waiting out the killed one's session
+            # (45 s); a second live trainer with the same group is fenced by the broker
+            consumer_overrides={"group.instance.id": f"{self.cfg.trainer.group_id}.trainer"},
         )
         client.set_policy_version(self.state.policy_version)
-        position = self.state.position
         unsaved = False
         try:
             while not stop.is_set() and not self._finished():
@@ -129,11 +131,9 @@ class GRPOTrainer:
                 if groups is None:
                     break  # stopped or idle before a whole batch arrived: left for a restart
                 position = client.position()  # every group yielded so far is in this batch
-                wait_s = time.monotonic() - waited
-                record = self.train_step(groups, wait_s=wait_s)
+                record = self.train_step(groups, wait_s=time.monotonic() - waited)
                 record["staleness/dropped_groups"] = client.stale.dropped
                 record["staleness/down_weighted_groups"] = client.stale.down_weighted
-                client.commit(groups)  # advisory: the checkpoint's position is the truth
                 unsaved = True
                 sync = self._advance(len(groups), position)
                 # logged before the checkpoint: a step in the log may be lost to a crash
@@ -146,16 +146,17 @@ class GRPOTrainer:
                     }
                 )
                 if sync:
-                    self._save_and_publish(publisher)
+                    self.durable.save(self.lm, self.optimizer, client, publish=True)
                     client.set_policy_version(self.state.policy_version)
                     unsaved = False
             if unsaved:
                 # a stop between two syncs: keep the steps, publish no version (the
                 # replicas get the next one at the next sync)
-                self._save(position)
+                self.durable.save(self.lm, self.optimizer, client, publish=False)
         finally:
             client.close()
             self.step_log.close()
+            self.durable.close()
         return TrainSummary(
             started_at_step=started_at,
             global_step=self.state.global_step,
@@ -170,7 +171,7 @@ class GRPOTrainer:
         step = self.state.global_step + 1
         every = self.cfg.async_training.trigger_parameter_sync_step
         sync = step % every == 0
-        self.state = self.state.model_copy(
+        self.durable.state = self.state.model_copy(
             update={
                 "global_step": step,
                 "groups_trained": self.state.groups_trained + groups,
@@ -326,53 +327,6 @@ class GRPOTrainer:
         if spans:
             figures["staleness/version_span_max"] = max(spans)
         return figures
-
-    # -- versions and checkpoints ------------------------------------------------------
-    def _announce_current_version(self, publisher: PolicyVersionPublisher) -> None:
-        """Make the log's latest version this trainer's: version 0 (the initial weights)
-        on a first start, or the checkpoint's version if the last run died between saving
-        and publishing it."""
-        latest = latest_policy_version(self.cfg)
-        if latest is not None and latest.policy_version >= self.state.policy_version:
-            return
-        path = (
-            str(weights_folder(self.checkpoint).resolve())
-            if self.checkpoint is not None and self.state.policy_version > 0
-            else None
-        )
-        self._publish(publisher, path)
-
-    def _save(self, position: TrainerPosition | None) -> Path:
-        self.state = self.state.model_copy(update={"position": position})
-        self.checkpoint = save_checkpoint(
-            self.root,
-            self.lm,
-            self.optimizer,
-            self.state,
-            keep=self.cfg.trainer.max_checkpoints_to_keep,
-        )
-        return self.checkpoint
-
-    def _save_and_publish(self, publisher: PolicyVersionPublisher) -> None:
-        folder = self._save(self.state.position)
-        self._publish(publisher, str(weights_folder(folder).resolve()))
-
-    def _publish(self, publisher: PolicyVersionPublisher, weights_path: str | None) -> None:
-        event = PolicyVersionPublished(
-            policy_version=self.state.policy_version,
-            weights_path=weights_path,
-            global_step=self.state.global_step,
-            trainer_id=self.trainer_id,
-            model_name=self.cfg.model.name,
-        )
-        offset = publisher.publish(event)
-        log.info(
-            "published policy version %d (step %d) at offset %d: %s",
-            event.policy_version,
-            event.global_step,
-            offset,
-            weights_path or "initial weights",
-        )
 
 
 def run_training(cfg: Config, stop: threading.Event | None = None) -> TrainSummary:

@@ -1,14 +1,18 @@
-"""Per-step figures: a JSONL or CSV file, Prometheus, and one progress line on stderr."""
+"""Per-step figures: a JSONL or CSV file, Prometheus, and one progress line: on stderr
+when it is a terminal, else a log record (timestamped, in the one log format)."""
 
 from __future__ import annotations
 
 import csv
 import json
+import logging
 import sys
 from pathlib import Path
 from typing import IO, Any
 
 from rolloutbus.metrics import TrainerMetrics
+
+log = logging.getLogger(__name__)
 
 # the figures shown on the progress line, in order, with their label and format
 PROGRESS = (
@@ -40,7 +44,9 @@ class StepLog:
     ):
         self.path = path
         self.metrics = metrics
-        self.stream = stream if stream is not None else sys.stderr
+        # the progress line's destination: the given stream, else stderr on a terminal,
+        # else (None) the log
+        self.stream = stream if stream is not None else _terminal(sys.stderr)
         self.console = console
         self._file: IO[str] | None = None
         self._csv: csv.DictWriter | None = None
@@ -92,4 +98,12 @@ class StepLog:
         for key, label, fmt in PROGRESS:
             if key in record:
                 parts.append(f"{label} {fmt.format(record[key])}")
-        print("[train] " + " | ".join(parts), file=self.stream, flush=True)
+        if self.stream is None:
+            log.info(" | ".join(parts))
+        else:
+            print("[train] " + " | ".join(parts), file=self.stream, flush=True)
+
+
+def _terminal(stream: IO[str]) -> IO[str] | None:
+    isatty = getattr(stream, "isatty", None)
+    return stream if isatty is not None and isatty() else None

@@ -17,7 +17,9 @@ import argparse
 import logging
 import sys
 
-from rolloutbus.cli import configuration, data, monitoring, services, training
+from rolloutbus import __version__
+from rolloutbus.cli import configuration, data, gateway, monitoring, services, training
+from rolloutbus.cli.console import setup_logging, sigterm_as_ctrl_c
 from rolloutbus.config import load_config
 from rolloutbus.config_loading import split_overrides
 from rolloutbus.errors import ConfigError, RolloutBusError
@@ -25,7 +27,7 @@ from rolloutbus.errors import ConfigError, RolloutBusError
 __all__ = ["build_parser", "main"]
 
 log = logging.getLogger("rolloutbus")
-COMMAND_GROUPS = (services, data, training, monitoring, configuration)
+COMMAND_GROUPS = (services, data, training, monitoring, configuration, gateway)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
         "actor_rollout_ref.rollout.n=8); precedence: config file < ROLLOUTBUS__SECTION__KEY "
         "env vars < KEY=VALUE.",
     )
+    parser.add_argument("--version", action="version", version=f"rolloutbus {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for group in COMMAND_GROUPS:
         group.register(sub)
@@ -45,13 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     overrides, rest = split_overrides(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(rest)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    if not args.verbose:  # one INFO line per HTTP request (health probes every few seconds)
-        logging.getLogger("httpx").setLevel(logging.WARNING)
+    setup_logging(args.verbose)
+    sigterm_as_ctrl_c()
     try:
         cfg = load_config(args.config, overrides=overrides)
     except ConfigError as exc:
@@ -66,5 +64,6 @@ def main(argv: list[str] | None = None) -> int:
     except RolloutBusError as exc:
         print(f"rolloutbus: {exc}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (sigterm_as_ctrl_c)
+        print("rolloutbus: interrupted", file=sys.stderr)
         return 130

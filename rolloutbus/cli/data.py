@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from pathlib import Path
+from typing import Any
 
 from rolloutbus.cli.common import Subcommands, command
 from rolloutbus.config import Config
 from rolloutbus.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 
 def cmd_dataset(args: argparse.Namespace, cfg: Config) -> int:
@@ -21,27 +25,47 @@ def cmd_dataset(args: argparse.Namespace, cfg: Config) -> int:
 
 
 def cmd_publish(args: argparse.Namespace, cfg: Config) -> int:
-    from rolloutbus.kafka.admin import check_reachable
     from rolloutbus.producers.datasets import check_dataset
-    from rolloutbus.producers.publish import PromptPublisher
+    from rolloutbus.producers.row_checks import RowChecker
 
-    files = cfg.data.val_files if args.validate else cfg.data.train_files  # as verl
+    val = _val_flag(args)
+    files = cfg.data.val_files if val else cfg.data.train_files  # as verl
     datasets = [args.dataset] if args.dataset is not None else [Path(p).expanduser() for p in files]
     if not datasets:
-        key = "data.val_files" if args.validate else "data.train_files"
+        key = "data.val_files" if val else "data.train_files"
         raise ConfigError(f"nothing to publish: give a DATASET or set {key}")
     for dataset in datasets:  # every file checked before anything is published
         check_dataset(dataset)
+    checker = RowChecker(cfg)  # a broken loop config or reward function: exit 2 here
+    if args.dry_run:
+        return _dry_run(cfg, datasets, checker, val)
+    return _publish(cfg, args, datasets, checker, val)
+
+
+def _val_flag(args: argparse.Namespace) -> bool:
+    if args.validate_deprecated:
+        log.warning("--validate is deprecated: use --val (validation rows: val_kwargs apply)")
+    return bool(args.val or args.validate_deprecated)
+
+
+def _publish(
+    cfg: Config, args: argparse.Namespace, datasets: list[Path], checker: Any, val: bool
+) -> int:
+    from rolloutbus.kafka.admin import check_reachable
+    from rolloutbus.producers.publish import PromptPublisher
+
     check_reachable(cfg.kafka)
-    publisher = PromptPublisher(cfg)
+    publisher = PromptPublisher(cfg, checker)
+    published = 0
     for dataset in datasets:
         report = publisher.publish_file(
             dataset,
-            validate=args.validate,
+            validate=val,
             global_steps=args.global_steps,
             epoch=args.epoch,
             progress=not args.quiet,
         )
+        published += report.published
         for uid in report.uids or []:
             print(uid)
         print(
@@ -49,13 +73,36 @@ def cmd_publish(args: argparse.Namespace, cfg: Config) -> int:
             f"{report.dead_lettered} to the dead-letter topic",
             file=sys.stderr,
         )
+        for line in report.summary():
+            print(line, file=sys.stderr)
+    if published == 0:
+        print("rolloutbus: no row was published", file=sys.stderr)
+        return 1
     return 0
 
 
+def _dry_run(cfg: Config, datasets: list[Path], checker: Any, val: bool) -> int:
+    """Every check of a publish, no broker: a per-reason summary on stdout; exit 1 if any
+    row would go to the dead-letter topic."""
+    from rolloutbus.producers.publish import check_file
+
+    bad = 0
+    for dataset in datasets:
+        report = check_file(cfg, dataset, validate=val, checker=checker)
+        bad += report.dead_lettered
+        print(
+            f"{dataset}: {report.read} rows: {report.published} would be published, "
+            f"{report.dead_lettered} refused"
+        )
+        for line in report.summary():
+            print(line)
+    return 1 if bad else 0
+
+
 def cmd_dispatch(args: argparse.Namespace, cfg: Config) -> int:
-    import signal
     import threading
 
+    from rolloutbus.cli.console import stop_on_signals
     from rolloutbus.kafka.admin import check_reachable, ensure_topics
     from rolloutbus.monitoring.serving import serve_dispatch_metrics
     from rolloutbus.producers.datasets import check_dataset
@@ -69,9 +116,8 @@ def cmd_dispatch(args: argparse.Namespace, cfg: Config) -> int:
     )
     serve_dispatch_metrics(cfg, dispatcher)
     stop = threading.Event()
-    # SIGTERM/SIGINT: stop after the group being published; what is out stays counted
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    # Ctrl-C/SIGTERM: stop after the group being published; what is out stays counted
+    stop_on_signals(stop, "the group being published")
     report = dispatcher.run(stop)
     print(
         f"{args.dataset}: {report.started} groups started ({report.published} now, "
@@ -88,13 +134,16 @@ def cmd_consume(args: argparse.Namespace, cfg: Config) -> int:
     from rolloutbus.kafka.admin import check_reachable
     from rolloutbus.replica.models import load_tokenizer
 
+    if args.commit and args.group_id is None:
+        raise ConfigError("--commit needs --group-id: the consumer group to commit in")
     check_reachable(cfg.kafka)
     consume_and_report(
         cfg,
         max_groups=args.max_groups,
         timeout_s=args.timeout,
         out=args.out,
-        group_id=args.group_id or cfg.trainer.group_id,
+        group_id=args.group_id,
+        commit=args.commit,
         tokenizer=load_tokenizer(cfg.model),
     )
     return 0
@@ -180,7 +229,21 @@ def register(sub: Subcommands) -> None:
         default=None,
         help="a .parquet or .jsonl file (default: every file in data.train_files)",
     )
-    p.add_argument("--validate", action="store_true", help="validation rows: val_kwargs apply")
+    p.add_argument(
+        "--val", action="store_true", help="validation rows: val_kwargs apply (data.val_files)"
+    )
+    p.add_argument(
+        "--validate",
+        dest="validate_deprecated",
+        action="store_true",
+        help="deprecated alias of --val",
+    )
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="run every check on every row with no broker, publish nothing, print a "
+        "per-reason summary; exit 1 if any row would be refused",
+    )
     p.add_argument("--global-steps", type=int, default=0, help="trainer step at dispatch")
     p.add_argument(
         "--epoch",
@@ -214,16 +277,33 @@ def register(sub: Subcommands) -> None:
     p.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
 
     p = command(
-        sub, "consume", cmd_consume, "receive complete groups as the trainer would; print a table"
+        sub,
+        "consume",
+        cmd_consume,
+        "look at complete groups as a trainer receives them; print a table (takes nothing "
+        "from any trainer unless --commit)",
     )
-    p.add_argument("--max-groups", type=int, default=None)
+    p.add_argument(
+        "--max-groups", type=int, default=None, help="stop after this many groups (default: all)"
+    )
     p.add_argument(
         "--timeout", type=float, default=30.0, help="seconds without a new group before stopping"
     )
     p.add_argument(
         "--out", type=Path, default=None, help="write the trajectories to this Arrow file"
     )
-    p.add_argument("--group-id", default=None, help="consumer group (default trainer.group_id)")
+    p.add_argument(
+        "--group-id",
+        default=None,
+        help="start where this consumer group stands (read without joining it); default: "
+        "the beginning of the topic, in a throwaway group",
+    )
+    p.add_argument(
+        "--commit",
+        action="store_true",
+        help="consume AS --group-id and commit: the groups received are used up for that "
+        "group (a trainer in it never trains on them)",
+    )
 
     p = command(
         sub, "replay", cmd_replay, "rebuild trajectories from a range of the turn log (read-only)"
@@ -235,7 +315,9 @@ def register(sub: Subcommands) -> None:
         default=None,
         help="partition to replay (repeatable; default all)",
     )
-    p.add_argument("--start-offset", type=int, default=0, help="first turn-log offset read")
+    p.add_argument(
+        "--start-offset", type=int, default=0, help="first offset of each partition to replay"
+    )
     p.add_argument(
         "--end-offset", type=int, default=None, help="exclusive; default the current end"
     )
@@ -262,7 +344,12 @@ def register(sub: Subcommands) -> None:
     p = command(
         sub, "dataset", cmd_dataset, "write the bundled arithmetic dataset (verl rows) as jsonl"
     )
-    p.add_argument("out", type=Path)
-    p.add_argument("--count", type=int, default=8)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--tool-fraction", type=float, default=0.5)
+    p.add_argument("out", type=Path, help="the .jsonl file to write")
+    p.add_argument("--count", type=int, default=8, help="rows to write")
+    p.add_argument("--seed", type=int, default=0, help="random seed of the questions")
+    p.add_argument(
+        "--tool-fraction",
+        type=float,
+        default=0.5,
+        help="share of rows routed to tool_agent (the rest: single_turn_agent)",
+    )

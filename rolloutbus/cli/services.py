@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 from rolloutbus.cli.common import Subcommands, command
 from rolloutbus.config import Config, with_overrides
@@ -25,11 +26,7 @@ def cmd_broker(args: argparse.Namespace, cfg: Config) -> int:
         print("broker stopped" if stopped else "broker was not running")
         return 0
     status = broker.broker_status(cfg)
-    pids = ",".join(str(pid) if pid else "-" for pid in status.node_pids)
-    print(
-        f"broker {'running' if status.running else 'stopped'}: pid {pids}, "
-        f"bootstrap {status.bootstrap}, data {status.data_dir}"
-    )
+    print(_broker_status_line(status))
     return 0 if status.running else 3
 
 
@@ -68,6 +65,16 @@ def _broker_acls(cfg: Config, *, print_only: bool) -> int:
     count = apply_acls(cfg)  # as cfg.kafka's user: a super user of that cluster
     print(f"{count} ACL bindings on {cfg.kafka.bootstrap_servers} for {_role_users(cfg)}")
     return 0
+
+
+def _broker_status_line(status: Any) -> str:
+    where = f"bootstrap {status.bootstrap}, data {status.data_dir}"
+    pids = ",".join(str(pid) for pid in status.node_pids or (status.pid,) if pid)
+    if status.running:
+        return f"broker running: pid {pids}, {where}"
+    if pids:  # the JVM is alive but does not answer (yet)
+        return f"broker not answering: pid {pids} alive, {where}"
+    return f"broker not running ({where})"
 
 
 def cmd_topics(args: argparse.Namespace, cfg: Config) -> int:
@@ -182,7 +189,7 @@ def register(sub: Subcommands) -> None:
         cmd_replica,
         "serve the model: the embedded torch replica, or real vLLM servers",
     )
-    p.add_argument("action", choices=["serve"])
+    p.add_argument("action", choices=["serve"], help="serve until Ctrl-C/SIGTERM")
     p.add_argument(
         "--engine",
         choices=["embedded", "vllm"],
@@ -210,7 +217,7 @@ def register(sub: Subcommands) -> None:
     p = command(
         sub, "sessions", cmd_sessions, "run a session-processor worker (Faust): prompts -> turns"
     )
-    p.add_argument("action", choices=["run"])
+    p.add_argument("action", choices=["run"], help="run until Ctrl-C/SIGTERM")
 
     p = command(
         sub,
@@ -218,7 +225,7 @@ def register(sub: Subcommands) -> None:
         cmd_replay_buffer,
         "run a replay-buffer worker: turns -> trajectories, exactly once",
     )
-    p.add_argument("action", choices=["run"])
+    p.add_argument("action", choices=["run"], help="run until Ctrl-C/SIGTERM")
 
     command(
         sub,

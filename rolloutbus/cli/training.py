@@ -11,9 +11,9 @@ from rolloutbus.config import Config, with_overrides
 
 
 def cmd_train(args: argparse.Namespace, cfg: Config) -> int:
-    import signal
     import threading
 
+    from rolloutbus.cli.console import stop_on_signals
     from rolloutbus.consumers.training import run_training
     from rolloutbus.kafka.admin import check_reachable, ensure_topics
 
@@ -26,9 +26,8 @@ def cmd_train(args: argparse.Namespace, cfg: Config) -> int:
     check_reachable(cfg.kafka)
     ensure_topics(cfg.kafka)
     stop = threading.Event()
-    # SIGTERM/SIGINT: finish the step in progress, save a checkpoint, exit 0
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    # Ctrl-C/SIGTERM: finish the step in progress, save a checkpoint, exit 0; again: abort
+    stop_on_signals(stop, "this step")
     summary = run_training(cfg, stop)
     print(
         f"trained steps {summary.started_at_step}..{summary.global_step} "
@@ -46,7 +45,9 @@ def cmd_demo(args: argparse.Namespace, cfg: Config) -> int:
     if args.n is not None:
         cfg = with_overrides(cfg, {"rollout.n": args.n})
     with demo_monitoring(cfg, args.out) as cfg:  # metrics on; out/demo.png afterwards
-        return run_demo(cfg, rows=args.rows, out=args.out, timeout_s=args.timeout)
+        return run_demo(
+            cfg, rows=args.rows, out=args.out, timeout_s=args.timeout, verbose=args.verbose
+        )
 
 
 def register(sub: Subcommands) -> None:
@@ -71,5 +72,10 @@ def register(sub: Subcommands) -> None:
     p.add_argument(
         "--n", type=int, default=2, help="sessions per prompt group (overrides rollout.n)"
     )
-    p.add_argument("--out", type=Path, default=Path("out/trajectories.arrow"))
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=Path("out/trajectories.arrow"),
+        help="the Arrow file the received trajectories are written to",
+    )
     p.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for all groups")

@@ -46,6 +46,8 @@ from confluent_kafka.admin import (
 from rolloutbus.config import ACL_ROLES, Config, KafkaConfig
 from rolloutbus.errors import BrokerError, ConfigError
 from rolloutbus.kafka.clients import admin_client, broker_error
+from rolloutbus.kafka.control_reader import CONTROL_DEAD_LETTER_GROUP, CONTROL_READER_GROUP
+from rolloutbus.kafka.control_writer import trainer_transactional_id
 from rolloutbus.topics import Topics
 
 __all__ = ["Grant", "acl_bindings", "apply_acls", "kafka_acls_commands", "role_grants"]
@@ -82,6 +84,10 @@ def role_grants(cfg: Config, role: str) -> list[Grant]:
     grants = [_topic(role, name, DESCRIBE) for name in topics.all()]
     grants.append(_topic(role, topics.dlq, WRITE))
     grants += _ROLE_GRANTS[role](cfg, topics, role)
+    if _topic(role, topics.control, READ) in grants:
+        # a reader of rollout.control assigns its partition under this group id, which never
+        # commits; librdkafka still looks up its coordinator (a group describe)
+        grants.append(_group(role, CONTROL_READER_GROUP, DESCRIBE))
     return grants
 
 
@@ -108,6 +114,7 @@ def _sessions(cfg: Config, topics: Topics, role: str) -> list[Grant]:
         _group(role, cfg.sessions.app_id),
         _topic(role, topics.turns, WRITE),
         _topic(role, topics.turns, READ),  # the recovery scan of an assigned partition
+        _topic(role, topics.control, READ),  # the current version, for replica admission
         # the scan starts at the replay buffer's committed offset (an offset fetch)
         _group(role, cfg.replay_buffer.group_id, DESCRIBE),
     ]
@@ -115,7 +122,8 @@ def _sessions(cfg: Config, topics: Topics, role: str) -> list[Grant]:
 
 def _replay_buffer(cfg: Config, topics: Topics, role: str) -> list[Grant]:
     pinned = cfg.replay_buffer.transactional_id
-    # unpinned, every process draws "{group_id}-{host}-{pid}-{random}": a prefix ACL
+    # unpinned, a static member's is "{group_id}-{group_instance_id}" and any other process
+    # draws "{group_id}-{host}-{pid}-{random}" (replay_buffer.transactional_id_of): a prefix ACL
     txn_name, txn_prefixed = (pinned, False) if pinned else (cfg.replay_buffer.group_id, True)
     return [
         _topic(role, topics.turns, READ),
@@ -136,11 +144,20 @@ def _trainer(cfg: Config, topics: Topics, role: str) -> list[Grant]:
         _group(role, cfg.trainer.group_id),
         _topic(role, topics.control, WRITE),
         _topic(role, topics.control, READ),  # the latest version, the staleness bound
+        # the fenced control writer: one transactional id per control topic
+        *(
+            Grant(role, ResourceType.TRANSACTIONAL_ID, trainer_transactional_id(cfg.kafka), op)
+            for op in (WRITE, DESCRIBE)
+        ),
     ]
 
 
 def _weight_sync(cfg: Config, topics: Topics, role: str) -> list[Grant]:
-    return [_topic(role, topics.control, READ)]
+    return [
+        _topic(role, topics.control, READ),
+        # how far its dead letters of the control topic got (kafka/control_reader.py)
+        _group(role, CONTROL_DEAD_LETTER_GROUP),
+    ]
 
 
 _ROLE_GRANTS = {

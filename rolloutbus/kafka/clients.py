@@ -8,10 +8,16 @@ becomes a :class:`BrokerError` naming ``topic[partition]@offset`` where known.
 Settings are built by pure ``*_settings`` functions (tested without a broker); the
 factories only hand them to confluent-kafka. Extra librdkafka settings go in
 ``overrides``, which win over everything else.
+
+librdkafka's own log lines go to the Python logger ``librdkafka`` (confluent-kafka's
+``logger`` setting, added by every factory here): one format with the rest, and quiet
+below WARNING unless the command runs with -v. confluent-kafka hands them over inside
+``poll()``/``flush()``/``consume()`` calls, never from librdkafka's threads.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -25,6 +31,7 @@ from rolloutbus.config import KafkaConfig
 from rolloutbus.errors import BrokerError
 
 __all__ = [
+    "LIBRDKAFKA_LOGGER",
     "PartitionEnd",
     "admin_client",
     "admin_settings",
@@ -47,6 +54,7 @@ __all__ = [
 ]
 
 Overrides = Mapping[str, Any] | None
+LIBRDKAFKA_LOGGER = logging.getLogger("librdkafka")
 
 
 # -- settings (pure) ---------------------------------------------------------------------
@@ -102,7 +110,7 @@ def admin_settings(kafka: KafkaConfig, overrides: Overrides = None) -> dict[str,
 
 def idempotent_producer(kafka: KafkaConfig, overrides: Overrides = None) -> Producer:
     with translate_kafka_errors(f"creating a producer for {kafka.bootstrap_servers}"):
-        return Producer(idempotent_producer_settings(kafka, overrides))
+        return Producer(_logging_to_python(idempotent_producer_settings(kafka, overrides)))
 
 
 def transactional_producer(
@@ -111,7 +119,9 @@ def transactional_producer(
     with translate_kafka_errors(
         f"creating transactional producer {transactional_id!r} for {kafka.bootstrap_servers}"
     ):
-        return Producer(transactional_producer_settings(kafka, transactional_id, overrides))
+        return Producer(
+            _logging_to_python(transactional_producer_settings(kafka, transactional_id, overrides))
+        )
 
 
 def read_committed_consumer(
@@ -121,15 +131,23 @@ def read_committed_consumer(
         f"creating consumer of group {group_id!r} for {kafka.bootstrap_servers}"
     ):
         return Consumer(
-            read_committed_consumer_settings(
-                kafka, group_id, partition_eof=partition_eof, overrides=overrides
+            _logging_to_python(
+                read_committed_consumer_settings(
+                    kafka, group_id, partition_eof=partition_eof, overrides=overrides
+                )
             )
         )
 
 
 def admin_client(kafka: KafkaConfig, overrides: Overrides = None) -> AdminClient:
     with translate_kafka_errors(f"creating an admin client for {kafka.bootstrap_servers}"):
-        return AdminClient(admin_settings(kafka, overrides))
+        return AdminClient(_logging_to_python(admin_settings(kafka, overrides)))
+
+
+def _logging_to_python(settings: dict[str, Any]) -> dict[str, Any]:
+    """librdkafka logs through Python logging instead of its own stderr lines (unless the
+    caller's overrides name a logger of their own)."""
+    return {"logger": LIBRDKAFKA_LOGGER, **settings}
 
 
 # -- polling -----------------------------------------------------------------------------

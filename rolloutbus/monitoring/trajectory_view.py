@@ -23,7 +23,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from rolloutbus.config import Config
-from rolloutbus.errors import ConfigError
+from rolloutbus.errors import ConfigError, SchemaError
 from rolloutbus.kafka.partition_reader import read_partition
 from rolloutbus.schemas.turns import decode_turn_event
 from rolloutbus.topics import KEY_SEPARATOR, Topics, partition_for
@@ -52,7 +52,7 @@ def inspect_key(
     for msg in read_partition(cfg.kafka, topic, partition, start_offset):
         try:
             event = decode_turn_event(msg.value() or b"")
-        except ValidationError:
+        except (ValidationError, SchemaError):
             continue  # a dead letter's business, not this group's
         if event.uid == uid and (
             session is None or getattr(event, "session_id", session) == session

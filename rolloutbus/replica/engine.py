@@ -179,9 +179,13 @@ class DecodeEngine:
     def is_paused(self) -> bool:
         return self._gate.is_paused
 
-    async def pause(self, mode: PauseMode = "abort") -> None:
+    @property
+    def pause_gate(self) -> PauseGate:
+        return self._gate
+
+    async def pause(self, mode: PauseMode = "abort", lease_s: float | None = None) -> None:
         check_pause_mode(mode)  # before the health check: a bad mode is the caller's mistake
-        await asyncio.to_thread(self._pause_and_wait, mode)
+        await asyncio.to_thread(self._pause_and_wait, mode, lease_s)
 
     async def resume(self) -> None:
         with self._cond:
@@ -192,17 +196,31 @@ class DecodeEngine:
         from rolloutbus.replica.weights import read_weight_update
 
         self._gate.require_paused(weights_path)
-        # Reading and checking the files touches no model tensor: do it off the loop.
-        update = await asyncio.to_thread(read_weight_update, self.model, weights_path)
-        self._gate.require_paused(weights_path)
-        await asyncio.wrap_future(self._run_in_loop(update.apply))
+        self._gate.reload_started()  # until the apply is done: it holds the pause's lease
+        try:
+            # Reading and checking the files touches no model tensor: do it off the loop.
+            update = await asyncio.to_thread(read_weight_update, self.model, weights_path)
+            self._gate.require_paused(weights_path)
+
+            def apply() -> None:
+                update.apply()
+                self._gate.reload_finished(weights_path)
+
+            done = self._run_in_loop(apply)
+        except BaseException:
+            self._gate.reload_ended()
+            raise
+        # The apply runs in the decode thread even when this caller goes away (a weight sync
+        # killed mid-reload): the reload counts as running until the work is done or dropped.
+        done.add_done_callback(_in_loop(asyncio.get_running_loop(), self._gate.reload_ended))
+        await asyncio.wrap_future(done)
         log.info("%s: reloaded weights from %s", self.model_name, weights_path)
 
-    def _pause_and_wait(self, mode: PauseMode) -> None:
+    def _pause_and_wait(self, mode: PauseMode, lease_s: float | None) -> None:
         with self._cond:
             if not self.healthy:
                 raise ReplicaError(f"engine for {self.model_name} is not running: {self._error!r}")
-            self._gate.close(mode)
+            self._gate.close(mode, lease_s)
             self._quiescent = False
             if mode == "abort":  # queued requests are in flight too, as in vLLM: end them now
                 for seq in self._waiting:
@@ -465,6 +483,8 @@ class DecodeEngine:
                 if not self._control:
                     return
                 work, future = self._control.popleft()
+            if not future.set_running_or_notify_cancel():
+                continue  # its caller went away before it started: nothing was changed
             try:
                 work()
             except Exception as exc:  # reported to the caller that asked for the work
@@ -479,7 +499,8 @@ class DecodeEngine:
             self._quiescent = True
             self._cond.notify_all()
         for _, future in control:
-            future.set_exception(ReplicaError(f"engine for {self.model_name} stopped"))
+            if future.set_running_or_notify_cancel():  # else its caller already went away
+                future.set_exception(ReplicaError(f"engine for {self.model_name} stopped"))
         for seq in (batch.rows if batch else []) + waiting:
             if self._error is not None:
                 _reject(
@@ -627,6 +648,20 @@ def _eos_token_ids(model: Any, tokenizer: Any) -> frozenset[int]:
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
     return frozenset(ids)
+
+
+def _in_loop(
+    loop: asyncio.AbstractEventLoop, callback: Callable[[], None]
+) -> Callable[[concurrent.futures.Future[None]], None]:
+    """A done-callback for a concurrent future that runs ``callback`` in ``loop``'s thread."""
+
+    def call(_: concurrent.futures.Future[None]) -> None:
+        try:
+            loop.call_soon_threadsafe(callback)
+        except RuntimeError:  # the loop is closed: the server is gone, nobody reads the gate
+            pass
+
+    return call
 
 
 def _resolve(seq: _Sequence, result: GenerationResult) -> None:

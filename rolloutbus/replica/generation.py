@@ -14,6 +14,7 @@ from typing import Literal, Protocol, runtime_checkable
 from pydantic import BaseModel, ConfigDict, Field
 
 from rolloutbus.errors import ReplicaError
+from rolloutbus.replica.pause_gate import EngineNotPausedError, PauseGate, PauseMode
 
 __all__ = [
     "Engine",
@@ -31,9 +32,7 @@ __all__ = [
 ]
 
 FinishReason = Literal["stop", "length", "abort"]
-# vLLM's PauseMode: abort in-flight requests (default), wait for them, or keep them frozen.
-PauseMode = Literal["abort", "wait", "keep"]
-PAUSE_MODES: tuple[PauseMode, ...] = ("abort", "wait", "keep")
+# PauseMode and EngineNotPausedError live in pause_gate, with the pause (re-exported here).
 MAX_TOP_LOGPROBS = 20  # vLLM's --max-logprobs default
 
 
@@ -44,10 +43,6 @@ class RequestRejectedError(ReplicaError, ValueError):
 class WeightsRejectedError(ReplicaError, ValueError):
     """A weight folder that cannot be loaded into the running model (missing, wrong names or
     shapes): the caller's mistake, an HTTP 400; the served weights are left unchanged."""
-
-
-class EngineNotPausedError(ReplicaError):
-    """A weight reload was asked of an engine that is not paused: an HTTP 409."""
 
 
 class EngineSampling(BaseModel):
@@ -159,9 +154,16 @@ class Engine(Protocol):
     @property
     def is_paused(self) -> bool: ...
 
-    async def pause(self, mode: PauseMode = "abort") -> None:
+    @property
+    def pause_gate(self) -> PauseGate:
+        """The pause state: mode, since when, its lease, reloads not yet labelled."""
+        ...
+
+    async def pause(self, mode: PauseMode = "abort", lease_s: float | None = None) -> None:
         """Stop admitting requests; abort, drain or freeze running ones (per ``mode``);
-        return once that is done. Requests submitted meanwhile wait for ``resume()``."""
+        return once that is done. Requests submitted meanwhile wait for ``resume()``.
+        ``lease_s``: the pause ends by itself that long after the last pause or renewal
+        (see ``pause_gate``); None: it lasts until ``resume()``."""
         ...
 
     async def resume(self) -> None: ...

@@ -89,8 +89,12 @@ class ScriptedEngine:
     def is_paused(self) -> bool:
         return self._gate.is_paused
 
-    async def pause(self, mode: PauseMode = "abort") -> None:
-        self._gate.close(mode)
+    @property
+    def pause_gate(self) -> PauseGate:
+        return self._gate
+
+    async def pause(self, mode: PauseMode = "abort", lease_s: float | None = None) -> None:
+        self._gate.close(mode, lease_s)
         if mode == "abort" and self._abort is not None:
             self._abort.set()  # calls in their token delay end now with the tokens so far
         while mode == "wait" and self._decoding:
@@ -106,6 +110,7 @@ class ScriptedEngine:
                 f"weights_path {weights_path!r} is not a folder on the replica"
             )
         self.reloads.append(weights_path)
+        self._gate.reload_finished(weights_path)
 
     # -- faults for tests ---------------------------------------------------------------
 

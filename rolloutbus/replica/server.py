@@ -8,7 +8,9 @@ Endpoints:
 - vLLM's RL control surface (what ``vllm serve`` offers with ``VLLM_SERVER_DEV_MODE=1``):
   ``POST /pause?mode=abort|wait|keep``, ``POST /resume``, ``GET /is_paused``,
   ``POST /collective_rpc {"method": "reload_weights", "kwargs": {"weights_path": DIR}}``
-  and ``POST /update_weight_version {"new_version": ...}``
+  and ``POST /update_weight_version {"new_version": ...}``; plus a lease on a pause
+  (``/pause?lease_s=``, renewed by pausing again in the same mode: see ``pause_gate``), and
+  ``/health`` says whether the replica is paused, since when, and its weights' label
 
 Requests and responses are the wire models of ``rolloutbus.schemas.inference``, the same
 ones the LLM client builds and reads. A client mistake is an HTTP 400 whose JSON
@@ -31,7 +33,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -46,7 +48,6 @@ from rolloutbus.errors import ReplicaError
 from rolloutbus.metrics import exposition
 from rolloutbus.replica.generation import (
     MAX_TOP_LOGPROBS,
-    PAUSE_MODES,
     Engine,
     EngineNotPausedError,
     EngineSampling,
@@ -55,6 +56,7 @@ from rolloutbus.replica.generation import (
     RequestRejectedError,
     WeightsRejectedError,
 )
+from rolloutbus.replica.pause_gate import PAUSE_MODES, watch_pause_lease
 from rolloutbus.schemas.inference import (
     SglangGenerateRequest,
     SglangGenerateResponse,
@@ -312,6 +314,14 @@ class _EngineCollector:
             model,
         )
         yield _counter("decode_steps", "Decode steps run.", stats.steps, model)
+        gate = self.engine.pause_gate
+        yield _gauge("paused", "1 while paused (POST /pause), else 0.", int(gate.is_paused), model)
+        yield _counter(
+            "pause_lease_expiries",
+            "Pauses ended by their lease: the weight sync that paused stopped renewing it.",
+            gate.lease_expiries,
+            model,
+        )
         # dict() copies under the GIL: the decode thread may add a key meanwhile.
         yield self._batch_histogram(dict(stats.batch_sizes), model)
 
@@ -659,10 +669,23 @@ def _sglang_finish_reason(result: GenerationResult) -> dict[str, Any]:
 
 
 async def health(request: web.Request) -> web.Response:
+    """200 while the engine runs (vLLM answers an empty 200); the body says more: whether it
+    is paused, since when (seconds since the epoch) and under what lease, and the label of
+    the weights it serves, so a client needs no second call to judge it."""
     engine = request.app[ENGINE_KEY]
-    if engine.healthy:
-        return web.json_response({"status": "ok"})
-    return web.json_response({"status": "unhealthy"}, status=503)
+    if not engine.healthy:
+        return web.json_response({"status": "unhealthy"}, status=503)
+    return web.json_response({"status": "ok", **_pause_state(engine)})
+
+
+def _pause_state(engine: Engine) -> dict[str, Any]:
+    gate = engine.pause_gate
+    return {
+        "is_paused": gate.is_paused,
+        "paused_since": gate.paused_since,
+        "pause_lease_s": gate.lease_s,
+        "weight_version": str(engine.weight_version),
+    }
 
 
 async def models(request: web.Request) -> web.Response:
@@ -685,7 +708,9 @@ async def models(request: web.Request) -> web.Response:
 async def update_weight_version(request: web.Request) -> web.Response:
     """Label the weights: every token sampled from now on carries ``new_version``."""
     body = await _parse(request, UpdateWeightVersionRequest)
-    request.app[ENGINE_KEY].weight_version = body.new_version
+    engine = request.app[ENGINE_KEY]
+    engine.weight_version = body.new_version
+    engine.pause_gate.labelled()  # the weights a reload brought now have their label
     # vLLM answers {"success", "new_version"}; "weight_version" is this replica's older key.
     return web.json_response(
         {"success": True, "new_version": body.new_version, "weight_version": body.new_version}
@@ -700,15 +725,41 @@ async def weight_info(request: web.Request) -> web.Response:
 
 
 async def pause(request: web.Request) -> web.Response:
-    """vLLM's ``POST /pause?mode=abort|wait|keep``: answers once the mode's work is done."""
+    """vLLM's ``POST /pause?mode=abort|wait|keep``: answers once the mode's work is done.
+
+    ``lease_s`` (ours): the pause ends by itself that many seconds after this call unless
+    renewed; a pause in the mode the replica is already paused in only renews the lease
+    (at once, even during a reload). The answer names the lease, so a caller that gets
+    none back (vLLM) knows nobody will end its pause but itself.
+    """
+    engine = request.app[ENGINE_KEY]
     mode = request.query.get("mode", "abort")
     if mode not in PAUSE_MODES:
         raise HTTPProblem(
             400, f"query 'mode': must be one of {', '.join(PAUSE_MODES)}; got {mode!r}", "mode"
         )
+    lease_s = _lease_seconds(request.query.get("lease_s"))
     # clear_cache is accepted and ignored: the engine keeps no prefix cache across requests.
-    await request.app[ENGINE_KEY].pause(mode)  # narrowed to PauseMode by the check above
-    return web.json_response({"status": "paused"})
+    if lease_s is None or not engine.pause_gate.renew(mode, lease_s):
+        await engine.pause(mode, lease_s)  # narrowed to PauseMode by the check above
+        if lease_s is not None:
+            log.info("paused (mode %s) under a lease of %g s", mode, lease_s)
+    lease = {} if lease_s is None else _pause_state(engine)  # else vLLM's answer, as is
+    return web.json_response({"status": "paused", **lease})
+
+
+def _lease_seconds(raw: str | None) -> float | None:
+    if raw is None:
+        return None
+    try:
+        lease_s = float(raw)
+    except ValueError:
+        lease_s = float("nan")
+    if not 0 < lease_s < float("inf"):
+        raise HTTPProblem(
+            400, f"query 'lease_s': must be a positive number of seconds; got {raw!r}", "lease_s"
+        )
+    return lease_s
 
 
 async def resume(request: web.Request) -> web.Response:
@@ -780,6 +831,7 @@ def build_app(engine: Engine) -> web.Application:
     app[METRICS_KEY] = _RequestMetrics(registry, engine.model_name)
     app[REGISTRY_KEY] = registry
     app[CREATED_KEY] = int(time.time())
+    app.cleanup_ctx.append(_pause_lease_watchdog)
     app.router.add_post("/update_weight_version", update_weight_version)
     app.router.add_post("/pause", pause)
     app.router.add_post("/resume", resume)
@@ -793,6 +845,17 @@ def build_app(engine: Engine) -> web.Application:
     app.router.add_get("/v1/models", models)
     app.router.add_get("/metrics", metrics)
     return app
+
+
+async def _pause_lease_watchdog(app: web.Application) -> AsyncIterator[None]:
+    """While the app runs: a pause whose lease ran out is resumed (``pause_gate``)."""
+    task = asyncio.create_task(
+        watch_pause_lease(app[ENGINE_KEY]), name="rolloutbus-replica-pause-lease"
+    )
+    yield
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
 
 
 @dataclass

@@ -37,6 +37,7 @@ from rolloutbus.config import KafkaConfig, RolloutConfig
 from rolloutbus.errors import RolloutBusError, SchemaError
 from rolloutbus.schemas.trajectories import Trajectory, TrajectoryStatus, encode_trajectories
 from rolloutbus.schemas.turns import (
+    FailureClass,
     GroupStarted,
     OutputSummary,
     SessionFailed,
@@ -164,7 +165,13 @@ def _build(released: ReleasedGroup, budgets: Budgets, letters: list[Letter]) -> 
     per_session = []
     for fold in sorted(released.sessions, key=lambda s: s.session_id):
         failure = reason if problem is not None else released.failed.get(fold.session_id)
-        per_session.append(_session_trajectories(group, fold, columns, failure, budgets, letters))
+        # a row that cannot be carried is the data's (the loop's side); an early release (a
+        # deadline, too many open groups, a lost head) of sessions that never settled is
+        # the pipeline's
+        cause: FailureClass = "loop" if problem is not None else "infrastructure"
+        per_session.append(
+            _session_trajectories(group, fold, columns, (failure, cause), budgets, letters)
+        )
     group_size = sum(len(ts) for ts in per_session)
     out = []
     for ts in per_session:
@@ -188,13 +195,15 @@ def _session_trajectories(
     group: GroupStarted,
     fold: SessionFold,
     columns: dict[str, Any],
-    failure: str | None,
+    imposed: tuple[str | None, FailureClass],
     budgets: Budgets,
     letters: list[Letter],
 ) -> list[Trajectory]:
-    """The records of one session, group_size 0 (set once every session is built)."""
+    """The records of one session, group_size 0 (set once every session is built);
+    ``imposed``: a failure the whole release imposes on it, and its class."""
+    failure, cause = imposed
     if failure is None and fold.error is not None:
-        failure = f"turn log of the session cannot be folded: {fold.error}"
+        failure, cause = f"turn log of the session cannot be folded: {fold.error}", "loop"
         letters.append(
             Letter(
                 trajectory_key(group.uid, fold.session_id, 0),
@@ -203,13 +212,15 @@ def _session_trajectories(
             )
         )
     if failure is not None:
-        return [_failed(group, fold, failure, columns)]
+        return [_failed(group, fold, failure, columns, failure_class=cause)]
     if isinstance(fold.terminal, SessionFailed):
-        return [
-            _failed(group, fold, fold.terminal.error, columns, agent_name=fold.terminal.agent_name)
-        ]
+        return [_failed_session(group, fold, columns)]
     if not isinstance(fold.terminal, SessionFinished):
-        return [_failed(group, fold, "the session has not settled", columns)]
+        return [
+            _failed(
+                group, fold, "the session has not settled", columns, failure_class="infrastructure"
+            )
+        ]
     outputs = fold.terminal.outputs
     try:
         return [
@@ -227,7 +238,21 @@ def _session_trajectories(
                 _event_or_empty(fold.terminal),
             )
         )
-        return [_failed(group, fold, failure, columns)]
+        return [_failed(group, fold, failure, columns, failure_class="loop")]
+
+
+def _failed_session(group: GroupStarted, fold: SessionFold, columns: dict[str, Any]) -> Trajectory:
+    """The record of a session that logged its own failure, with the class it gave."""
+    assert isinstance(fold.terminal, SessionFailed)
+    terminal = fold.terminal
+    return _failed(
+        group,
+        fold,
+        terminal.error,
+        columns,
+        agent_name=terminal.agent_name,
+        failure_class=terminal.failure_class,
+    )
 
 
 def _encode(
@@ -290,6 +315,7 @@ def build_group_trajectories(
                     fold.terminal.error,
                     group_size,
                     agent_name=fold.terminal.agent_name,
+                    failure_class=fold.terminal.failure_class,
                 )
             )
         else:
@@ -413,10 +439,17 @@ def failed_trajectory(
     group_size: int,
     *,
     agent_name: str | None = None,
+    failure_class: FailureClass | None = None,
 ) -> Trajectory:
     """The one explicit record a failed session contributes to its group."""
     return _failed(
-        group, fold, reason, _prompt_columns(group), agent_name=agent_name, group_size=group_size
+        group,
+        fold,
+        reason,
+        _prompt_columns(group),
+        agent_name=agent_name,
+        group_size=group_size,
+        failure_class=failure_class,
     )
 
 
@@ -428,6 +461,7 @@ def _failed(
     *,
     agent_name: str | None = None,
     group_size: int = 0,
+    failure_class: FailureClass | None = None,
 ) -> Trajectory:
     return Trajectory(
         key=trajectory_key(group.uid, fold.session_id, 0),
@@ -440,6 +474,7 @@ def _failed(
         error=reason,
         agent_name=agent_name or fold.agent_name,
         attempt=fold.attempt,
+        failure_class=failure_class,
         **columns,
     )
 
@@ -459,6 +494,7 @@ def _stripped_failure(t: Trajectory, reason: str) -> Trajectory:
         attempt=t.attempt,
         validate=t.validate_,
         global_steps=t.global_steps,
+        failure_class=t.failure_class or "loop",  # a record the topic cannot take
     )
 
 
@@ -466,7 +502,14 @@ def _all_failed(released: ReleasedGroup, reason: str) -> list[Trajectory]:
     group = released.group
     sessions = sorted(released.sessions, key=lambda s: s.session_id)
     return [
-        _failed(group, fold, reason, _scalar_columns(group), group_size=len(sessions))
+        _failed(
+            group,
+            fold,
+            reason,
+            _scalar_columns(group),
+            group_size=len(sessions),
+            failure_class="loop",
+        )
         for fold in sessions
     ]
 
@@ -522,5 +565,6 @@ def as_failed(t: Trajectory, problems: list[str]) -> Trajectory:
         update={
             "status": TrajectoryStatus.FAILED,
             "error": "invariant violated: " + "; ".join(problems),
+            "failure_class": "loop",
         }
     )

@@ -4,7 +4,9 @@ verl's ``LLMServerClient.generate`` is a Ray actor call; here it is an HTTP call
 vLLM (or SGLang, or the embedded) replica, with the same signature and the same
 ``TokenOutput``. One call, step by step:
 
-1. acquire a replica for the trajectory's ``request_id`` (sticky, least in-flight);
+1. acquire a replica for the trajectory's ``request_id`` (sticky, least in-flight) from the
+   fleet (``replica_health.ReplicaFleet``: which replicas are healthy and admitted; a turn
+   that finds none waits at most ``replicas.unavailable_wait_s``);
 2. POST the prompt tokens with a fresh engine request id (a new uuid every turn: the
    trajectory id only drives stickiness, as in verl);
 3. release the replica in ``finally``, however the call ended.
@@ -12,7 +14,10 @@ vLLM (or SGLang, or the embedded) replica, with the same signature and the same
 A replica that times out, refuses the connection or answers 5xx is taken out of routing
 and the turn is sent again, with the same prompt tokens, to another replica (at most
 ``replicas.max_retries`` times). A 4xx is the request's fault, not the replica's: it is
-raised at once. A background task probes ``GET /health`` and brings replicas back.
+raised at once. A background task probes the replicas and brings them back.
+
+This module is the request path; health, admission and pauses are ``replica_health``'s,
+routing is ``routing``'s, the wire formats are ``backends``'.
 """
 
 from __future__ import annotations
@@ -25,26 +30,28 @@ import uuid
 from typing import Any
 
 import httpx
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
 
 from rolloutbus.config import ReplicasConfig, RolloutConfig
-from rolloutbus.errors import NoReplicaAvailableError, ReplicaError
-from rolloutbus.metrics import PerRegistry
+from rolloutbus.errors import ReplicaError
 from rolloutbus.schemas.agent_loop import TokenOutput
 from rolloutbus.schemas.inference import TurnSamplingParams
+from rolloutbus.streams.inference.admission import VersionSource
 from rolloutbus.streams.inference.backends import (
     Backend,
     EngineCall,
     backend_for,
     error_message,
 )
+from rolloutbus.streams.inference.client_metrics import ClientMetrics
 from rolloutbus.streams.inference.multimodal import (
     ImagesNotSupportedError,
     check_backend_takes_images,
     image_urls,
     refuse_video_and_audio,
 )
+from rolloutbus.streams.inference.replica_health import ReplicaFleet, ReplicaProber, TurnWait
 from rolloutbus.streams.inference.routing import LoadBalancer, load_balancer
 
 __all__ = ["ClientMetrics", "LLMClient", "ReplicaRequestError", "per_turn_max_tokens"]
@@ -53,29 +60,7 @@ log = logging.getLogger(__name__)
 
 # seconds; a connection that is not up by then is a dead or unreachable replica, even
 # when the whole request may take many minutes of decoding.
-UNAVAILABLE_PROBE_S = 1.0  # seconds between health probes while no replica is healthy
 CONNECT_TIMEOUT_S = 10.0
-
-# seconds; from a millisecond CPU test double to a 32k-token decode on a busy GPU replica.
-LATENCY_BUCKETS_S = (
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1,
-    2.5,
-    5,
-    10,
-    20,
-    30,
-    60,
-    120,
-    300,
-    600,
-)
 
 
 class ReplicaRequestError(ReplicaError):
@@ -115,274 +100,18 @@ def per_turn_max_tokens(
     return max(1, min(budget, max_model_len - prompt_len))
 
 
-class ClientMetrics(PerRegistry):
-    """Prometheus series of the LLM clients of a process, prefix ``rolloutbus_client_``."""
-
-    def _init(self, registry: CollectorRegistry) -> None:
-        self.registry = registry
-        self.in_flight = Gauge(
-            "rolloutbus_client_in_flight",
-            "generate calls in flight from this process",
-            ["replica"],
-            registry=registry,
-        )
-        self.healthy = Gauge(
-            "rolloutbus_client_replica_healthy",
-            "1 while a replica is routed to, else 0",
-            ["replica"],
-            registry=registry,
-        )
-        self.requests = Counter(
-            "rolloutbus_client_requests",
-            "generate calls by replica and outcome "
-            "(completed, aborted, timeout, connection_error, server_error, bad_request, "
-            "bad_response)",
-            ["replica", "outcome"],
-            registry=registry,
-        )
-        self.retries = Counter(
-            "rolloutbus_client_retries",
-            "turns sent again to another replica",
-            registry=registry,
-        )
-        self.latency = Histogram(
-            "rolloutbus_client_request_latency_seconds",
-            "seconds from sending a generate call to its parsed answer",
-            ["replica"],
-            buckets=LATENCY_BUCKETS_S,
-            registry=registry,
-        )
-
-    def forget(self, replica: str) -> None:
-        """Drop a removed replica's gauges (counters keep their history)."""
-        for gauge in (self.in_flight, self.healthy):
-            try:
-                gauge.remove(replica)
-            except KeyError:
-                pass
-
-
-class LLMClient:
-    """verl's ``generate()`` over HTTP, routed over a changing set of replicas.
-
-    Use one client per worker process (its load balancer's in-flight counts are per
-    process; see ``streams/routing.py``), as ``async with LLMClient(...) as client``
-    or with an explicit ``await client.close()``.
-    """
+class ReplicaCaller:
+    """One generate call to one replica over HTTP: the backend's request, the answer
+    parsed, and every failure translated here, at one boundary, into a
+    ``ReplicaRequestError`` that names the replica and says whether to try another."""
 
     def __init__(
-        self,
-        replicas: ReplicasConfig,
-        rollout: RolloutConfig,
-        *,
-        registry: CollectorRegistry | None = None,
-        rng: random.Random | None = None,
-        health_timeout_s: float | None = None,
-        transport: httpx.AsyncBaseTransport | None = None,
-    ) -> None:
-        self._config = replicas
-        self._rollout = rollout
-        self._backend: Backend = backend_for(replicas.backend)
-        self._balancer = load_balancer(
-            (_normalize(url) for url in replicas.urls),
-            router_config_path=rollout.router_config_path,
-            sticky_cache_size=replicas.sticky_cache_size,
-            full_determinism=rollout.full_determinism,
-            rng=rng,
-        )
-        # seconds; a probe slower than the probe interval counts as a failed probe.
-        self._health_timeout_s = health_timeout_s or replicas.health_interval_s
-        self._metrics = ClientMetrics(registry)
-        self._http = httpx.AsyncClient(
-            timeout=httpx.Timeout(
-                replicas.request_timeout_s,
-                connect=min(CONNECT_TIMEOUT_S, replicas.request_timeout_s),
-            ),
-            # No pool cap: concurrency is bounded upstream (sessions.concurrency x n).
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
-            transport=transport,
-        )
-        self._health_task: asyncio.Task[None] | None = None
-        self._closed = False
-        for replica in self._balancer.replicas:
-            self._publish_replica(replica)
+        self, http: httpx.AsyncClient, backend: Backend, metrics: ClientMetrics, timeout_s: float
+    ):
+        self._http, self._backend, self._metrics = http, backend, metrics
+        self._timeout_s = timeout_s  # seconds for the whole call, not per read
 
-    # -- verl's API ----------------------------------------------------------------
-
-    async def generate(
-        self,
-        request_id: str,
-        *,
-        prompt_ids: list[int],
-        sampling_params: dict[str, Any],
-        image_data: Any = None,
-        video_data: Any = None,
-        audio_data: Any = None,
-        mm_processor_kwargs: dict[str, Any] | None = None,
-        **kwargs: Any,
-    ) -> TokenOutput:
-        """Sample one turn for trajectory ``request_id``; returns the tokens as sampled.
-
-        ``kwargs`` takes verl's extras: ``priority`` is sent to vLLM when non-zero;
-        others (``global_steps`` ...) are accepted and ignored here.
-        ``extra_fields`` of the result carries ``finish_reason`` (the engine's own
-        word), ``replica_id``, ``engine_request_id`` and ``weight_version`` when the
-        engine reports one.
-
-        ``image_data`` (in prompt order) is sent as vLLM's ``content_parts`` by the
-        ``vllm_generate`` backend, with every piece of an aborted turn; any other backend
-        raises ``ImagesNotSupportedError`` before a request is sent. ``video_data`` and
-        ``audio_data`` raise ``MediaNotSupportedError``. ``mm_processor_kwargs`` is not
-        sent: vLLM's generate request has no such field (the server's processor settings
-        apply).
-        """
-        # before any request: a backend that cannot take the media fails the session by
-        # name instead of sampling from the text alone
-        refuse_video_and_audio(video_data, audio_data)
-        check_backend_takes_images(self._backend.name, image_data)
-        images = image_urls(image_data)  # resolved once; a resumed piece resends the same
-        self._ensure_started()
-        params = TurnSamplingParams.model_validate(sampling_params)
-        max_tokens = per_turn_max_tokens(len(prompt_ids), self._rollout, params.max_tokens)
-        priority = int(kwargs.get("priority") or 0)
-        if not self._backend.name.startswith("vllm"):
-            priority = 0
-        out = await self._generate_once(
-            request_id, prompt_ids, params, max_tokens, priority, images
-        )
-        if out.stop_reason == "aborted" and self._config.resume_aborted:
-            out = await self._resume_aborted(
-                request_id, prompt_ids, params, max_tokens, priority, out, images
-            )
-        return out
-
-    async def _resume_aborted(
-        self,
-        request_id: str,
-        prompt_ids: list[int],
-        params: TurnSamplingParams,
-        max_tokens: int,
-        priority: int,
-        out: TokenOutput,
-        images: tuple[str, ...] = (),
-    ) -> TokenOutput:
-        """Partial rollout: continue an aborted turn from prompt + tokens so far.
-
-        The pieces are concatenated (tokens, logprobs), preemptions summed, and the
-        remaining budget shrinks; an exhausted budget ends the turn as "length". Each
-        piece sends the turn's images again: the prompt still holds their placeholders.
-        """
-        tokens, logprobs = list(out.token_ids), list(out.log_probs or [])
-        preempted, resumes = out.num_preempted, 0
-        first_version = out.extra_fields.get("weight_version")
-        pieces = [out.extra_fields]  # each piece's min/max_global_steps make the turn's
-        while out.stop_reason == "aborted" and resumes < self._config.max_abort_resumes:
-            remaining = max_tokens - len(tokens)
-            if remaining <= 0:
-                out = out.model_copy(update={"stop_reason": "completed"})
-                out.extra_fields["finish_reason"] = "length"
-                break
-            await asyncio.sleep(self._config.abort_retry_delay_s)
-            resumes += 1
-            out = await self._generate_once(
-                request_id, prompt_ids + tokens, params, remaining, priority, images
-            )
-            tokens += out.token_ids
-            logprobs += out.log_probs or []
-            pieces.append(out.extra_fields)
-            if out.num_preempted is not None:
-                preempted = (preempted or 0) + out.num_preempted
-        extra = {**out.extra_fields, "resumed_after_abort": resumes}
-        if first_version is not None:
-            extra["first_weight_version"] = first_version
-        extra.update(_version_range(pieces))
-        return TokenOutput(
-            token_ids=tokens,
-            log_probs=logprobs if out.log_probs is not None else None,
-            routed_experts=out.routed_experts,
-            stop_reason=out.stop_reason,
-            num_preempted=preempted,
-            extra_fields=extra,
-        )
-
-    async def _generate_once(
-        self,
-        request_id: str,
-        prompt_ids: list[int],
-        params: TurnSamplingParams,
-        max_tokens: int,
-        priority: int,
-        images: tuple[str, ...] = (),
-    ) -> TokenOutput:
-        """One turn on one replica, retried on others when a replica fails."""
-        last_error: ReplicaRequestError | None = None
-        for attempt in range(self._config.max_retries + 1):
-            replica = await self._acquire_when_healthy(request_id, last_error)
-            call = EngineCall(
-                engine_request_id=self._engine_request_id(request_id),
-                prompt_ids=prompt_ids,
-                sampling=params,
-                max_tokens=max_tokens,
-                model=self._config.model,
-                priority=priority,
-                image_urls=images,
-            )
-            try:
-                return await self._call_replica(replica, call)
-            except ReplicaRequestError as exc:
-                if not exc.retriable:
-                    raise
-                self._take_out(replica, exc)
-                last_error = exc
-                if attempt < self._config.max_retries:
-                    self._metrics.retries.inc()
-            finally:
-                self._release(replica)
-        assert last_error is not None
-        raise last_error
-
-    async def _acquire_when_healthy(
-        self, request_id: str, last_error: ReplicaRequestError | None
-    ) -> str:
-        """A replica for this turn; while none is healthy, probe until one is back or
-        ``replicas.unavailable_wait_s`` has passed (a replica restart is not a failed turn)."""
-        deadline = time.monotonic() + self._config.unavailable_wait_s
-        while True:
-            try:
-                return self._acquire(request_id, last_error)
-            except NoReplicaAvailableError:
-                if time.monotonic() >= deadline:
-                    raise
-            await asyncio.sleep(min(self._config.health_interval_s, UNAVAILABLE_PROBE_S))
-            await self.check_health()
-
-    def _acquire(self, request_id: str, last_error: ReplicaRequestError | None) -> str:
-        try:
-            replica = self._balancer.acquire(request_id)
-        except NoReplicaAvailableError as exc:
-            if last_error is None:
-                raise
-            raise NoReplicaAvailableError(f"{exc}; last failure: {last_error}") from last_error
-        self._metrics.in_flight.labels(replica).set(self._balancer.in_flight[replica])
-        return replica
-
-    def _release(self, replica: str) -> None:
-        self._balancer.release(replica)
-        if replica in self._balancer.in_flight:
-            self._metrics.in_flight.labels(replica).set(self._balancer.in_flight[replica])
-
-    def _engine_request_id(self, request_id: str) -> str:
-        # verl keeps the caller's id under full determinism, a fresh uuid otherwise.
-        return request_id if self._rollout.full_determinism else uuid.uuid4().hex
-
-    def _take_out(self, replica: str, exc: ReplicaRequestError) -> None:
-        log.warning("taking replica %s out of routing: %s", replica, exc)
-        self._balancer.mark_unhealthy(replica)
-        self._publish_replica(replica)
-
-    # -- one HTTP call, errors translated at this one boundary ----------------------
-
-    async def _call_replica(self, replica: str, call: EngineCall) -> TokenOutput:
+    async def call(self, replica: str, call: EngineCall) -> TokenOutput:
         body = self._backend.build_request(call)
         started = time.monotonic()
         response = await self._post(replica, body)
@@ -406,7 +135,7 @@ class LLMClient:
 
     async def _post(self, replica: str, body: dict[str, Any]) -> httpx.Response:
         url = replica + self._backend.path
-        timeout_s = self._config.request_timeout_s
+        timeout_s = self._timeout_s
         try:
             async with asyncio.timeout(timeout_s):  # total, not per read
                 return await self._http.post(url, json=body)
@@ -454,75 +183,260 @@ class LLMClient:
     def _count(self, replica: str, outcome: str) -> None:
         self._metrics.requests.labels(replica, outcome).inc()
 
+
+class LLMClient:
+    """verl's ``generate()`` over HTTP, routed over a changing set of replicas.
+
+    Use one client per worker process (its load balancer's in-flight counts are per
+    process; see ``streams/routing.py``), as ``async with LLMClient(...) as client``
+    or with an explicit ``await client.close()``. ``versions``: where the current policy
+    version comes from (the session worker follows ``rollout.control``); with one, a
+    replica that (re)starts is routed to once it serves that version
+    (``admission.py``); without, as soon as it is healthy.
+    """
+
+    def __init__(
+        self,
+        replicas: ReplicasConfig,
+        rollout: RolloutConfig,
+        *,
+        registry: CollectorRegistry | None = None,
+        rng: random.Random | None = None,
+        health_timeout_s: float | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+        versions: VersionSource | None = None,
+    ) -> None:
+        self._config = replicas
+        self._rollout = rollout
+        self._backend: Backend = backend_for(replicas.backend)
+        self._metrics = ClientMetrics(registry)
+        self._http = httpx.AsyncClient(
+            timeout=httpx.Timeout(
+                replicas.request_timeout_s,
+                connect=min(CONNECT_TIMEOUT_S, replicas.request_timeout_s),
+            ),
+            # No pool cap: concurrency is bounded upstream (sessions.concurrency x n).
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+            transport=transport,
+        )
+        balancer = load_balancer(
+            (_normalize(url) for url in replicas.urls),
+            router_config_path=rollout.router_config_path,
+            sticky_cache_size=replicas.sticky_cache_size,
+            full_determinism=rollout.full_determinism,
+            rng=rng,
+        )
+        # seconds; a probe slower than the probe interval counts as a failed probe.
+        prober = ReplicaProber(
+            self._http,
+            health_timeout_s or replicas.health_interval_s,
+            replicas.backend,
+            versions=versions is not None,
+        )
+        self._fleet = ReplicaFleet(replicas, balancer, prober, self._metrics, versions)
+        self._caller = ReplicaCaller(
+            self._http, self._backend, self._metrics, replicas.request_timeout_s
+        )
+        self._versions = versions
+        self._health_task: asyncio.Task[None] | None = None
+        self._closed = False
+
+    # -- verl's API ----------------------------------------------------------------
+
+    async def generate(
+        self,
+        request_id: str,
+        *,
+        prompt_ids: list[int],
+        sampling_params: dict[str, Any],
+        image_data: Any = None,
+        video_data: Any = None,
+        audio_data: Any = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> TokenOutput:
+        """Sample one turn for trajectory ``request_id``; returns the tokens as sampled.
+
+        ``kwargs`` takes verl's extras: ``priority`` is sent to vLLM when non-zero;
+        others (``global_steps`` ...) are accepted and ignored here.
+        ``extra_fields`` of the result carries ``finish_reason`` (the engine's own
+        word), ``replica_id``, ``engine_request_id`` and ``weight_version`` when the
+        engine reports one.
+
+        ``image_data`` (in prompt order) is sent as vLLM's ``content_parts`` by the
+        ``vllm_generate`` backend, with every piece of an aborted turn; any other backend
+        raises ``ImagesNotSupportedError`` before a request is sent. ``video_data`` and
+        ``audio_data`` raise ``MediaNotSupportedError``. ``mm_processor_kwargs`` is not
+        sent: vLLM's generate request has no such field (the server's processor settings
+        apply).
+        """
+        # before any request: a backend that cannot take the media fails the session by
+        # name instead of sampling from the text alone
+        refuse_video_and_audio(video_data, audio_data)
+        check_backend_takes_images(self._backend.name, image_data)
+        images = image_urls(image_data)  # resolved once; a resumed piece resends the same
+        self._ensure_started()
+        params = TurnSamplingParams.model_validate(sampling_params)
+        max_tokens = per_turn_max_tokens(len(prompt_ids), self._rollout, params.max_tokens)
+        priority = int(kwargs.get("priority") or 0)
+        if not self._backend.name.startswith("vllm"):
+            priority = 0
+        # the turn's one wait for a routable replica, over its retries and resumed pieces
+        wait = TurnWait(self._config.unavailable_wait_s)
+        out = await self._generate_once(
+            request_id, prompt_ids, params, max_tokens, priority, images, wait
+        )
+        if out.stop_reason == "aborted" and self._config.resume_aborted:
+            out = await self._resume_aborted(
+                request_id, prompt_ids, params, max_tokens, priority, out, images, wait
+            )
+        return out
+
+    async def _resume_aborted(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: TurnSamplingParams,
+        max_tokens: int,
+        priority: int,
+        out: TokenOutput,
+        images: tuple[str, ...] = (),
+        wait: TurnWait | None = None,
+    ) -> TokenOutput:
+        """Partial rollout: continue an aborted turn from prompt + tokens so far.
+
+        The pieces are concatenated (tokens, logprobs), preemptions summed, and the
+        remaining budget shrinks; an exhausted budget ends the turn as "length". Each
+        piece sends the turn's images again: the prompt still holds their placeholders.
+        """
+        tokens, logprobs = list(out.token_ids), list(out.log_probs or [])
+        preempted, resumes = out.num_preempted, 0
+        first_version = out.extra_fields.get("weight_version")
+        pieces = [out.extra_fields]  # each piece's min/max_global_steps make the turn's
+        while out.stop_reason == "aborted" and resumes < self._config.max_abort_resumes:
+            remaining = max_tokens - len(tokens)
+            if remaining <= 0:
+                out = out.model_copy(update={"stop_reason": "completed"})
+                out.extra_fields["finish_reason"] = "length"
+                break
+            await asyncio.sleep(self._config.abort_retry_delay_s)
+            resumes += 1
+            out = await self._generate_once(
+                request_id, prompt_ids + tokens, params, remaining, priority, images, wait
+            )
+            tokens += out.token_ids
+            logprobs += out.log_probs or []
+            pieces.append(out.extra_fields)
+            if out.num_preempted is not None:
+                preempted = (preempted or 0) + out.num_preempted
+        extra = {**out.extra_fields, "resumed_after_abort": resumes}
+        if first_version is not None:
+            extra["first_weight_version"] = first_version
+        extra.update(_version_range(pieces))
+        return TokenOutput(
+            token_ids=tokens,
+            log_probs=logprobs if out.log_probs is not None else None,
+            routed_experts=out.routed_experts,
+            stop_reason=out.stop_reason,
+            num_preempted=preempted,
+            extra_fields=extra,
+        )
+
+    async def _generate_once(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: TurnSamplingParams,
+        max_tokens: int,
+        priority: int,
+        images: tuple[str, ...] = (),
+        wait: TurnWait | None = None,
+    ) -> TokenOutput:
+        """One turn on one replica, retried on others when a replica fails; waiting for a
+        routable replica at most ``replicas.unavailable_wait_s`` over all its tries (and,
+        with the turn's ``wait``, over all its pieces)."""
+        last_error: ReplicaRequestError | None = None
+        wait = wait or TurnWait(self._config.unavailable_wait_s)
+        for attempt in range(self._config.max_retries + 1):
+            replica = await self._fleet.acquire(request_id, wait, last_error)
+            call = EngineCall(
+                engine_request_id=self._engine_request_id(request_id),
+                prompt_ids=prompt_ids,
+                sampling=params,
+                max_tokens=max_tokens,
+                model=self._config.model,
+                priority=priority,
+                image_urls=images,
+            )
+            try:
+                return await self._caller.call(replica, call)
+            except ReplicaRequestError as exc:
+                if not exc.retriable:
+                    raise
+                self._fleet.take_out(replica, exc)
+                last_error = exc
+                if attempt < self._config.max_retries:
+                    self._metrics.retries.inc()
+            finally:
+                self._fleet.release(replica)
+        assert last_error is not None
+        raise last_error
+
+    def _engine_request_id(self, request_id: str) -> str:
+        # verl keeps the caller's id under full determinism, a fresh uuid otherwise.
+        return request_id if self._rollout.full_determinism else uuid.uuid4().hex
+
     # -- replicas at run time --------------------------------------------------------
 
     def add_replica(self, url: str) -> None:
-        """Route to one more replica from now on (healthy until a probe says otherwise)."""
-        replica = _normalize(url)
-        self._balancer.add_replicas([replica])
-        self._publish_replica(replica)
+        """Route to one more replica from now on (once healthy, and admitted when this
+        client follows policy versions)."""
+        self._fleet.add(_normalize(url))
 
     def remove_replica(self, url: str) -> None:
         """Stop routing to a replica; its trajectories move elsewhere on their next turn."""
-        replica = _normalize(url)
-        self._balancer.remove_replicas([replica])
-        self._metrics.forget(replica)
+        self._fleet.remove(_normalize(url))
 
     @property
     def balancer(self) -> LoadBalancer:
-        return self._balancer
+        return self._fleet.balancer
+
+    @property
+    def fleet(self) -> ReplicaFleet:
+        return self._fleet
 
     @property
     def replicas(self) -> tuple[str, ...]:
-        return self._balancer.replicas
+        return self.balancer.replicas
 
     @property
     def metrics(self) -> ClientMetrics:
         return self._metrics
 
-    def _publish_replica(self, replica: str) -> None:
-        self._metrics.healthy.labels(replica).set(1 if self._balancer.is_healthy(replica) else 0)
-        self._metrics.in_flight.labels(replica).set(self._balancer.in_flight.get(replica, 0))
-
-    # -- health ----------------------------------------------------------------------
-
     async def check_health(self) -> dict[str, bool]:
         """Probe every replica once; mark each healthy or not. Returns what it saw."""
-        replicas = self._balancer.replicas
-        results = await asyncio.gather(*(self._probe(r) for r in replicas))
-        for replica, healthy in zip(replicas, results, strict=True):
-            if replica not in self._balancer.in_flight:
-                continue  # removed while the probe ran
-            was_healthy = self._balancer.is_healthy(replica)
-            if healthy:
-                self._balancer.mark_healthy(replica)
-            else:
-                self._balancer.mark_unhealthy(replica)
-            if healthy != was_healthy:
-                log.warning("replica %s is %s", replica, "back" if healthy else "unhealthy")
-            self._publish_replica(replica)
-        return dict(zip(replicas, results, strict=True))
+        return await self._fleet.check_health()
 
-    async def _probe(self, replica: str) -> bool:
-        try:
-            async with asyncio.timeout(self._health_timeout_s):
-                response = await self._http.get(replica + "/health")
-        except (TimeoutError, httpx.HTTPError):
-            return False
-        return response.status_code == 200
+    async def probe_replicas(self) -> dict[str, str | None]:
+        """Probe every replica and log by name each one that cannot be reached, and why (a
+        worker calls this at start). Returns url -> the problem, None for a healthy one."""
+        self._start_versions()
+        return await self._fleet.probe_at_start()
 
-    async def _health_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self._config.health_interval_s)
-            await self.check_health()
+    # -- lifecycle -----------------------------------------------------------------
 
     def _ensure_started(self) -> None:
         if self._closed:
             raise ReplicaError("LLMClient is closed")
+        self._start_versions()
         if self._health_task is None:
             self._health_task = asyncio.get_running_loop().create_task(
-                self._health_loop(), name="rolloutbus-replica-health"
+                self._fleet.run_forever(), name="rolloutbus-replica-health"
             )
+
+    def _start_versions(self) -> None:
+        if self._versions is not None and not self._closed:
+            self._versions.start()
 
     async def start(self) -> LLMClient:
         """Start the health checker (``generate()`` also starts it on first use)."""
@@ -539,6 +453,8 @@ class LLMClient:
             except asyncio.CancelledError:
                 pass
             self._health_task = None
+        if self._versions is not None:
+            await self._versions.close()
         await self._http.aclose()
 
     async def __aenter__(self) -> LLMClient:

@@ -17,7 +17,21 @@ the new weights); they finish on the new weights and their ``weight_versions`` s
 where the version changed. False aborts them; the LLM client resumes each aborted turn with
 its tokens so far (``replicas.resume_aborted``). Either way each token's version is logged.
 
-Version 0 with no ``weights_path`` is the initial weights: only the label is set.
+Which versions it applies: the newest run's, in order (``rolloutbus.kafka.version_ledger``).
+A new run is applied even when its version number is lower (a new run starts at 0, with
+the folder of its initial weights), and every replica reloads then, whatever it reports:
+a version label cannot tell two runs' weights apart. A record of an older run, a version
+that goes backwards, and a version above 0 without weights are never applied; this
+process writes them to the dead-letter topic. Version 0 with no ``weights_path`` (a
+publisher other than ``rolloutbus train``) is the replicas' initial weights: only the label
+is set.
+
+**Pauses have an owner.** On the embedded replica the pause takes a lease
+(``/pause?lease_s=replicas.pause_lease_s``), renewed every third of it while the steps run;
+a weight sync killed mid-reload leaves the replica paused for at most the lease, and the
+replica then resumes on its weights under a truthful label (``replica/pause_gate.py``).
+vLLM's pause has no lease, so at start this loop probes every replica, names those it
+cannot reach, and resumes any it finds still paused once it has applied the current version.
 
 A replica that goes down is re-synced when it is healthy again (a restarted replica serves
 its initial weights): the loop probes ``GET /health`` (and ``GET /weight_info`` on vLLM and
@@ -43,10 +57,12 @@ import httpx
 from prometheus_client import CollectorRegistry
 
 from rolloutbus.config import Config
-from rolloutbus.errors import ReplicaError
+from rolloutbus.errors import ReplicaError, SchemaError
 from rolloutbus.kafka.control import PolicyVersionFollower, latest_policy_version
+from rolloutbus.kafka.version_ledger import supersedes
 from rolloutbus.metrics import WeightSyncMetrics
 from rolloutbus.schemas.control import PolicyVersionPublished, as_policy_version
+from rolloutbus.streams.inference.replica_health import get_health
 
 __all__ = [
     "ReplicaSyncState",
@@ -64,6 +80,11 @@ FOLLOW_POLL_S = 0.5  # seconds one control-topic poll waits: the stop latency of
 
 Outcome = Literal["applied", "labelled", "failed"]  # labelled: version 0, no weights to load
 HISTORY = 1000  # sync outcomes kept in SyncReport.history (a forever process)
+_UNREACHABLE = "replica %s is unreachable: %s (it gets the current version once it answers /health)"
+_LEFT_PAUSED = (
+    "replica %s was paused when the weight sync started (a weight sync stopped between its "
+    "pause and its resume?) and is still paused: resuming it"
+)
 
 
 @dataclass(frozen=True)
@@ -77,9 +98,14 @@ class SyncStep:
 
 
 def sync_steps(
-    backend: str, event: PolicyVersionPublished, *, partial_rollout: bool
+    backend: str,
+    event: PolicyVersionPublished,
+    *,
+    partial_rollout: bool,
+    lease_s: float | None = None,
 ) -> list[SyncStep]:
-    """The calls that move one replica to ``event``'s version, in order."""
+    """The calls that move one replica to ``event``'s version, in order; ``lease_s``: the
+    lease asked on a vLLM-API pause (the embedded replica grants it, vLLM ignores it)."""
     # a JSON string: vLLM 0.32 answers 400 to an integer new_version; SGLang takes a string
     label = SyncStep(
         "version", "/update_weight_version", {"new_version": str(event.policy_version)}
@@ -95,8 +121,11 @@ def sync_steps(
             label,
             SyncStep("resume", "/continue_generation", {}),
         ]
+    pause = {"mode": "keep" if partial_rollout else "abort"}
+    if lease_s is not None:
+        pause["lease_s"] = f"{lease_s:g}"
     return [
-        SyncStep("pause", "/pause", params={"mode": "keep" if partial_rollout else "abort"}),
+        SyncStep("pause", "/pause", params=pause),
         SyncStep(
             "reload",
             "/collective_rpc",
@@ -161,6 +190,8 @@ class WeightSync:
         self._metrics = WeightSyncMetrics(registry)
         self._http = httpx.AsyncClient(timeout=CONTROL_TIMEOUT_S, transport=transport)
         self._lock = asyncio.Lock()  # one sync at a time: a probe never interleaves an apply
+        self.lease_s = cfg.replicas.pause_lease_s
+        self._found_paused: set[str] = set()  # replicas paused when this process started
 
     async def aclose(self) -> None:
         await self._http.aclose()
@@ -175,17 +206,30 @@ class WeightSync:
 
     async def apply(self, event: PolicyVersionPublished) -> list[SyncOutcome]:
         """Make ``event`` the current version and move every healthy replica to it."""
+        _refuse_unweighted(event)
         async with self._lock:
-            if self.current is not None and self.current.policy_version == event.policy_version:
-                if self.current.weights_path != event.weights_path:  # republished elsewhere
-                    for replica in self.replicas.values():
-                        replica.applied = None
+            if self._reloads_every_replica(event):
+                for replica in self.replicas.values():
+                    replica.applied = None
             self.current = event
             # a replica known to be down gets it from sync_once when it is back
             targets = [
                 r for r in self.replicas.values() if r.healthy and r.applied != event.policy_version
             ]
             return list(await asyncio.gather(*(self._apply_to(r, event) for r in targets)))
+
+    def _reloads_every_replica(self, event: PolicyVersionPublished) -> bool:
+        """A new run, or the same version republished from another folder: what a replica
+        reports (its version label) cannot tell those weights from the ones it serves."""
+        current = self.current
+        if current is None:
+            return False
+        if event.run_epoch != current.run_epoch:
+            return True
+        return (
+            event.policy_version == current.policy_version
+            and event.weights_path != current.weights_path
+        )
 
     async def sync_once(self) -> list[SyncOutcome]:
         """Probe every replica; give the current version to those that lack it (a replica
@@ -204,7 +248,9 @@ class WeightSync:
         self, replica: ReplicaSyncState, event: PolicyVersionPublished
     ) -> SyncOutcome:
         started = time.monotonic()
-        steps = sync_steps(self.backend, event, partial_rollout=self.partial_rollout)
+        steps = sync_steps(
+            self.backend, event, partial_rollout=self.partial_rollout, lease_s=self.lease_s
+        )
         try:
             check_weights_folder(event.weights_path)
             await self._run_steps(replica.url, steps)
@@ -227,15 +273,22 @@ class WeightSync:
 
     async def _run_steps(self, url: str, steps: list[SyncStep]) -> None:
         """Each step in order; if one after the pause fails, resume the replica (on its
-        old weights) before raising, so a failed sync never leaves it paused."""
+        old weights) before raising, so a failed sync never leaves it paused. While the
+        replica is paused under a lease, the lease is renewed until just before the resume."""
         paused = False
+        lease = _LeaseRenewal(self, url)
         try:
             for step in steps:
-                await self._call(url, step)
-                paused = paused or step.name == "pause"
+                if step.name == "resume":
+                    await lease.stop()  # no renewal may reach the replica after its resume
+                response = await self._call(url, step)
+                if step.name == "pause":
+                    paused = True
+                    lease.start_if_granted(step, response, self.lease_s)
                 if step.name == "resume":
                     paused = False
         finally:
+            await lease.stop()
             if paused:
                 await self._resume_after_failure(url, steps)
 
@@ -246,10 +299,15 @@ class WeightSync:
         except ReplicaError as exc:  # the original error is what the caller must see
             log.error("could not resume %s after a failed weight sync: %s", url, exc)
 
-    async def _call(self, url: str, step: SyncStep) -> None:
+    async def _call(
+        self, url: str, step: SyncStep, timeout_s: float | None = None
+    ) -> httpx.Response:
         where = f"{step.name}: POST {url}{step.path}"
+        timeout = timeout_s if timeout_s is not None else CONTROL_TIMEOUT_S
         try:
-            response = await self._http.post(url + step.path, json=step.json, params=step.params)
+            response = await self._http.post(
+                url + step.path, json=step.json, params=step.params, timeout=timeout
+            )
         except httpx.HTTPError as exc:
             raise ReplicaError(f"{where} failed: {type(exc).__name__}: {exc}") from exc
         if response.status_code >= 400:
@@ -262,6 +320,7 @@ class WeightSync:
                 body = {}
             if isinstance(body, dict) and body.get("success") is False:
                 raise ReplicaError(f"{where} did not load: {body.get('message', '')}")
+        return response
 
     # -- health ------------------------------------------------------------------------
 
@@ -325,10 +384,13 @@ class WeightSync:
     async def run(self, stop: asyncio.Event) -> SyncReport:
         """Follow the control topic until ``stop`` is set: apply each new version, and
         re-sync replicas that come back, every ``replicas.health_interval_s``."""
+        await self.check_replicas_at_start()
         latest = await asyncio.to_thread(latest_policy_version, self.cfg)
         if latest is not None and _is_new(self.current, latest):
             await self.apply(latest)  # the current version first, not the log's history
-        follower = PolicyVersionFollower(self.cfg)
+        await self.resume_left_paused()
+        # this process writes the control topic's dead letters (kafka/control_reader.py)
+        follower = PolicyVersionFollower(self.cfg, dead_letters=True)
         next_probe = 0.0
         try:
             while not stop.is_set():
@@ -341,6 +403,95 @@ class WeightSync:
         finally:
             await asyncio.to_thread(follower.close)
         return self.report
+
+    # -- start-up: who answers, who was left paused -------------------------------------
+
+    async def check_replicas_at_start(self) -> dict[str, str | None]:
+        """Probe every replica once; log by name each one that cannot be reached and why.
+        Returns url -> the problem (None: it answers). Remembers those found paused."""
+        looks = await asyncio.gather(*(self._first_look(r) for r in self.replicas.values()))
+        problems = dict(zip(self.replicas, looks, strict=True))
+        for url, problem in problems.items():
+            if problem is not None:
+                log.error(_UNREACHABLE, url, problem)
+        reachable = sum(1 for problem in looks if problem is None)
+        log.info("weight sync: %d of %d replicas reachable", reachable, len(looks))
+        return problems
+
+    async def _first_look(self, replica: ReplicaSyncState) -> str | None:
+        _, problem = await get_health(self._http, replica.url, HEALTH_TIMEOUT_S)
+        replica.healthy = problem is None
+        if (
+            problem is None
+            and self.backend != "sglang"
+            and await is_paused(self._http, replica.url)
+        ):
+            self._found_paused.add(replica.url)
+        return problem
+
+    async def resume_left_paused(self) -> list[str]:
+        """vLLM's pause has no lease: a replica a killed weight sync left paused stays so.
+        Each replica found paused at start and still paused now is resumed (after the
+        current version was applied, so it resumes on the right weights when it can)."""
+        resumed = []
+        for url in sorted(self._found_paused):
+            if not await is_paused(self._http, url):
+                continue
+            log.warning(_LEFT_PAUSED, url)
+            try:
+                await self._call(url, SyncStep("resume", "/resume"), HEALTH_TIMEOUT_S)
+            except ReplicaError as exc:
+                log.error("could not resume %s: %s", url, exc)
+                continue
+            resumed.append(url)
+        self._found_paused.clear()
+        return resumed
+
+
+async def is_paused(http: httpx.AsyncClient, url: str) -> bool:
+    """vLLM's (and the embedded replica's) ``GET /is_paused``; False when it cannot say."""
+    try:
+        response = await http.get(url + "/is_paused", timeout=HEALTH_TIMEOUT_S)
+        return response.status_code == 200 and response.json().get("is_paused") is True
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return False  # no dev-mode control surface, or not JSON: nothing to resume
+
+
+class _LeaseRenewal:
+    """Renews one replica's pause lease, every third of it, while a sync works on it."""
+
+    def __init__(self, sync: WeightSync, url: str):
+        self._sync, self._url = sync, url
+        self._stopping = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    def start_if_granted(self, pause: SyncStep, response: httpx.Response, lease_s: float) -> None:
+        """Renew only a lease the replica said it holds (vLLM answers without one)."""
+        try:
+            granted = response.json().get("pause_lease_s") is not None
+        except (ValueError, AttributeError):
+            granted = False
+        if granted:
+            self._task = asyncio.ensure_future(self._renew(pause, lease_s / 3))
+
+    async def _renew(self, pause: SyncStep, every_s: float) -> None:
+        while True:
+            try:
+                await asyncio.wait_for(self._stopping.wait(), every_s)
+                return
+            except TimeoutError:
+                pass
+            try:  # a pause in the same mode renews the lease (and pauses again if it ran out)
+                await self._sync._call(self._url, pause, HEALTH_TIMEOUT_S)
+            except ReplicaError as exc:
+                log.warning("could not renew the pause lease of %s: %s", self._url, exc)
+
+    async def stop(self) -> None:
+        """Stop renewing; returns once no renewal is in flight."""
+        self._stopping.set()
+        if self._task is not None:
+            await self._task
+            self._task = None
 
 
 def check_weights_folder(weights_path: str | None) -> None:
@@ -358,11 +509,16 @@ def check_weights_folder(weights_path: str | None) -> None:
 
 
 def _is_new(current: PolicyVersionPublished | None, event: PolicyVersionPublished) -> bool:
-    """Versions only move forward: the follower reads the topic from its start, so older
-    records come before the current one; a republished event (same version and folder) is
-    not applied again."""
-    if current is None:
-        return True
-    if event.policy_version != current.policy_version:
-        return event.policy_version > current.policy_version
-    return event.weights_path != current.weights_path
+    """The follower reads the topic from its start, and ``run`` also applied the latest
+    version before following: only a version that supersedes the applied one is new (a
+    newer run, or a later version of the same run, or the same one from another folder)."""
+    return supersedes(event, current)
+
+
+def _refuse_unweighted(event: PolicyVersionPublished) -> None:
+    """A version above 0 without weights would relabel a replica's weights unchanged."""
+    if event.policy_version > 0 and event.weights_path is None:
+        raise SchemaError(
+            f"policy version {event.policy_version} names no weights_path: refusing to "
+            "relabel the replicas' weights as it"
+        )

@@ -16,6 +16,7 @@ from rolloutbus.streams.reward.default import (
     is_verl_source,
     last_number,
     register_reward,
+    unscored_reason,
 )
 from rolloutbus.streams.reward.manager import (
     load_custom_reward_fn,
@@ -48,4 +49,5 @@ __all__ = [
     "score_outputs",
     "score_outputs_async",
     "split_result",
+    "unscored_reason",
 ]

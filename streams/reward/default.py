@@ -116,6 +116,16 @@ def is_verl_source(data_source: str) -> bool:
     )
 
 
+def unscored_reason(data_source: str) -> str | None:
+    """Why ``default_compute_score`` would raise NotImplementedError for ``data_source``
+    (None: it scores it), so the publisher refuses such a row before it costs a rollout."""
+    if data_source in _NOT_PORTED:
+        return _NOT_PORTED[data_source]
+    if is_verl_source(data_source) or data_source in _registry or DEFAULT_REWARD in _registry:
+        return None
+    return "neither verl's table nor a registered scorer (register_reward) knows it"
+
+
 def default_compute_score(
     data_source: str,
     solution_str: str,

@@ -3,11 +3,16 @@
 This module is the session processor's algorithm, free of Faust: ``run_group`` takes an
 ``emit`` coroutine that puts one event on rollout.turns. ``streams/sessions/worker.py``
 binds it to a Faust agent and resumes groups from the log (``run_sessions`` with ``resume``).
+
+A session that fails is logged as ``SessionFailed`` with its class (``failure_class_of``):
+``infrastructure`` (a replica, the broker, a hung tool, a deadline: retriable),
+``reward`` (the reward function) or ``loop`` (anything else the loop did).
 """
 
 from __future__ import annotations
 
 import asyncio
+import builtins
 import itertools
 import logging
 import traceback
@@ -16,11 +21,14 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import httpx
 from pydantic import BaseModel
 
 from rolloutbus.config import Config
 from rolloutbus.errors import (
     AgentLoopError,
+    BrokerError,
+    ReplicaError,
     RolloutBusError,
     SchemaError,
     SessionDivergedError,
@@ -30,6 +38,7 @@ from rolloutbus.schemas.agent_loop import AgentLoopOutput
 from rolloutbus.schemas.prompts import GroupSamplingParams, PromptGroup
 from rolloutbus.schemas.trace import TraceSpan
 from rolloutbus.schemas.turns import (
+    FailureClass,
     GroupSettings,
     GroupStarted,
     SessionFailed,
@@ -41,6 +50,7 @@ from rolloutbus.streams.agent_loop import registry
 from rolloutbus.streams.agent_loop.base import DictConfigWrap, ToolListWrap
 from rolloutbus.streams.agent_loop.tools import load_tool_catalog
 from rolloutbus.streams.agent_loop.tracing import collect_spans, trace_span
+from rolloutbus.streams.inference.llm_client import ReplicaRequestError
 from rolloutbus.streams.reward import reward_fn_from_config, score_outputs_async
 from rolloutbus.streams.sessions.recorder import Emit, RecordingLLMClient
 from rolloutbus.streams.sessions.recovery import LoggedAttempt
@@ -54,6 +64,33 @@ class EmitError(RolloutBusError):
 
 class SessionDeadlineError(AgentLoopError):
     """A session ran past ``deadlines.session_s``: it is recorded as failed."""
+
+
+class RewardFailedError(AgentLoopError):
+    """The reward function failed on a session's outputs: the session fails as "reward"."""
+
+
+# What fails a session from outside its loop: retrying it elsewhere or later may work.
+# TimeoutError and ConnectionError are the builtins (a tool's I/O), not pydantic's.
+_INFRASTRUCTURE_ERRORS = (
+    ReplicaError,
+    BrokerError,
+    SessionDeadlineError,
+    httpx.HTTPError,
+    builtins.ConnectionError,
+    builtins.TimeoutError,
+)
+
+
+def failure_class_of(exc: BaseException) -> FailureClass:
+    """Which class a session failure belongs to (``schemas.turns.FailureClass``)."""
+    if isinstance(exc, RewardFailedError):
+        return "reward"
+    if isinstance(exc, ReplicaRequestError) and exc.outcome == "bad_request":
+        return "loop"  # the replica refused the request itself (a 4xx): the loop's doing
+    if isinstance(exc, _INFRASTRUCTURE_ERRORS):
+        return "infrastructure"
+    return "loop"
 
 
 @dataclass
@@ -239,7 +276,7 @@ async def _run_attempt(
             ctx.llm_client,
             checked_emit,
             **ids,
-            replay=resume.events if resume else (),
+            replay=resume.history() if resume else (),
             tokenizer=ctx.tokenizer,
             routing_replay=ctx.config.rollout.enable_rollout_routing_replay,
         )
@@ -257,21 +294,7 @@ async def _run_attempt(
     except (EmitError, SessionDivergedError):
         raise
     except Exception as exc:  # the loop failed: an explicit record, siblings go on
-        log.warning(
-            "session %s_%s (agent %r) failed: %s",
-            group.uid,
-            session_id,
-            agent_name,
-            exc,
-            exc_info=not isinstance(exc, RolloutBusError),
-        )
-        terminal = SessionFailed(
-            **ids,
-            agent_name=agent_name,
-            error=_describe(exc),
-            retriable=not isinstance(exc, AgentLoopError | ValueError),
-            spans=spans,
-        )
+        terminal = _failed(ids, agent_name, exc, spans)
         if isinstance(exc, UnknownAgentLoopError) and ctx.dead_letter is not None:
             ctx.dead_letter(
                 group.model_dump_json(by_alias=True).encode(),
@@ -281,10 +304,37 @@ async def _run_attempt(
         await checked_emit(terminal)
     except SchemaError as exc:
         terminal = SessionFailed(
-            **ids, agent_name=agent_name, error=f"the session's result cannot be logged: {exc}"
+            **ids,
+            agent_name=agent_name,
+            error=f"the session's result cannot be logged: {exc}",
+            failure_class="loop",
         )
         await checked_emit(terminal)
     return terminal
+
+
+def _failed(
+    ids: SessionIds, agent_name: str | None, exc: Exception, spans: list[TraceSpan]
+) -> SessionFailed:
+    failure_class = failure_class_of(exc)
+    log.warning(
+        "session %s_%s (agent %r) failed (%s): %s",
+        ids["uid"],
+        ids["session_id"],
+        agent_name,
+        failure_class,
+        exc,
+        exc_info=not isinstance(exc, RolloutBusError) and failure_class != "infrastructure",
+    )
+    return SessionFailed(
+        **ids,
+        agent_name=agent_name,
+        error=_describe(exc),
+        retriable=failure_class == "infrastructure"
+        or not isinstance(exc, AgentLoopError | ValueError),
+        failure_class=failure_class,
+        spans=spans,
+    )
 
 
 async def _run_agent_loop(
@@ -311,9 +361,12 @@ async def _run_agent_loop(
     if not outputs:
         log.warning("agent loop %r returned no output for %s_%s", agent_name, group.uid, session_id)
     if outputs and group.row.get("reward_model") is not None:
-        scorer = reward_fn_from_config(ctx.config)  # custom_reward_function, or verl's default
-        with trace_span("compute_score", data_source=str(group.row.get("data_source", ""))):
-            await score_outputs_async(outputs, group.row, ctx.tokenizer, scorer)
+        try:
+            scorer = reward_fn_from_config(ctx.config)  # custom_reward_function, or verl's
+            with trace_span("compute_score", data_source=str(group.row.get("data_source", ""))):
+                await score_outputs_async(outputs, group.row, ctx.tokenizer, scorer)
+        except Exception as exc:
+            raise RewardFailedError(f"scoring failed: {exc}") from exc
     return outputs
 
 

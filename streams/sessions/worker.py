@@ -37,25 +37,20 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 import faust
-from confluent_kafka import TopicPartition
 from pydantic import BaseModel, ValidationError
 
 from rolloutbus.config import Config
 from rolloutbus.errors import BrokerError, SchemaError
 from rolloutbus.kafka.admin import check_partition_counts
 from rolloutbus.kafka.async_producer import AsyncProducer
-from rolloutbus.kafka.clients import (
-    read_committed_consumer,
-    record_location,
-    translate_kafka_errors,
-)
+from rolloutbus.kafka.clients import record_location
 from rolloutbus.kafka.dead_letters import DeadLetterWriter
-from rolloutbus.kafka.partition_reader import read_partition
 from rolloutbus.metrics import SessionMetrics, start_metrics_server
 from rolloutbus.replica.models import load_tokenizer
-from rolloutbus.schemas.prompts import PromptGroup
-from rolloutbus.schemas.turns import SessionFailed, decode_turn_event, encode_turn_event
+from rolloutbus.schemas.prompts import PromptGroup, decode_prompt_group
+from rolloutbus.schemas.turns import SessionFailed, SessionFinished
 from rolloutbus.streams.agent_loop import registry
+from rolloutbus.streams.inference.admission import ControlVersionWatch
 from rolloutbus.streams.inference.llm_client import LLMClient
 from rolloutbus.streams.sessions.recovery import TurnLogScan, UnfinishedGroup
 from rolloutbus.streams.sessions.runner import (
@@ -65,7 +60,9 @@ from rolloutbus.streams.sessions.runner import (
     prompt_group_of,
     run_sessions,
 )
-from rolloutbus.topics import Topics, partition_for, session_key
+from rolloutbus.streams.sessions.stall import StallWatch, waits_on
+from rolloutbus.streams.sessions.turn_log import RecordTooLargeError, TurnLog, scan_turn_log
+from rolloutbus.topics import Topics, session_key
 
 log = logging.getLogger(__name__)
 
@@ -74,14 +71,9 @@ EXIT_TURN_LOG_UNWRITABLE = 70  # EX_SOFTWARE: restart the worker; it resumes fro
 # skipped); a prompt redelivered after more groups than this is run again, and the replay
 # buffer's released record keeps it from being released twice
 STARTED_UIDS_MEMORY = 100_000
-OFFSET_QUERY_TIMEOUT_S = 30.0  # seconds for the committed-offset lookup on assignment
 # seconds a revocation waits for stopped sessions and the producer's queue: well inside
 # Faust's rebalance timeout, and a turn-log write takes milliseconds
 REVOKE_DRAIN_S = 10.0
-
-
-class RecordTooLargeError(SchemaError):
-    """An event is larger than the topic accepts: it cannot be logged, ever."""
 
 
 @dataclass
@@ -96,32 +88,6 @@ class PartitionState:
             self.started_uids.popitem(last=False)
 
 
-class TurnLog:
-    """Writes turn events to their group's partition of rollout.turns, durably, in order."""
-
-    def __init__(self, cfg: Config, producer: AsyncProducer, metrics: SessionMetrics):
-        self.topic = Topics.from_config(cfg.kafka).turns
-        self.partitions = cfg.kafka.partitions
-        self.max_bytes = cfg.kafka.max_message_bytes
-        self._producer = producer
-        self._metrics = metrics
-
-    async def emit(self, event: BaseModel) -> None:
-        uid: str = event.uid  # type: ignore[attr-defined]  # every turn event has one
-        session_id = getattr(event, "session_id", None)
-        key = uid if session_id is None else session_key(uid, session_id)
-        value = encode_turn_event(event)
-        if len(value) > self.max_bytes:
-            raise RecordTooLargeError(
-                f"{getattr(event, 'type', 'event')} of {key} is {len(value)} bytes, over "
-                f"kafka.max_message_bytes ({self.max_bytes})"
-            )
-        await self._producer.send(
-            self.topic, key=key.encode(), value=value, partition=partition_for(uid, self.partitions)
-        )
-        self._metrics.count_event(event)
-
-
 class SessionWorker:
     """The worker's state: what it owns, what runs, and how it resumes from the log."""
 
@@ -130,16 +96,25 @@ class SessionWorker:
         self.topics = Topics.from_config(cfg.kafka)
         self.partitions: dict[int, PartitionState] = {}
         self.ready = asyncio.Event()
+        # one slot per group in flight; a slot belongs to the task that runs its group and is
+        # given back when that task ends, however it ends (see _spawn)
         self._slots = asyncio.Semaphore(cfg.sessions.concurrency)
         self.metrics = SessionMetrics()
+        self.stalls = StallWatch(cfg.sessions.stall_warn_s, self.metrics)
+        self._background: set[asyncio.Task[Any]] = set()
+        # set once an assignment is in place, cleared when a rebalance revokes: a prompt is
+        # never let go (acknowledged) in between, when it cannot be known whose it will be
+        self.assignment_settled = asyncio.Event()
 
     async def start(self) -> None:
         self.dlq = DeadLetterWriter(self.cfg.kafka, stage="sessions")
         self.producer = AsyncProducer(self.cfg.kafka)
         self.turn_log = TurnLog(self.cfg, self.producer, self.metrics)
         self.ctx = _build_context(self.cfg, self.dlq)
+        await self.ctx.llm_client.probe_replicas()  # names every replica it cannot reach
         if self.cfg.sessions.metrics_port is not None:
             start_metrics_server(self.cfg.sessions.metrics_port, self.cfg.sessions.metrics_host)
+        self._background.add(asyncio.ensure_future(self.stalls.run()))
         self.ready.set()
 
     # -- assignment --------------------------------------------------------------------
@@ -149,6 +124,7 @@ class SessionWorker:
         for partition in sorted(mine - set(self.partitions)):
             state = self.partitions[partition] = PartitionState()
             state.tasks.add(asyncio.ensure_future(self._recover(partition, state)))
+        self.assignment_settled.set()
 
     async def on_revoked(self, revoked: set[Any]) -> None:
         """Stop the groups of partitions we lost: their new owner resumes them from the log.
@@ -157,6 +133,7 @@ class SessionWorker:
         is durable before any worker (this one included) scans the log again: otherwise
         their last turns would land after the scan and be sampled a second time.
         """
+        self.assignment_settled.clear()  # first: take() must not let a prompt go from here
         stopped: list[asyncio.Task[Any]] = []
         for tp in revoked:
             state = (
@@ -178,7 +155,9 @@ class SessionWorker:
         scan = await asyncio.to_thread(self._scan_turn_log, partition)
         for uid in scan.started_uids:
             state.remember(uid)
-        unfinished = scan.unfinished()
+        # a gateway group's sessions are driven by an agent outside the bus: only the
+        # gateway resumes them, when the agent calls again (streams/gateway)
+        unfinished = [g for g in scan.unfinished() if g.group.driven_by != "gateway"]
         log.info(
             "turns[%d]: %d events scanned, %d groups to resume",
             partition,
@@ -186,75 +165,87 @@ class SessionWorker:
             len(unfinished),
         )
         for group in unfinished:
-            await self._slots.acquire()
-            self._spawn(state, self._resume_group(group))
+            await self._acquire_slot(group.group.uid)
+            self._spawn(state, group.group.uid, self._resume_group(group))
         state.recovered.set()
 
     def _scan_turn_log(self, partition: int) -> TurnLogScan:
-        scan = TurnLogScan()
-        start = self._scan_start(partition)
-        for msg in read_partition(self.cfg.kafka, self.topics.turns, partition, start):
-            try:
-                event = decode_turn_event(msg.value() or b"")
-            except ValidationError:
-                continue  # the replay buffer dead-letters it; it is no session's event
-            scan.apply(msg.offset() or 0, event)
-        return scan
-
-    def _scan_start(self, partition: int) -> int:
-        """The replay buffer's committed offset: every group before it was released."""
-        consumer = read_committed_consumer(self.cfg.kafka, self.cfg.replay_buffer.group_id)
-        try:
-            with translate_kafka_errors(
-                "reading committed offsets", topic=self.topics.turns, partition=partition
-            ):
-                [tp] = consumer.committed(
-                    [TopicPartition(self.topics.turns, partition)], timeout=OFFSET_QUERY_TIMEOUT_S
-                )
-        finally:
-            consumer.close()
-        return max(tp.offset, 0)  # never committed: the whole retained log
+        return scan_turn_log(self.cfg, partition)
 
     # -- prompts -----------------------------------------------------------------------
     async def take(self, event: Any) -> None:
-        """Write the group's ``group_started``, then run it in the background."""
+        """Write the group's ``group_started``, then run it in the background.
+
+        Returns (and so lets Faust acknowledge the prompt) only when the group is in the turn
+        log, the prompt was dead-lettered, or after a rebalance the partition is another
+        worker's. Never in between: Faust keeps an acknowledgement made while the partition
+        is revoked, and if the partition comes back to this worker it commits it, past a
+        prompt whose group never started; a later crash then lost that group for good.
+        """
         partition = event.message.partition
-        state = self.partitions.get(partition)
-        if state is None:  # the assignment signal has not come yet
-            self.on_assigned({event.message.tp})
-            state = self.partitions[partition]
-        await state.recovered.wait()
-        if self.partitions.get(partition) is not state:
-            return  # revoked meanwhile: its new owner gets the prompt (not committed here)
-        group = self._parse(event)
-        if group is None:
-            return
-        if group.uid in state.started_uids:
-            log.info("prompt group %s is already in the turn log; not started again", group.uid)
-            return
-        await self._slots.acquire()
+        group: PromptGroup | None = None
+        while (state := await self._owned_state(partition)) is not None:
+            await state.recovered.wait()
+            if self.partitions.get(partition) is not state:
+                continue  # revoked while it recovered: whose it is shows after the rebalance
+            group = group or self._parse(event)
+            if group is None:
+                return  # dead-lettered
+            if group.uid in state.started_uids:
+                log.info("prompt group %s is already in the turn log; not started again", group.uid)
+                return
+            if await self._start_on_a_slot(state, partition, group, event):
+                return
+        # another worker's after the rebalance: it reads the prompt from the committed offset
+
+    async def _owned_state(self, partition: int) -> PartitionState | None:
+        """This worker's state of ``partition`` once no rebalance is under way; None when the
+        partition is another worker's."""
+        await self.assignment_settled.wait()
+        return self.partitions.get(partition)
+
+    async def _start_on_a_slot(
+        self, state: PartitionState, partition: int, group: PromptGroup, event: Any
+    ) -> bool:
+        """Start the group on a free slot. True when the prompt is done with (the group
+        started, or dead-lettered); False when its partition was revoked first."""
+        await self._acquire_slot(group.uid)
+        outcome = "revoked"
+        try:
+            outcome = await self._start_group(state, partition, group, event)
+        finally:
+            if outcome != "started":  # however it ends short of a task, the slot goes back
+                self._slots.release()
+                self.stalls.forget_group(group.uid)
+        return outcome != "revoked"
+
+    async def _start_group(
+        self, state: PartitionState, partition: int, group: PromptGroup, event: Any
+    ) -> str:
+        """Log ``group_started`` and run the group on the slot taken for it: "started",
+        "dead_lettered" (too large to log) or "revoked" (not run)."""
         if self.partitions.get(partition) is not state:
             # revoked while every slot was busy (on_revoked cancels this partition's tasks,
             # but take() runs in Faust's agent): a group started now would run unowned
             # next to its new owner's and log turns after that owner's scan
-            self._slots.release()
-            return
+            return "revoked"
         started = group_started(group, self.cfg)
+        self.stalls.waiting(group.uid, group.uid, "the turn log (writing group_started)")
         try:
             await self.turn_log.emit(started)
         except RecordTooLargeError as exc:
-            self._slots.release()
             self.dlq.write(event.value, str(exc), source=_source(event))
-            return
+            return "dead_lettered"
         except BrokerError as exc:
             _exit_unwritable(exc)
         if self.partitions.get(partition) is not state:
             # revoked while group_started was written: on_revoked flushed it before the
-            # rebalance went on, so the new owner's scan finds the group and runs it
-            self._slots.release()
-            return
+            # rebalance went on, so the next scan of this partition (by whichever worker
+            # owns it then) finds the group and runs it; not here, under a revoked state
+            return "revoked"
         state.remember(group.uid)
-        self._spawn(state, self._run_group(group, started.attempt))
+        self._spawn(state, group.uid, self._run_group(group, started.attempt))
+        return "started"
 
     def _parse(self, event: Any) -> PromptGroup | None:
         if event.value is None:  # a tombstone: nothing to run, but never silently dropped
@@ -265,18 +256,44 @@ class SessionWorker:
             )
             return None
         try:
-            return PromptGroup.model_validate_json(event.value)
-        except ValidationError as exc:
+            return decode_prompt_group(event.value)
+        except (ValidationError, SchemaError) as exc:
             self.dlq.write(
                 event.value, f"prompt group does not match its schema: {exc}", source=_source(event)
             )
             return None
 
     # -- running -----------------------------------------------------------------------
-    def _spawn(self, state: PartitionState, coro: Any) -> None:
+    async def _acquire_slot(self, uid: str) -> None:
+        """Wait for one of the ``sessions.concurrency`` group slots for group ``uid``."""
+        self.stalls.waiting(
+            uid, uid, f"a free group slot (sessions.concurrency={self.cfg.sessions.concurrency})"
+        )
+        try:
+            await self._slots.acquire()
+        except BaseException:  # cancelled (a revocation) while waiting: nothing was taken
+            self.stalls.forget_group(uid)
+            raise
+
+    def _spawn(self, state: PartitionState, uid: str, coro: Any) -> asyncio.Task[Any]:
+        """Run group ``uid`` as a task of its partition, on the slot its caller acquired.
+
+        The task owns the slot from here: a done callback gives it back. Not a ``finally``
+        in the coroutine: a task cancelled before its first step (on_revoked cancels every
+        task of a revoked partition, and _recover spawns several in one go) never runs its
+        coroutine at all, so a ``finally`` there would leak the slot, and with every slot
+        leaked the worker waits on ``_slots.acquire()`` forever.
+        """
         task = asyncio.ensure_future(coro)
         state.tasks.add(task)
-        task.add_done_callback(state.tasks.discard)
+        self.stalls.settled(uid, uid)  # from here its sessions report their own progress
+        task.add_done_callback(lambda done: self._group_ended(state, uid, done))
+        return task
+
+    def _group_ended(self, state: PartitionState, uid: str, task: asyncio.Task[Any]) -> None:
+        state.tasks.discard(task)
+        self._slots.release()
+        self.stalls.forget_group(uid)
 
     async def _run_group(self, group: PromptGroup, attempt: str) -> None:
         await self._run_logged(group, attempt, None)
@@ -296,11 +313,20 @@ class SessionWorker:
         except EmitError as exc:
             _exit_unwritable(exc)
         finally:
-            self._slots.release()
             self.metrics.count_recovery(before, _stats(self.ctx))
 
     async def _emit(self, event: BaseModel) -> None:
+        """Log a session's event; each one is progress for the stall watch."""
+        uid: str = event.uid  # type: ignore[attr-defined]  # every turn event has one
+        session_id = getattr(event, "session_id", None)
+        key = uid if session_id is None else session_key(uid, session_id)
+        kind = getattr(event, "type", "event")
+        self.stalls.waiting(uid, key, f"the turn log (writing its {kind})")
         await self.turn_log.emit(event)
+        if isinstance(event, SessionFinished | SessionFailed):
+            self.stalls.settled(uid, key)
+        else:
+            self.stalls.waiting(uid, key, waits_on(event))
 
 
 def _stats(ctx: SessionContext) -> dict[str, int]:
@@ -327,7 +353,9 @@ def _build_context(cfg: Config, dlq: DeadLetterWriter) -> SessionContext:
     return SessionContext(
         config=cfg,
         tokenizer=load_tokenizer(cfg.model),
-        llm_client=LLMClient(cfg.replicas, cfg.rollout),
+        # following rollout.control: a replica that restarts is routed to once it serves
+        # the current policy version (streams/inference/admission.py)
+        llm_client=LLMClient(cfg.replicas, cfg.rollout, versions=ControlVersionWatch(cfg)),
         dead_letter=lambda original, reason: dlq.write(original, reason),
     )
 
@@ -412,7 +440,9 @@ def run_session_worker(cfg: Config, loglevel: str = "info") -> None:
     # if the cluster's topics disagree with each other or with kafka.partitions
     check_partition_counts(cfg.kafka)
     app = build_app(cfg)
-    worker = faust.Worker(app, loglevel=loglevel, quiet=True)
+    # the CLI's logging stays in charge (one format, Faust's and aiokafka's INFO lines
+    # quiet unless -v): mode's own setup would install a second format on the root logger
+    worker = faust.Worker(app, loglevel=loglevel, quiet=True, override_logging=False)
     worker.execute_from_commandline()
 
 

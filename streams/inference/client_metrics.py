@@ -1,0 +1,121 @@
+"""The Prometheus series of the LLM clients of a process, prefix ``rolloutbus_client_``."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from rolloutbus.metrics import PerRegistry
+
+__all__ = ["ClientMetrics"]
+
+# seconds; from a millisecond CPU test double to a 32k-token decode on a busy GPU replica.
+LATENCY_BUCKETS_S = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1,
+    2.5,
+    5,
+    10,
+    20,
+    30,
+    60,
+    120,
+    300,
+    600,
+)
+
+
+class ClientMetrics(PerRegistry):
+    """The request path's series (in flight, outcomes, retries, latency) and the fleet's
+    (routable, admitted, paused, waiting)."""
+
+    def _init(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self._request_series(registry)
+        self._fleet_series(registry)
+
+    def _request_series(self, registry: CollectorRegistry) -> None:
+        self.in_flight = Gauge(
+            "rolloutbus_client_in_flight",
+            "generate calls in flight from this process",
+            ["replica"],
+            registry=registry,
+        )
+        self.requests = Counter(
+            "rolloutbus_client_requests",
+            "generate calls by replica and outcome "
+            "(completed, aborted, timeout, connection_error, server_error, bad_request, "
+            "bad_response)",
+            ["replica", "outcome"],
+            registry=registry,
+        )
+        self.retries = Counter(
+            "rolloutbus_client_retries",
+            "turns sent again to another replica",
+            registry=registry,
+        )
+        self.latency = Histogram(
+            "rolloutbus_client_request_latency_seconds",
+            "seconds from sending a generate call to its parsed answer",
+            ["replica"],
+            buckets=LATENCY_BUCKETS_S,
+            registry=registry,
+        )
+
+    def _fleet_series(self, registry: CollectorRegistry) -> None:
+        self.healthy = Gauge(
+            "rolloutbus_client_replica_healthy",
+            "1 while a replica is routed to, else 0",
+            ["replica"],
+            registry=registry,
+        )
+        self.admitted = Gauge(
+            "rolloutbus_client_replica_admitted",
+            "1 when the replica is routed to, 0 while a replica that (re)started waits to report "
+            "the current policy version; boolean",
+            ["replica"],
+            registry=registry,
+        )
+        self.admissions = Counter(
+            "rolloutbus_client_replica_admissions",
+            "replicas routed to again after a (re)start, by reason: current_version, "
+            "stale_timeout (replicas.admit_stale_s passed first), no_version_published, "
+            "no_version_reported (the replica names no weight version); replicas",
+            ["replica", "reason"],
+            registry=registry,
+        )
+        self.paused_seconds = Gauge(
+            "rolloutbus_client_replica_paused_seconds",
+            "seconds a replica has been paused (0 while it is not)",
+            ["replica"],
+            registry=registry,
+        )
+        self.paused_too_long = Counter(
+            "rolloutbus_client_replica_paused_too_long",
+            "Warnings that a replica stayed paused longer than replicas.paused_warn_s; warnings",
+            ["replica"],
+            registry=registry,
+        )
+        self.waiting = Gauge(
+            "rolloutbus_client_turns_waiting",
+            "turns waiting for a routable replica (none is healthy and admitted)",
+            registry=registry,
+        )
+        self.unavailable = Counter(
+            "rolloutbus_client_unavailable",
+            "turns that gave up after replicas.unavailable_wait_s with no routable replica",
+            registry=registry,
+        )
+
+    def forget(self, replica: str) -> None:
+        """Drop a removed replica's gauges (counters keep their history)."""
+        for gauge in (self.in_flight, self.healthy, self.admitted, self.paused_seconds):
+            try:
+                gauge.remove(replica)
+            except KeyError:
+                pass
