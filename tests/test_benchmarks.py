@@ -53,7 +53,10 @@ HEAVY = {"durability_tax.py", "recovery.py", "soak.py", "learning_curve.py", "en
 ALL_ENV = "ROLLOUTBUS_BENCHMARKS"  # "all": run the heavy ones too
 ON_ITS_OWN_BROKER = "pipeline_throughput.py"  # run once, starting and stopping its broker
 QUICK_TIMEOUT_S = 900  # seconds for one benchmark at its quick size on two busy cores
-LIBRDKAFKA_ERROR = re.compile(r"^%[0-3]\|", re.MULTILINE)  # syslog levels 0-3: errors
+# librdkafka's errors: its own stderr lines (``%3|...|FAIL|``: syslog levels 0-3), or, from
+# the clients routed to Python logging (kafka/clients.py), lines of its facilities for
+# failed connections and errors (``FAIL [rdkafka#producer-1] [thrd:...]: ...``)
+LIBRDKAFKA_ERROR = re.compile(r"^(%[0-3]\||(FAIL|ERROR) \[rdkafka#)", re.MULTILINE)
 
 
 def test_every_benchmark_is_run_at_its_quick_size() -> None:
