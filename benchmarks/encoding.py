@@ -1,11 +1,12 @@
 """Which encoding for token arrays inside turn events? JSON lists vs base64 of int32.
 
 Prints size and encode/decode time (median of repeats) for one generation event of each
-length, and the ratio binary/JSON. Run: python benchmarks/encoding.py
+length, and the ratio binary/JSON. Run: python benchmarks/encoding.py [--quick]
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
 import statistics
@@ -14,11 +15,12 @@ import time
 from rolloutbus.schemas.turns import Generation, decode_turn_event, encode_turn_event
 
 REPEATS = 200
+QUICK_REPEATS = 5  # --quick: checks the script runs
 
 
-def _median_s(fn) -> float:
+def _median_s(fn, repeats: int = REPEATS) -> float:
     times = []
-    for _ in range(REPEATS):
+    for _ in range(repeats):
         t = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t)
@@ -26,6 +28,9 @@ def _median_s(fn) -> float:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help=f"{QUICK_REPEATS} repeats")
+    repeats = QUICK_REPEATS if parser.parse_args().quick else REPEATS
     rng = random.Random(0)
     print(
         f"{'tokens':>7} {'json B':>8} {'binary B':>9} {'size':>6} {'json enc+dec us':>16} "
@@ -46,8 +51,8 @@ def main() -> None:
         as_json = {**event.model_dump(mode="python"), "token_ids": tokens, "logprobs": logprobs}
         json_bytes = json.dumps(as_json).encode()
         bin_bytes = encode_turn_event(event)
-        t_json = _median_s(lambda: json.loads(json.dumps(as_json)))  # noqa: B023
-        t_bin = _median_s(lambda: decode_turn_event(encode_turn_event(event)))  # noqa: B023
+        t_json = _median_s(lambda: json.loads(json.dumps(as_json)), repeats)  # noqa: B023
+        t_bin = _median_s(lambda: decode_turn_event(encode_turn_event(event)), repeats)  # noqa: B023
         print(
             f"{n:>7} {len(json_bytes):>8} {len(bin_bytes):>9} "
             f"{len(bin_bytes) / len(json_bytes):>6.2f} "

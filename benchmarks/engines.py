@@ -11,6 +11,7 @@ gives the median of ROUNDS rounds per batch size, and each embedded column's rat
   python benchmarks/engines.py --vllm-url http://127.0.0.1:8100       # a running vllm serve
   python benchmarks/engines.py --no-vllm --dtype float32 bfloat16     # embedded only
   python benchmarks/engines.py --no-vllm --baseline-engine /tmp/old_engine.py
+  python benchmarks/engines.py --quick        # the smallest size: checks the script runs
 
 ``--baseline-engine FILE`` also measures another copy of ``rolloutbus/replica/engine.py``
 (e.g. ``git show HEAD:rolloutbus/replica/engine.py > /tmp/old_engine.py``) in
@@ -119,7 +120,16 @@ def _parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--start-vllm", action="store_true", help="start a vllm serve of --model for the run"
     )
-    return parser.parse_args()
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="tiny-qwen3, batches 1 and 2, 8 tokens, one round; no vLLM unless asked for",
+    )
+    args = parser.parse_args()
+    if args.quick:
+        args.model, args.batches, args.new_tokens, args.rounds = "tiny-qwen3", [1, 2], 8, 1
+        args.no_vllm = args.no_vllm or not (args.start_vllm or args.vllm_url)
+    return args
 
 
 def _prompt(tokenizer: Any, i: int) -> list[int]:

@@ -12,7 +12,8 @@ worker, the replay buffer, the weight sync, the dispatcher and ``rolloutbus trai
 Task: short answers to open questions (benchmarks/short_answer_reward.py, a
 ``custom_reward_function``). Writes ``docs/learning_curve.png`` (reward against wall time
 and against step) and ``docs/learning_curve.md`` (wall time, reward reached, tokens/s,
-staleness, the machine). Run: ``python benchmarks/learning_curve.py [--minutes 12]``;
+staleness, the machine). Run: ``python benchmarks/learning_curve.py [--minutes 12]``
+(``--quick``: the smallest size, its docs written into the work folder);
 matplotlib is needed for the picture only (``pip install matplotlib``).
 """
 
@@ -22,6 +23,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import signal
 import socket
 import subprocess
@@ -281,19 +283,31 @@ def main() -> None:
     parser.add_argument("--modes", default="sync,async")
     parser.add_argument("--out", type=Path, default=ROOT / "docs")
     parser.add_argument("--work", type=Path, default=None, help="logs and checkpoints")
+    parser.add_argument("--bootstrap", default=None, help="a running broker (default: start one)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="the smallest size (tiny-qwen3, async, 0.5 min, docs into --work): checks it runs",
+    )
     args = parser.parse_args()
+    if args.quick:
+        args.model, args.minutes, args.modes = "tiny-qwen3", 0.5, "async"
+        args.n, args.groups_per_step, args.response_length = 2, 1, 8
     # SIGTERM as Ctrl-C: the finally blocks stop the processes and the broker this started
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     signal.signal(signal.SIGINT, signal.default_int_handler)  # also when started in background
     work = args.work or Path(tempfile.mkdtemp(prefix="rolloutbus-curve-"))
+    if args.quick:
+        args.out = work / "docs"  # never over the committed curve
     broker_port, controller_port = _free_port(), _free_port()
     cfg = Config(
         broker=BrokerConfig(
             data_dir=work / "kafka", port=broker_port, controller_port=controller_port
         ),
-        kafka=KafkaConfig(bootstrap_servers=f"127.0.0.1:{broker_port}"),
+        kafka=KafkaConfig(bootstrap_servers=args.bootstrap or f"127.0.0.1:{broker_port}"),
     )
-    start_broker(cfg)
+    if args.bootstrap is None:
+        start_broker(cfg)
     runs: dict[str, list[dict]] = {}
     try:
         for mode in args.modes.split(","):
@@ -301,9 +315,13 @@ def main() -> None:
             runs[mode] = run_mode(args, cfg.kafka.bootstrap_servers, work / mode, staleness)
             print(f"[curve] {mode}: {summarize(mode, runs[mode])}", file=sys.stderr)
     finally:
-        stop_broker(cfg)
+        if args.bootstrap is None:
+            stop_broker(cfg)
     write_docs(runs, args.out, args)
-    print(f"[curve] logs and checkpoints in {work}", file=sys.stderr)
+    if args.quick and args.work is None:
+        shutil.rmtree(work, ignore_errors=True)  # a check's leftovers
+    else:
+        print(f"[curve] logs and checkpoints in {work}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ and median open groups, with their ratio (last / first). A ratio well above 1 un
 steady load is a leak (memory) or a backlog (open groups); a backlog also shows when the
 rate is above what the replica can serve, so pick a rate the machine keeps up with.
 
-    python benchmarks/soak.py [--minutes 30] [--rate 0.5] [--bootstrap HOST:PORT]
+    python benchmarks/soak.py [--minutes 30] [--rate 0.5] [--bootstrap HOST:PORT] [--quick]
 
 Without --bootstrap it starts the embedded broker on free ports in a temporary folder.
 Progress goes to stderr; the samples and the summary go to stdout. Exit code 0 when the
@@ -47,6 +47,7 @@ OPEN_GROUPS = "rolloutbus_replay_buffer_open_groups"
 GROUPS_RELEASED = "rolloutbus_replay_buffer_groups_released_total"
 METRICS_TIMEOUT_S = 5.0  # seconds; a /metrics page is a few kB served from memory
 FLUSH_EVERY = 10  # groups published between producer flushes
+QUICK_MINUTES, QUICK_INTERVAL_S = 20 / 60, 5.0  # --quick: 20 s, a sample every 5 s
 
 
 @dataclass
@@ -195,11 +196,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--replica-batch", type=int, default=8, help="replica max_batch_size (8)")
     p.add_argument("--bootstrap", help="an existing broker (default: start one on free ports)")
     p.add_argument(
+        "--quick",
+        action="store_true",
+        help="the smallest size (20 s at 0.5 groups/s, a sample every 5 s): checks it runs",
+    )
+    p.add_argument(
         "--workdir",
         type=Path,
         help="keep configs and process logs here (default: a temporary folder)",
     )
     args = p.parse_args(argv)
+    if args.quick:
+        args.minutes, args.interval = QUICK_MINUTES, QUICK_INTERVAL_S
     if min(args.minutes, args.rate, args.interval) <= 0 or min(args.n, args.turns) < 1:
         p.error("--minutes, --rate and --interval must be positive; --n and --turns at least 1")
     return args

@@ -4,7 +4,7 @@ on one batch of trajectories; and, for scale, the time only to write the same ou
 to fresh and to reused memory (what no conversion avoids).
 
 Prints the median of REPEATS runs of each and the ratio loop/new measured in this run.
-Run: python benchmarks/tensors.py [--rows 256] [--tokens 4096] [--threads 1]
+Run: python benchmarks/tensors.py [--rows 256] [--tokens 4096] [--threads 1] [--quick]
 """
 
 from __future__ import annotations
@@ -151,7 +151,11 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=256)
     parser.add_argument("--tokens", type=int, default=4096, help="budget per trajectory")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (stable figures)")
+    parser.add_argument("--quick", action="store_true", help="16 rows of 256 tokens, 3 repeats")
     args = parser.parse_args()
+    if args.quick:
+        global REPEATS
+        args.rows, args.tokens, REPEATS = 16, 256, 3
     torch.set_num_threads(args.threads)
     batch = make_batch(args.rows, args.tokens)
     prompt_length = int(args.tokens * PROMPT_SHARE)

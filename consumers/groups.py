@@ -17,7 +17,6 @@ import pyarrow as pa
 
 from rolloutbus.consumers.position import COMMIT_METADATA_MAX_BYTES, PartitionPosition
 from rolloutbus.schemas.trajectories import (
-    TRAJECTORY_SCHEMA,
     TrajectoryStatus,
     decode_trajectory_batch,
 )
@@ -93,7 +92,7 @@ class PendingGroup:
         return len(self.rows) >= self.group_size
 
     def batch(self) -> pa.RecordBatch:
-        return pa.Table.from_batches(self.rows, TRAJECTORY_SCHEMA).combine_chunks().to_batches()[0]
+        return pa.concat_batches(self.rows)  # every row has TRAJECTORY_SCHEMA (the decoder's)
 
 
 class PartitionProgress:

@@ -340,6 +340,14 @@ class ReplayBufferConfig(_Section):
     max_released_uids: int = Field(default=100_000, ge=1)
     metrics_port: int | None = None
     metrics_host: str = LOOPBACK  # where metrics_port binds
+    # One transaction per batch of polled turn events. A batch ends as soon as no further
+    # event is waiting (the input is idle: commit now, a few ms after the last turn), or
+    # once it spans batch_window_s seconds or batch_max_records records while events keep
+    # coming (a transaction costs a coordinator round trip and a marker per partition, so
+    # at saturation large batches keep that cost per event small; benchmarks/latency.py
+    # shows the trade-off).
+    batch_window_s: float = Field(default=0.1, gt=0)  # seconds
+    batch_max_records: int = Field(default=5000, ge=1)  # turn events
 
 
 class GatewayConfig(_Section):

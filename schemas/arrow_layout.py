@@ -25,6 +25,7 @@ not read. What that means for records written by other versions is
 
 from __future__ import annotations
 
+import itertools
 import json
 import types
 from collections.abc import Callable, Sequence
@@ -32,6 +33,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Generic, Literal, TypeVar, Union, get_args, get_origin
 
+import numpy as np
 import pyarrow as pa
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
@@ -104,9 +106,8 @@ class ArrowLayout(Generic[M]):
         self.required = tuple(c.name for c in self.columns if c.required)
         self._codecs = {c.name: c for c in self.columns if c.kind == "codec"}
         self._codec_fields = {c.field for c in self._codecs.values()}
-        self._plain_schema = pa.schema(
-            [f for f, c in zip(self.schema, self.columns, strict=True) if c.kind != "codec"]
-        )
+        # fields read by attribute when a batch is built: only the others are dumped
+        self._not_dumped = self._codec_fields | {c.field for c in self.columns if c.kind == "value"}
 
     def row(self, record: M) -> dict[str, Any]:
         """The Arrow row of ``record``, codec columns aside (they are built per column)."""
@@ -114,15 +115,34 @@ class ArrowLayout(Generic[M]):
         return {c.name: _cell(c, dumped, record) for c in self.columns if c.kind != "codec"}
 
     def batch(self, records: Sequence[M]) -> pa.RecordBatch:
-        plain = pa.RecordBatch.from_pylist([self.row(r) for r in records], self._plain_schema)
-        if not self._codecs:
-            return pa.RecordBatch.from_arrays(plain.columns, schema=self.schema)
-        built = {
-            name: _codec(c).build([getattr(r, c.field) for r in records])
-            for name, c in self._codecs.items()
-        }
-        arrays = [built[c.name] if c.name in built else plain.column(c.name) for c in self.columns]
+        """The records as one batch, built column by column: a numeric list column (the
+        token columns) is flattened into one numpy array (a row-wise ``from_pylist``
+        converted every token through a Python dict and was most of the replay buffer's
+        time); a column derived as the same lists as another is that column's array again."""
+        dumped = [r.model_dump(by_alias=True, exclude=self._not_dumped) for r in records]
+        built: dict[tuple[Any, ...], tuple[list[Any], pa.Array]] = {}
+        arrays = [self._column(c, records, dumped, built) for c in self.columns]
         return pa.RecordBatch.from_arrays(arrays, schema=self.schema)
+
+    def _column(
+        self,
+        column: Column,
+        records: Sequence[M],
+        dumped: list[dict[str, Any]],
+        built: dict[tuple[Any, ...], tuple[list[Any], pa.Array]],
+    ) -> pa.Array:
+        if column.kind == "codec":
+            return _codec(column).build([getattr(r, column.field) for r in records])
+        if column.kind in ("value", "derived") and _is_numeric_list(column.type):
+            values = [_attribute(column, r) for r in records]
+            # the same list objects, the same array (loss_mask is response_mask); the entry
+            # keeps the lists alive, so no other list can take their ids meanwhile
+            source = (column.type, *map(id, values))
+            if source not in built:
+                built[source] = (values, numeric_list_column(values, column.type))
+            return built[source][1]
+        cells = [_plain_cell(column, d, r) for d, r in zip(dumped, records, strict=True)]
+        return pa.array(cells, column.type)
 
     def records(self, batch: pa.RecordBatch | pa.Table) -> list[M]:
         """The batch's rows as models, read by column name (see the module docstring)."""
@@ -149,6 +169,48 @@ def _cell(column: Column, dumped: dict[str, Any], record: Any) -> Any:
     if column.kind == "json":
         return None if value is None else json.dumps(value, sort_keys=True)
     return value.value if isinstance(value, Enum) else value
+
+
+def _attribute(column: Column, record: Any) -> Any:
+    if column.kind == "derived":
+        return column.derive(record)  # type: ignore[misc]
+    return getattr(record, column.field)
+
+
+def _plain_cell(column: Column, dumped: dict[str, Any], record: Any) -> Any:
+    """A cell of a batch: a value column's by attribute (not dumped), the others' as ``row``."""
+    if column.kind != "value":
+        return _cell(column, dumped, record)
+    value = getattr(record, column.field)
+    return value.value if isinstance(value, Enum) else value
+
+
+def _is_numeric_list(arrow_type: pa.DataType) -> bool:
+    return pa.types.is_large_list(arrow_type) and (
+        pa.types.is_integer(arrow_type.value_type) or pa.types.is_floating(arrow_type.value_type)
+    )
+
+
+def numeric_list_column(values: list[Any], arrow_type: pa.LargeListType) -> pa.Array:
+    """A ``large_list`` column of numbers from Python lists (None: a null list) through one
+    numpy array. An int outside the item type raises ArrowInvalid, as ``pa.array`` does; a
+    float beyond float32 becomes inf, as Arrow's own conversion makes it."""
+    dtype = arrow_type.value_type.to_pandas_dtype()
+    nulls = [v is None for v in values]
+    if all(nulls):  # e.g. rm_scores of a group without rewards
+        return pa.nulls(len(values), arrow_type)
+    lengths = np.fromiter((0 if v is None else len(v) for v in values), np.int64, len(values))
+    offsets = np.zeros(len(values) + 1, np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    items = itertools.chain.from_iterable(v for v in values if v is not None)
+    try:
+        with np.errstate(over="ignore"):
+            flat = np.fromiter(items, dtype, int(offsets[-1]))
+    except OverflowError as exc:
+        raise pa.ArrowInvalid(f"a value does not fit {arrow_type.value_type}: {exc}") from exc
+    return pa.LargeListArray.from_arrays(
+        pa.array(offsets), pa.array(flat), mask=pa.array(nulls) if any(nulls) else None
+    )
 
 
 def _field_values(columns: list[Column], row: dict[str, Any]) -> dict[str, Any]:

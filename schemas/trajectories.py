@@ -191,18 +191,21 @@ def encode_trajectory(t: Trajectory) -> bytes:
 
 def encode_trajectories(trajectories: list[Trajectory]) -> list[bytes]:
     """One record value per trajectory; the Arrow batch is built once for all of them
-    (per-call overhead dominates one-row batches) and each row is written as a slice."""
+    (per-call overhead dominates one-row batches) and each row is written as a slice.
+
+    A record is an Arrow IPC stream: the schema message (the same bytes for every record,
+    serialized once), the row's record-batch message, the end-of-stream marker; byte for
+    byte what ``pa.ipc.new_stream`` writes.
+    """
     batch = trajectories_to_batch(trajectories)
-    out = []
-    for i in range(batch.num_rows):
-        sink = pa.BufferOutputStream()
-        with pa.ipc.new_stream(sink, TRAJECTORY_SCHEMA, options=_IPC_OPTIONS) as writer:
-            writer.write_batch(batch.slice(i, 1))
-        out.append(sink.getvalue().to_pybytes())
-    return out
+    return [
+        b"".join((_SCHEMA_MESSAGE, batch.slice(i, 1).serialize().to_pybytes(), _END_OF_STREAM))
+        for i in range(batch.num_rows)
+    ]
 
 
-_IPC_OPTIONS = pa.ipc.IpcWriteOptions(use_legacy_format=False)
+_SCHEMA_MESSAGE = TRAJECTORY_SCHEMA.serialize().to_pybytes()
+_END_OF_STREAM = b"\xff\xff\xff\xff\x00\x00\x00\x00"  # continuation marker, length 0
 
 
 def decode_trajectory_batch(data: bytes) -> pa.RecordBatch:
@@ -216,11 +219,36 @@ def decode_trajectory_batch(data: bytes) -> pa.RecordBatch:
     a required column missing, a value its field rejects) raises SchemaError, never
     pyarrow's ArrowInvalid/OSError or a TypeError.
     """
+    if isinstance(data, bytes | bytearray | memoryview):
+        written = _as_written(data)  # this release's own records: no schema parsed again
+        if written is not None:
+            return written
     batch = _one_row(data)
     record_version = _record_version(batch.schema)
     if record_version == version.SCHEMA_VERSION and batch.schema.equals(TRAJECTORY_SCHEMA):
         return batch
     return _relaid(upcast("trajectory", batch, record_version))
+
+
+def _as_written(data: bytes | bytearray | memoryview) -> pa.RecordBatch | None:
+    """The row of a record as this release writes it (``_SCHEMA_MESSAGE``, one record-batch
+    message, the end of stream), read without parsing the schema again; None for anything
+    else (another version or layout, or junk), which takes the general path."""
+    buffer = pa.py_buffer(data)
+    head, end = len(_SCHEMA_MESSAGE), len(buffer) - len(_END_OF_STREAM)
+    if end <= head or buffer[:head] != _SCHEMA_MESSAGE or buffer[end:] != _END_OF_STREAM:
+        return None
+    stream = pa.BufferReader(buffer)
+    stream.seek(head)
+    try:
+        message = pa.ipc.read_message(stream)
+        if message.type != "record batch" or stream.tell() != end:
+            return None
+        batch = pa.ipc.read_record_batch(message, TRAJECTORY_SCHEMA)
+        batch.validate()
+    except (pa.ArrowException, OSError, ValueError):
+        return None  # the general path raises the SchemaError
+    return batch if batch.num_rows == 1 else None
 
 
 def _one_row(data: bytes) -> pa.RecordBatch:

@@ -8,6 +8,7 @@ import uuid
 
 from rolloutbus.schemas.agent_loop import AgentLoopMetrics, AgentLoopOutput, TokenOutput
 from rolloutbus.schemas.turns import (
+    GroupSettings,
     GroupStarted,
     SessionFinished,
     SessionStarted,
@@ -17,20 +18,34 @@ from rolloutbus.streams.sessions.recorder import RecordingLLMClient
 from rolloutbus.topics import session_key
 
 N, TURNS, GEN_TOKENS, OBS_TOKENS, PROMPT_TOKENS = 4, 3, 128, 32, 256
+# what a worker records with every group since groups record their settings (the rollout
+# config's default budgets: these groups fit them)
+SETTINGS = GroupSettings(prompt_length=1024, response_length=512)
 
 
 class InstantReplica:
     """Test double for a replica: answers at once with fixed tokens and logprobs."""
 
+    def __init__(self, gen_tokens: int = GEN_TOKENS):
+        self.gen_tokens = gen_tokens
+
     async def generate(self, request_id, *, prompt_ids, sampling_params, **kw):
         return TokenOutput(
-            token_ids=list(range(1000, 1000 + GEN_TOKENS)),
-            log_probs=[-0.5] * GEN_TOKENS,
+            token_ids=list(range(1000, 1000 + self.gen_tokens)),
+            log_probs=[-0.5] * self.gen_tokens,
             stop_reason="completed",
         )
 
 
-async def _session_events(uid: str, session_id: int, attempt: str) -> list[tuple[str, bytes]]:
+def settings_for(gen_tokens: int) -> GroupSettings:
+    """SETTINGS, with a response budget that holds TURNS turns of ``gen_tokens``."""
+    response = TURNS * gen_tokens + (TURNS - 1) * OBS_TOKENS
+    return SETTINGS.model_copy(update={"response_length": max(SETTINGS.response_length, response)})
+
+
+async def _session_events(
+    uid: str, session_id: int, attempt: str, gen_tokens: int = GEN_TOKENS
+) -> list[tuple[str, bytes]]:
     events: list = []
 
     async def emit(e):
@@ -38,7 +53,7 @@ async def _session_events(uid: str, session_id: int, attempt: str) -> list[tuple
 
     ids = {"uid": uid, "session_id": session_id, "attempt": attempt}
     events.append(SessionStarted(**ids, agent_name="tool_agent"))
-    rec = RecordingLLMClient(InstantReplica(), emit, **ids)
+    rec = RecordingLLMClient(InstantReplica(gen_tokens), emit, **ids)
     stream = list(range(PROMPT_TOKENS))
     mask: list[int] = []
     for turn in range(TURNS):
@@ -64,19 +79,27 @@ async def _session_events(uid: str, session_id: int, attempt: str) -> list[tuple
     ]
 
 
-def group_events(uid: str, attempt: str = "a") -> list[tuple[str, str, bytes]]:
-    """(uid, key, value) for every event of one group of N sessions, in log order."""
+def group_events(
+    uid: str, attempt: str = "a", gen_tokens: int = GEN_TOKENS
+) -> list[tuple[str, str, bytes]]:
+    """(uid, key, value) for every event of one group of N sessions, in log order;
+    ``gen_tokens`` sampled tokens per turn."""
     started = GroupStarted(
-        uid=uid, attempt=attempt, n=N, row={"prompt": [{"role": "user", "content": "q"}]}
+        uid=uid,
+        attempt=attempt,
+        n=N,
+        row={"prompt": [{"role": "user", "content": "q"}]},
+        settings=settings_for(gen_tokens),
     )
     out = [(uid, uid, encode_turn_event(started))]
     for s in range(N):
-        out.extend((uid, k, v) for k, v in asyncio.run(_session_events(uid, s, attempt)))
+        session = asyncio.run(_session_events(uid, s, attempt, gen_tokens))
+        out.extend((uid, k, v) for k, v in session)
     return out
 
 
-def make_events(groups: int) -> list[tuple[str, str, bytes]]:
+def make_events(groups: int, gen_tokens: int = GEN_TOKENS) -> list[tuple[str, str, bytes]]:
     out = []
     for _ in range(groups):
-        out.extend(group_events(uuid.uuid4().hex))
+        out.extend(group_events(uuid.uuid4().hex, gen_tokens=gen_tokens))
     return out

@@ -81,7 +81,12 @@ class OpenGroup:
 
     @property
     def complete(self) -> bool:
-        return self.started is not None and all(i in self.settled for i in range(self.started.n))
+        # asked after every event: the count first, the ids only once it could be complete
+        return (
+            self.started is not None
+            and len(self.settled) >= self.started.n
+            and all(i in self.settled for i in range(self.started.n))
+        )
 
     def session_ids(self) -> set[int]:
         """The sessions of the group: 0..n-1, or, with no ``group_started``, those seen."""
