@@ -207,7 +207,8 @@ class VllmCompletionRequest(VllmSamplingFields):
         bad = [p for p in prompt if not isinstance(p, int) or isinstance(p, bool)]
         if bad:
             raise ValueError(f"token ids must be integers, got {bad[:3]!r}")
-        return prompt
+        token_ids: list[int] = prompt  # every item checked above
+        return token_ids
 
 
 class VllmCompletionLogprobs(WireModel):

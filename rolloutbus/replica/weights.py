@@ -84,7 +84,9 @@ def tiny_qwen3_config():
         bos_token_id=None,
         eos_token_id=QWEN3_EOS,
         pad_token_id=QWEN3_PAD,
-        attn_implementation="sdpa",
+        # accepted (PreTrainedConfig pops it from **kwargs) but missing from transformers'
+        # typed signature of Qwen3Config
+        attn_implementation="sdpa",  # type: ignore[call-arg]
     )
 
 
