@@ -216,7 +216,7 @@ def test_a_bad_router_config_is_a_config_error_naming_it(tmp_path, text, message
 # ---- the data keys a loop renders with ---------------------------------------------------
 
 
-def test_verls_template_and_processor_kwargs_are_read_not_dropped(tmp_path, tok):
+async def test_verls_template_and_processor_kwargs_are_read_not_dropped(tmp_path, tok):
     path = tmp_path / "verl.yaml"
     path.write_text(
         "data:\n"

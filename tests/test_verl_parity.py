@@ -382,7 +382,7 @@ def test_as_dict_equals_verls_field_for_field(verl):
     assert verl["as_dict"][2]["extra_fields"] == {"tool_rewards": [0.5]}
 
 
-def test_a_qwen3_prompt_with_enable_thinking_false_renders_as_verls(verl):
+async def test_a_qwen3_prompt_with_enable_thinking_false_renders_as_verls(verl):
     """data.apply_chat_template_kwargs through a loop's Continuous Token builder: the same
     prompt tokens as verl 0.9.1's Qwen3 builder, and the same stream after a tool turn."""
     from rolloutbus.streams.agent_loop import DictConfigWrap
