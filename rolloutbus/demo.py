@@ -46,7 +46,7 @@ QUIET_LEVEL = "WARNING"  # the log level of the demo and its workers without -v
 
 def run_demo(cfg: Config, *, rows: int, out: Path, timeout_s: float, verbose: bool = False) -> int:
     from rolloutbus.kafka.admin import ensure_topics
-    from rolloutbus.replica.models import load_tokenizer
+    from rolloutbus.models.tokenizers import load_tokenizer
 
     cfg = demo_config(cfg)
     if not verbose:  # the [demo] lines tell the story; warnings and errors still show

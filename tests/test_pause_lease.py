@@ -19,9 +19,9 @@ import torch
 from helpers import free_port
 
 from rolloutbus.config import Config, ModelConfig, ReplicasConfig, ReplicaServerConfig
+from rolloutbus.models.causal_lm import load_causal_lm
 from rolloutbus.replica.pause_gate import PauseGate
 from rolloutbus.replica.server import replica_in_thread
-from rolloutbus.replica.weights import load_causal_lm
 from rolloutbus.schemas.control import PolicyVersionPublished
 from rolloutbus.schemas.inference import TurnSamplingParams
 from rolloutbus.streams.inference.backends import EngineCall, VllmCompletionsBackend

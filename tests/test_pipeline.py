@@ -28,9 +28,9 @@ from pipeline import (
 from rolloutbus.config import Config, with_overrides
 from rolloutbus.consumers.log_replay import replay_turns
 from rolloutbus.kafka.admin import ensure_topics
+from rolloutbus.models.tokenizers import load_tokenizer
 from rolloutbus.producers.datasets import make_arithmetic_rows, write_jsonl
 from rolloutbus.producers.publish import PromptPublisher, build_group
-from rolloutbus.replica.models import load_tokenizer
 from rolloutbus.schemas.trajectories import (
     TrajectoryStatus,
     batch_to_trajectories,

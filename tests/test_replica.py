@@ -13,8 +13,8 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from rolloutbus.config import Config, ModelConfig, ReplicaServerConfig
+from rolloutbus.models.causal_lm import load_causal_lm
 from rolloutbus.replica.server import replica_in_thread
-from rolloutbus.replica.weights import load_causal_lm
 
 MAX_MODEL_LEN = 256
 EOS = 151645  # <|im_end|>
@@ -372,7 +372,7 @@ def test_two_replicas_in_one_process_have_separate_metrics(replica, client):
 
 @pytest.mark.slow
 def test_smollm2_answers_a_chat_prompt_sensibly():
-    from rolloutbus.replica.models import load_tokenizer
+    from rolloutbus.models.tokenizers import load_tokenizer
 
     cfg = Config(
         model=ModelConfig(name="smollm2-135m"),

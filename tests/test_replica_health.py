@@ -34,7 +34,7 @@ from rolloutbus.config import (
 )
 from rolloutbus.errors import NoReplicaAvailableError
 from rolloutbus.kafka.admin import ensure_topics
-from rolloutbus.replica.models import load_tokenizer
+from rolloutbus.models.tokenizers import load_tokenizer
 from rolloutbus.replica.scripted import ScriptedEngine
 from rolloutbus.replica.server import start_replica
 from rolloutbus.schemas.agent_loop import AgentLoopMetrics, AgentLoopOutput

@@ -48,9 +48,9 @@ from pipeline import receive_groups, running, spawn, write_config
 from rolloutbus.config import Config, ModelConfig
 from rolloutbus.errors import ConfigError
 from rolloutbus.kafka.admin import ensure_topics
+from rolloutbus.models.tokenizers import load_tokenizer
 from rolloutbus.producers.datasets import make_arithmetic_rows, write_jsonl
 from rolloutbus.producers.publish import PromptPublisher
-from rolloutbus.replica.models import load_tokenizer
 from rolloutbus.replica.vllm_launcher import (
     VllmPython,
     VllmReplica,
@@ -304,7 +304,7 @@ def test_smollm2_groups_satisfy_invariants_and_logprobs_match_the_embedded_model
     found = _trajectories(stack, cfg, uids)
     assert len(found) == N * len(uids)
 
-    from rolloutbus.replica.weights import load_causal_lm
+    from rolloutbus.models.causal_lm import load_causal_lm
 
     lm, _ = load_causal_lm(ModelConfig(name="smollm2-135m", dtype="float32"))
     diffs = []
@@ -608,7 +608,7 @@ def test_the_vllm_prompt_has_each_image_run_unexpanded():
 
 def test_the_tiny_vl_processor_expands_an_image_as_its_grid_says():
     """The ``tiny-qwen2-vl`` processor (the one the session worker loads for that name)."""
-    from rolloutbus.replica.models import load_processor
+    from rolloutbus.models.tokenizers import load_processor
 
     processor = load_processor(ModelConfig(name="tiny-qwen2-vl"))
     assert processor.image_token_id == IMAGE_PAD

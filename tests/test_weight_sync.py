@@ -24,8 +24,8 @@ from rolloutbus.config import (
     ReplicaServerConfig,
 )
 from rolloutbus.kafka.control import publish_policy_version
+from rolloutbus.models.causal_lm import load_causal_lm
 from rolloutbus.replica.server import replica_in_thread
-from rolloutbus.replica.weights import load_causal_lm
 from rolloutbus.schemas.control import PolicyVersionPublished
 from rolloutbus.schemas.inference import TurnSamplingParams
 from rolloutbus.streams.inference.backends import EngineCall, VllmCompletionsBackend

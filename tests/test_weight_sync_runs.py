@@ -30,8 +30,8 @@ from pipeline import read_topic
 from rolloutbus.config import Config, ModelConfig, ReplicasConfig, ReplicaServerConfig
 from rolloutbus.errors import TrainerFencedError
 from rolloutbus.kafka.control import PolicyVersionPublisher, TrainerControlWriter
+from rolloutbus.models.causal_lm import load_causal_lm
 from rolloutbus.replica.server import replica_in_thread
-from rolloutbus.replica.weights import load_causal_lm
 from rolloutbus.schemas.control import PolicyVersionPublished
 from rolloutbus.streams.inference.weight_sync import WeightSync
 from rolloutbus.topics import CONTROL_PARTITION, Topics

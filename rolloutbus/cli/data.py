@@ -132,7 +132,7 @@ def cmd_dispatch(args: argparse.Namespace, cfg: Config) -> int:
 def cmd_consume(args: argparse.Namespace, cfg: Config) -> int:
     from rolloutbus.consumers.report import consume_and_report
     from rolloutbus.kafka.admin import check_reachable
-    from rolloutbus.replica.models import load_tokenizer
+    from rolloutbus.models.tokenizers import load_tokenizer
 
     if args.commit and args.group_id is None:
         raise ConfigError("--commit needs --group-id: the consumer group to commit in")

@@ -30,8 +30,6 @@ if TYPE_CHECKING:
         serve_replica,
         start_replica,
     )
-    from rolloutbus.replica.smollm2 import smollm2_tokenizer
-    from rolloutbus.replica.weights import load_causal_lm
 
 __all__ = [
     "DecodeEngine",
@@ -46,10 +44,8 @@ __all__ = [
     "ScriptedTurn",
     "Timings",
     "build_app",
-    "load_causal_lm",
     "replica_in_thread",
     "serve_replica",
-    "smollm2_tokenizer",
     "start_replica",
 ]
 
@@ -60,8 +56,6 @@ _LAZY = {
     "replica_in_thread": "rolloutbus.replica.server",
     "serve_replica": "rolloutbus.replica.server",
     "start_replica": "rolloutbus.replica.server",
-    "load_causal_lm": "rolloutbus.replica.weights",
-    "smollm2_tokenizer": "rolloutbus.replica.smollm2",
 }
 
 

@@ -137,7 +137,7 @@ class DecodeEngine:
     @classmethod
     def from_config(cls, cfg: Config) -> DecodeEngine:
         """Load ``cfg.model`` (see ``weights.load_causal_lm``) and wrap it; not started."""
-        from rolloutbus.replica.weights import load_causal_lm
+        from rolloutbus.models.causal_lm import load_causal_lm
 
         if cfg.replica_server.torch_threads:
             torch.set_num_threads(cfg.replica_server.torch_threads)
