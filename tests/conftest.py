@@ -33,6 +33,7 @@ BOOTSTRAP_ENV = "ROLLOUTBUS_TEST_BOOTSTRAP"
 TEST_PARTITIONS = 2  # enough to catch partitioning bugs, cheap to create per test
 PORT_RETRIES = 3  # a free port can be taken by another process before the JVM binds it
 PRODUCER_FLUSH_S = 10.0  # seconds a producer may take to deliver at teardown
+WATCHDOG_EXIT_S = 10.0  # seconds; the watchdog polls once a second
 BROKER_FIXTURES = frozenset({"embedded_broker", "kafka_bootstrap"})  # every Kafka fixture needs one
 
 
@@ -57,6 +58,7 @@ def embedded_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Config
         yield cfg
     finally:
         stop_broker(cfg)
+        _reap_watchdogs()
 
 
 def _start_on_free_ports(tmp_path_factory: pytest.TempPathFactory) -> Config:
@@ -123,6 +125,17 @@ def _watch_for_killed_session(jvm_pid: int | None) -> None:
         start_new_session=True,
     )
     _watchdogs.append(watchdog)
+
+
+def _reap_watchdogs() -> None:
+    """The broker is stopped, so each watchdog exits at its next poll: wait for it (a
+    process never waited for is a ResourceWarning, an error in this suite)."""
+    for watchdog in _watchdogs:
+        try:
+            watchdog.wait(timeout=WATCHDOG_EXIT_S)
+        except subprocess.TimeoutExpired:
+            watchdog.kill()
+            watchdog.wait()
 
 
 @pytest.fixture(scope="session")

@@ -221,7 +221,7 @@ def test_train_on_sigterm_says_it_stops_after_the_step_and_exits_cleanly(kafka_c
             group_id=f"trainer-{time.monotonic_ns()}", default_local_dir=tmp_path
         ),
     )
-    train = subprocess.Popen(
+    with subprocess.Popen(  # on leaving: its pipe closed, the process waited for
         [
             sys.executable,
             "-m",
@@ -233,22 +233,22 @@ def test_train_on_sigterm_says_it_stops_after_the_step_and_exits_cleanly(kafka_c
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
-    )
-    lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(train.stderr or []), daemon=True)
-    reader.start()
-    try:
-        deadline = time.monotonic() + TRAIN_READY_S
-        # the trainer client logs its partitions once it waits for groups
-        while not any("assigned" in line for line in lines):
-            assert train.poll() is None and time.monotonic() < deadline, "".join(lines)[-3000:]
-            time.sleep(0.5)
-        train.send_signal(signal.SIGTERM)
-        train.wait(timeout=120)
-        reader.join(timeout=30)
-    finally:
-        if train.poll() is None:
-            train.kill()
+    ) as train:
+        lines: list[str] = []
+        reader = threading.Thread(target=lambda: lines.extend(train.stderr or []), daemon=True)
+        reader.start()
+        try:
+            deadline = time.monotonic() + TRAIN_READY_S
+            # the trainer client logs its partitions once it waits for groups
+            while not any("assigned" in line for line in lines):
+                assert train.poll() is None and time.monotonic() < deadline, "".join(lines)[-3000:]
+                time.sleep(0.5)
+            train.send_signal(signal.SIGTERM)
+            train.wait(timeout=120)
+            reader.join(timeout=30)
+        finally:
+            if train.poll() is None:
+                train.kill()
     output = "".join(lines)
     assert train.returncode == 0, output[-3000:]
     assert "stopping after this step (Ctrl-C again to abort)" in output

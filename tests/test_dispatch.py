@@ -135,25 +135,25 @@ def test_the_command_stops_cleanly_on_sigterm_and_says_where_it_stands(kafka_con
     )
     assert missing.returncode == 2 and "dataset not found" in missing.stderr
 
-    proc = subprocess.Popen(
+    with subprocess.Popen(  # on leaving: its pipe closed, the process waited for
         [sys.executable, "-m", "rolloutbus.cli", "dispatch", str(path), "-c", str(config_path)],
         stderr=subprocess.PIPE,
         text=True,
-    )
-    try:
-        assert proc.stderr is not None
-        lines = []
-        deadline = time.monotonic() + WAIT_S
-        while time.monotonic() < deadline:  # forever (no --epochs) until the bound holds it
-            lines.append(proc.stderr.readline())
-            if "waiting" in lines[-1]:
-                break
-        assert "4 groups started at version 0 (bound 4); waiting" in lines[-1], lines
-        proc.send_signal(signal.SIGTERM)
-        rest = proc.communicate(timeout=WAIT_S)[1]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    ) as proc:
+        try:
+            assert proc.stderr is not None
+            lines = []
+            deadline = time.monotonic() + WAIT_S
+            while time.monotonic() < deadline:  # forever (no --epochs) until the bound holds it
+                lines.append(proc.stderr.readline())
+                if "waiting" in lines[-1]:
+                    break
+            assert "4 groups started at version 0 (bound 4); waiting" in lines[-1], lines
+            proc.send_signal(signal.SIGTERM)
+            rest = proc.communicate(timeout=WAIT_S)[1]
+        finally:
+            if proc.poll() is None:
+                proc.kill()
     assert proc.returncode == 0, rest
     assert "4 groups started (4 now, 0 found on the topic)" in rest
     assert "stopped before the last epoch" in rest

@@ -168,17 +168,18 @@ def _prometheus_config(cfg: Config, path: Path) -> Path:
 class Prometheus:
     def __init__(self, config: Path, data: Path, log: Path):
         self.url = f"http://127.0.0.1:{free_port()}"
-        self.proc = subprocess.Popen(
-            [
-                PROMETHEUS,
-                f"--config.file={config}",
-                f"--storage.tsdb.path={data}",
-                f"--web.listen-address={self.url.removeprefix('http://')}",
-                "--storage.tsdb.retention.time=1h",
-            ],
-            stdout=log.open("wb"),
-            stderr=subprocess.STDOUT,
-        )
+        with log.open("wb") as out:  # Prometheus writes through its own copy of the file
+            self.proc = subprocess.Popen(
+                [
+                    PROMETHEUS,
+                    f"--config.file={config}",
+                    f"--storage.tsdb.path={data}",
+                    f"--web.listen-address={self.url.removeprefix('http://')}",
+                    "--storage.tsdb.retention.time=1h",
+                ],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
         self.log = log
 
     def query_range(self, expr: str, start: float, end: float) -> list[dict]:

@@ -414,24 +414,24 @@ def test_serve_replica_logs_ready_and_stops_on_sigterm(tmp_path):
         "serve_replica(Config(model=ModelConfig(name='tiny-qwen3'), "
         "replica_server=ReplicaServerConfig(port=0, torch_threads=1)))\n"
     )
-    proc = subprocess.Popen(
+    with subprocess.Popen(  # on leaving: its stderr pipe closed, the process waited for
         [sys.executable, "-c", script],
         stderr=subprocess.PIPE,
         text=True,
         env={**os.environ, "HF_HUB_OFFLINE": "1"},
-    )
-    try:
-        url = None
-        for line in proc.stderr:
-            match = re.search(r"replica ready on (http://\S+)", line)
-            if match:
-                url = match.group(1)
-                break
-        assert url, "no ready line"
-        assert httpx.get(f"{url}/health").status_code == 200
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    ) as proc:
+        try:
+            url = None
+            assert proc.stderr is not None
+            for line in proc.stderr:
+                match = re.search(r"replica ready on (http://\S+)", line)
+                if match:
+                    url = match.group(1)
+                    break
+            assert url, "no ready line"
+            assert httpx.get(f"{url}/health").status_code == 200
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=30) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()

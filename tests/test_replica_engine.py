@@ -9,13 +9,14 @@ import pytest
 import torch
 
 from rolloutbus.config import Config, ModelConfig, ReplicaServerConfig
-from rolloutbus.replica.engine import DecodeEngine, sample_tokens
+from rolloutbus.replica.engine import DecodeEngine
 from rolloutbus.replica.generation import (
     EngineSampling,
     GenerationRequest,
     RequestRejectedError,
     version_spans,
 )
+from rolloutbus.replica.sampling import sample_tokens
 
 
 def _request(
