@@ -8,7 +8,7 @@ does not pay for torch.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import typing
 
 from rolloutbus.replica.generation import (
     Engine,
@@ -21,7 +21,7 @@ from rolloutbus.replica.generation import (
 )
 from rolloutbus.replica.scripted import ScriptedEngine, ScriptedTurn
 
-if TYPE_CHECKING:
+if typing.TYPE_CHECKING:
     from rolloutbus.replica.engine import DecodeEngine
     from rolloutbus.replica.server import (
         ReplicaHandle,
@@ -59,7 +59,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> typing.Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'rolloutbus.replica' has no attribute {name!r}")

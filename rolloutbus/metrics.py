@@ -514,6 +514,15 @@ class RolloutMetrics(PerRegistry):
     verl's names in the help texts."""
 
     def _init(self, registry: CollectorRegistry) -> None:
+        self._init_windows(registry)
+        self._init_per_trajectory(registry)
+        self._init_agent_loop(registry)
+        self._extra: dict[str, Histogram] = {}
+        self._registry = registry
+
+    def _init_windows(self, registry: CollectorRegistry) -> None:
+        """Gauges over the last trajectories released of each data source."""
+
         def window(name: str, doc: str, unit: str) -> Gauge:
             return Gauge(
                 f"rolloutbus_rollout_{name}",
@@ -553,6 +562,9 @@ class RolloutMetrics(PerRegistry):
             "Share of responses cut at rollout.response_length (verl: response_length/clip_ratio)",
             "ratio 0-1",
         )
+
+    def _init_per_trajectory(self, registry: CollectorRegistry) -> None:
+        """Counters and histograms every released trajectory adds to."""
         self.trajectories = Counter(
             "rolloutbus_rollout_trajectories_total",
             "Trajectories released, by data source and status (completed, truncated, failed); "
@@ -595,6 +607,9 @@ class RolloutMetrics(PerRegistry):
             buckets=GROUP_SECONDS_BUCKETS,
             registry=registry,
         )
+
+    def _init_agent_loop(self, registry: CollectorRegistry) -> None:
+        """verl's agent_loop/* figures, per trajectory as the loop reports them."""
         self.agent_loop = {
             name: Histogram(
                 f"rolloutbus_agent_loop_{name}_seconds",
@@ -612,8 +627,6 @@ class RolloutMetrics(PerRegistry):
             buckets=PREEMPTED_BUCKETS,
             registry=registry,
         )
-        self._extra: dict[str, Histogram] = {}
-        self._registry = registry
 
     def agent_loop_extra(self, name: str) -> Histogram:
         """A histogram for an agent-loop metric this code does not name (a newer loop's):

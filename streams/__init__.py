@@ -11,9 +11,9 @@
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
+import typing
 
-if TYPE_CHECKING:
+if typing.TYPE_CHECKING:
     from rolloutbus.streams.inference import LLMClient, LoadBalancer, per_turn_max_tokens
 
 __all__ = ["LLMClient", "LoadBalancer", "per_turn_max_tokens"]
@@ -23,7 +23,7 @@ __all__ = ["LLMClient", "LoadBalancer", "per_turn_max_tokens"]
 _LAZY = {name: "rolloutbus.streams.inference" for name in __all__}
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> typing.Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'rolloutbus.streams' has no attribute {name!r}")

@@ -1,23 +1,13 @@
 """AgentLoopBase, the registry / routing, single_turn_agent and the public API."""
 
-import sys
 from pathlib import Path
 
 import pytest
 
-TESTS = Path(__file__).parent
-sys.path.insert(0, str(TESTS))
-from fixtures.scripted_server import (  # noqa: E402
-    ScriptedServerManager,
-    make_config,
-    qwen3_tokenizer,
-    scripted_turn,
-)
-
-import rolloutbus.streams.agent_loop as agent_loop  # noqa: E402
-from rolloutbus.errors import AgentLoopError, PromptTooLongError, UnknownAgentLoopError  # noqa: E402
-from rolloutbus.schemas.agent_loop import AgentLoopMetrics, AgentLoopOutput, TokenOutput  # noqa: E402
-from rolloutbus.streams.agent_loop import (  # noqa: E402
+import rolloutbus.streams.agent_loop as agent_loop
+from rolloutbus.errors import AgentLoopError, PromptTooLongError, UnknownAgentLoopError
+from rolloutbus.schemas.agent_loop import AgentLoopMetrics, AgentLoopOutput, TokenOutput
+from rolloutbus.streams.agent_loop import (
     AgentLoopBase,
     DictConfigWrap,
     SingleTurnAgentLoop,
@@ -28,7 +18,14 @@ from rolloutbus.streams.agent_loop import (  # noqa: E402
     resolve_agent_name,
     simple_timer,
 )
+from tests.scripted_server import (
+    ScriptedServerManager,
+    make_config,
+    qwen3_tokenizer,
+    scripted_turn,
+)
 
+TESTS = Path(__file__).parent
 ROW = {"prompt": [{"role": "user", "content": "计算 18 * 7"}], "data_source": "my/math"}
 
 
@@ -215,9 +212,9 @@ async def test_fresh_instance_per_trajectory(tok):
 
 
 async def test_yaml_registration_of_the_seed_loop(tok, tmp_path, monkeypatch):
-    """A custom loop written for verl's API (fixtures/my_agent_loop.py), registered from YAML
+    """A custom loop written for verl's API (plugins/my_agent_loop.py), registered from YAML
     by a relative path."""
-    monkeypatch.syspath_prepend(str(TESTS / "fixtures"))
+    monkeypatch.syspath_prepend(str(TESTS / "plugins"))
     (tmp_path / "my_agent_loops.yaml").write_text(
         "- name: my_single_turn\n  _target_: my_agent_loop.MySingleTurnLoop\n"
     )
@@ -228,7 +225,7 @@ async def test_yaml_registration_of_the_seed_loop(tok, tmp_path, monkeypatch):
 
 
 async def test_seed_loop_runs_and_meets_the_output_contract(tok, monkeypatch):
-    monkeypatch.syspath_prepend(str(TESTS / "fixtures"))
+    monkeypatch.syspath_prepend(str(TESTS / "plugins"))
     from my_agent_loop import MySingleTurnLoop
 
     server = ScriptedServerManager([TokenOutput(token_ids=[1, 2, 3, 4], log_probs=[-0.1] * 4)])

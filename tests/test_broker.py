@@ -12,7 +12,6 @@ import pytest
 import yaml
 from confluent_kafka import Consumer, TopicPartition
 from confluent_kafka.admin import AdminClient, ConfigResource
-from helpers import free_port, unique_name
 
 from rolloutbus.config import BrokerConfig, Config, KafkaConfig
 from rolloutbus.errors import BrokerError
@@ -26,6 +25,7 @@ from rolloutbus.kafka.broker import (
     stop_broker,
 )
 from rolloutbus.topics import Topics
+from tests.helpers import free_port, unique_name
 
 LARGE_RECORD_BYTES = 2 * 1024 * 1024  # over every 1 MB Kafka/librdkafka default
 POLL_TIMEOUT_S = 30.0  # seconds to wait for a record that was just produced
@@ -360,7 +360,7 @@ def test_a_three_node_cluster_replicates_and_survives_its_leader(
     """`rolloutbus broker start --nodes 3`: three nodes, rollout topics with three replicas
     and min.insync.replicas 2, internal topics alike; an acks=all write goes on after the
     leader of its partition is SIGKILLed, and the node comes back with `start`."""
-    from cluster import cluster_config
+    from tests.cluster import cluster_config
 
     cfg = cluster_config(tmp_path / "kafka")
     config_path = tmp_path / "config.yaml"

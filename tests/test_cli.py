@@ -13,13 +13,13 @@ import pyarrow as pa
 import pytest
 import yaml
 from confluent_kafka.admin import AdminClient
-from helpers import free_port, unique_name
-from pipeline import write_config
 
 from rolloutbus.cli import build_parser
 from rolloutbus.cli.data import log_time
 from rolloutbus.config import Config
 from rolloutbus.config_loading import split_overrides
+from tests.helpers import free_port, unique_name
+from tests.pipeline import write_config
 
 SUBCOMMANDS = [
     "broker",

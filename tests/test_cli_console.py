@@ -19,13 +19,13 @@ import threading
 import time
 
 import pytest
-from helpers import free_port
 
 from rolloutbus import __version__
 from rolloutbus.cli import build_parser
 from rolloutbus.cli.console import QUIET_LIBRARIES, graceful_stop_handler
 from rolloutbus.config import KafkaConfig
 from rolloutbus.kafka.clients import LIBRDKAFKA_LOGGER, idempotent_producer
+from tests.helpers import free_port
 
 LOG_POLL_S = 0.2  # seconds per producer poll while waiting for librdkafka's first log line
 LOG_WAIT_S = 30.0  # seconds; a refused connection is logged within a second or two
@@ -210,9 +210,8 @@ TRAIN_READY_S = 300.0  # seconds until the trainer waits for groups (torch, mode
 
 def test_train_on_sigterm_says_it_stops_after_the_step_and_exits_cleanly(kafka_config, tmp_path):
     """The real command: the first SIGTERM is answered with the line and a clean stop."""
-    from pipeline import write_config
-
     from rolloutbus.config import Config, ModelConfig, TrainerConfig
+    from tests.pipeline import write_config
 
     cfg = Config(
         kafka=kafka_config,

@@ -11,14 +11,14 @@ from pathlib import Path
 
 from confluent_kafka import Consumer, TopicPartition
 from confluent_kafka.admin import AdminClient
-from helpers import unique_name
-from pipeline import write_config
 
 from rolloutbus.config import Config, KafkaConfig, TrainerConfig
 from rolloutbus.consumers.client import TrainerClient
 from rolloutbus.kafka.clients import idempotent_producer
 from rolloutbus.schemas.trajectories import Trajectory, TrajectoryStatus, encode_trajectories
 from rolloutbus.topics import Topics, partition_for, trajectory_key
+from tests.helpers import unique_name
+from tests.pipeline import write_config
 
 GROUP_SIZE = 2
 GROUPS = 6

@@ -12,11 +12,11 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import free_port, unique_name
-from pipeline import write_config
 
 from rolloutbus.config import BrokerConfig, Config, KafkaConfig
 from rolloutbus.kafka.broker import broker_status, stop_broker
+from tests.helpers import free_port, unique_name
+from tests.pipeline import write_config
 
 # the demo starts a broker JVM of its own (not the session's), then a replica and workers
 pytestmark = [pytest.mark.slow, pytest.mark.kafka]

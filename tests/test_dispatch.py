@@ -12,8 +12,6 @@ import threading
 import time
 from collections import Counter
 
-from pipeline import read_topic, write_config
-
 from rolloutbus.config import Config, with_overrides
 from rolloutbus.consumers.position import end_offsets
 from rolloutbus.kafka.control import TrainerControlWriter, publish_policy_version
@@ -21,6 +19,7 @@ from rolloutbus.producers.datasets import make_arithmetic_rows, write_jsonl
 from rolloutbus.producers.dispatch import Dispatcher, DispatchReport
 from rolloutbus.schemas.control import PolicyVersionPublished
 from rolloutbus.topics import Topics
+from tests.pipeline import read_topic, write_config
 
 WAIT_S = 30.0  # seconds; each step takes well under a second on the test broker
 ROWS = 3

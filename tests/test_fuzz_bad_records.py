@@ -26,21 +26,8 @@ from typing import Any
 
 import pyarrow as pa
 import pytest
-from fixtures.scripted_server import qwen3_tokenizer
-from fuzz_records import (
-    PROMPT_GROUP,
-    TRAJECTORY,
-    TURN_EVENTS,
-    bad_prompt_record,
-    bad_trajectory_record,
-    bad_turn_record,
-    not_utf8,
-    truncated,
-)
-from helpers import unique_name
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
-from pipeline import dead_letters, read_topic, receive_groups, running, spawn, write_config
 from pydantic import BaseModel, ValidationError
 
 from rolloutbus.config import Config, KafkaConfig, with_overrides
@@ -62,6 +49,19 @@ from rolloutbus.schemas.turns import (
     encode_turn_event,
 )
 from rolloutbus.topics import Topics, partition_for, trajectory_key, uid_of_key
+from tests.fuzz_records import (
+    PROMPT_GROUP,
+    TRAJECTORY,
+    TURN_EVENTS,
+    bad_prompt_record,
+    bad_trajectory_record,
+    bad_turn_record,
+    not_utf8,
+    truncated,
+)
+from tests.helpers import unique_name
+from tests.pipeline import dead_letters, read_topic, receive_groups, running, spawn, write_config
+from tests.scripted_server import qwen3_tokenizer
 
 HANDLED = (ValidationError, RolloutBusError)  # what the workers catch around a decoder
 # derandomize: the same examples on every run and machine (a CI failure reproduces);
@@ -534,9 +534,8 @@ def test_the_trainer_client_dead_letters_junk_on_the_trajectory_topic(
     """Only the replay buffer writes trajectories, but a record another writer put there (or
     one corrupted on the way) must not end the trainer: each bad record is dead-lettered
     by the trainer client, once, and the good group around them is yielded whole."""
-    from fuzz_records import UID
-
     from rolloutbus.consumers.client import TrainerClient
+    from tests.fuzz_records import UID
 
     cfg = Config(kafka=kafka_config)
     topic = Topics.from_config(kafka_config).trajectories

@@ -17,42 +17,38 @@ from their wire bytes, as the fold would read them. The checks:
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from fixtures.scripted_server import (  # noqa: E402
-    ScriptedServerManager,
-    qwen3_tokenizer,
-    scripted_turn,
-)
-
-from rolloutbus.config import Config  # noqa: E402
-from rolloutbus.errors import TokenDriftError  # noqa: E402
-from rolloutbus.schemas.turns import (  # noqa: E402
+from rolloutbus.config import Config
+from rolloutbus.errors import TokenDriftError
+from rolloutbus.schemas.turns import (
     GroupStarted,
     SessionFinished,
     SessionStarted,
     decode_turn_event,
     encode_turn_event,
 )
-from rolloutbus.streams.agent_loop import DictConfigWrap, ToolAgentLoop  # noqa: E402
-from rolloutbus.streams.agent_loop.continuous_token import get_builder  # noqa: E402
-from rolloutbus.streams.agent_loop.tool_parser import ToolParser, rendered_tool_schema  # noqa: E402
-from rolloutbus.streams.agent_loop.tools import CalculatorTool  # noqa: E402
-from rolloutbus.streams.assembly.session_fold import SessionFold  # noqa: E402
-from rolloutbus.streams.assembly.trajectories import build_group_trajectories  # noqa: E402
-from rolloutbus.streams.gateway.messages import BadMessagesError  # noqa: E402
-from rolloutbus.streams.gateway.session import (  # noqa: E402
+from rolloutbus.streams.agent_loop import DictConfigWrap, ToolAgentLoop
+from rolloutbus.streams.agent_loop.continuous_token import get_builder
+from rolloutbus.streams.agent_loop.tool_parser import ToolParser, rendered_tool_schema
+from rolloutbus.streams.agent_loop.tools import CalculatorTool
+from rolloutbus.streams.assembly.session_fold import SessionFold
+from rolloutbus.streams.assembly.trajectories import build_group_trajectories
+from rolloutbus.streams.gateway.messages import BadMessagesError
+from rolloutbus.streams.gateway.session import (
     GatewayContext,
     GatewaySession,
     SessionClosedError,
 )
-from rolloutbus.streams.gateway.wire import ChatCompletionRequest  # noqa: E402
-from rolloutbus.streams.reward import default_compute_score  # noqa: E402
-from rolloutbus.streams.sessions.recovery import LoggedAttempt  # noqa: E402
+from rolloutbus.streams.gateway.wire import ChatCompletionRequest
+from rolloutbus.streams.reward import default_compute_score
+from rolloutbus.streams.sessions.recovery import LoggedAttempt
+from tests.scripted_server import (
+    ScriptedServerManager,
+    qwen3_tokenizer,
+    scripted_turn,
+)
 
 CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "18 * 7"}}\n</tool_call>'
 ANSWER = "The answer is 126."

@@ -5,38 +5,34 @@
 from __future__ import annotations
 
 import random
-import sys
-from pathlib import Path
 
 import pyarrow as pa
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from fixtures.scripted_server import (  # noqa: E402
-    ScriptedServerManager,
-    make_config,
-    qwen3_tokenizer,
-    scripted_turn,
-)
-
-from rolloutbus.config import load_config  # noqa: E402
-from rolloutbus.errors import ConfigError  # noqa: E402
-from rolloutbus.schemas.agent_loop import AgentLoopMetrics  # noqa: E402
-from rolloutbus.schemas.trajectories import Trajectory, trajectories_to_batch  # noqa: E402
-from rolloutbus.streams.agent_loop import DictConfigWrap, ToolAgentLoop  # noqa: E402
-from rolloutbus.streams.agent_loop.metrics import (  # noqa: E402
+from rolloutbus.config import load_config
+from rolloutbus.errors import ConfigError
+from rolloutbus.schemas.agent_loop import AgentLoopMetrics
+from rolloutbus.schemas.trajectories import Trajectory, trajectories_to_batch
+from rolloutbus.streams.agent_loop import DictConfigWrap, ToolAgentLoop
+from rolloutbus.streams.agent_loop.metrics import (
     agent_loop_step_metrics,
     step_metrics_of_batch,
 )
-from rolloutbus.streams.agent_loop.tools import CalculatorTool  # noqa: E402
-from rolloutbus.streams.agent_loop.tracing import (  # noqa: E402
+from rolloutbus.streams.agent_loop.tools import CalculatorTool
+from rolloutbus.streams.agent_loop.tracing import (
     collect_spans,
     export_to_opentelemetry,
     opentelemetry_available,
     rollout_trace_op,
     trace_span,
 )
-from rolloutbus.streams.inference.routing import LoadBalancer, load_balancer  # noqa: E402
+from rolloutbus.streams.inference.routing import LoadBalancer, load_balancer
+from tests.scripted_server import (
+    ScriptedServerManager,
+    make_config,
+    qwen3_tokenizer,
+    scripted_turn,
+)
 
 CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "18 * 7"}}\n</tool_call>'
 

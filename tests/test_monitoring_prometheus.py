@@ -27,14 +27,14 @@ import httpx
 import pytest
 import yaml
 from confluent_kafka import Consumer, TopicPartition
-from helpers import free_port, unique_name
-from pipeline import read_topic, running, spawn, stop, wait_http_ok, write_config
 
 from rolloutbus.config import Config
 from rolloutbus.kafka.admin import ensure_topics
 from rolloutbus.producers.datasets import make_arithmetic_rows, write_jsonl
 from rolloutbus.producers.publish import PromptPublisher
 from rolloutbus.topics import Topics
+from tests.helpers import free_port, unique_name
+from tests.pipeline import read_topic, running, spawn, stop, wait_http_ok, write_config
 
 ROOT = Path(__file__).resolve().parents[1]
 OPS = ROOT / "ops"

@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-from fixtures.scripted_server import ScriptedServerManager, qwen3_tokenizer, scripted_turn
-
 from rolloutbus.config import Config
 from rolloutbus.schemas.prompts import GroupSamplingParams, PromptGroup
 from rolloutbus.schemas.turns import (
@@ -17,6 +15,7 @@ from rolloutbus.streams.agent_loop import AgentLoopBase, AgentLoopMetrics, Agent
 from rolloutbus.streams.assembly.session_fold import SessionFold
 from rolloutbus.streams.assembly.trajectories import build_group_trajectories
 from rolloutbus.streams.sessions.runner import SessionContext, run_session
+from tests.scripted_server import ScriptedServerManager, qwen3_tokenizer, scripted_turn
 
 
 @register("two_drafts_test")

@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import free_port, unique_name
 
 from rolloutbus.config import Config
 from rolloutbus.errors import ConfigError
@@ -25,6 +24,7 @@ from rolloutbus.producers.row_checks import (
     RowProblem,
 )
 from rolloutbus.streams.reward import register_reward
+from tests.helpers import free_port, unique_name
 
 
 def _cli(*argv: str) -> subprocess.CompletedProcess:

@@ -17,9 +17,6 @@ from pathlib import Path
 
 import pytest
 from confluent_kafka.admin import NewTopic
-from helpers import free_port, unique_name
-from pipeline import dead_letters, read_topic, running, spawn, write_config
-from synthetic import N, group_events
 
 from rolloutbus.config import BrokerConfig, Config, KafkaConfig, with_overrides
 from rolloutbus.errors import BrokerError, ConfigError
@@ -39,6 +36,9 @@ from rolloutbus.schemas.turns import (
 from rolloutbus.streams.assembly.released import Claim, ReleasedClaims, ReleasedRecord
 from rolloutbus.streams.assembly.replay_buffer import ReplayBuffer
 from rolloutbus.topics import Topics, partition_for
+from tests.helpers import free_port, unique_name
+from tests.pipeline import dead_letters, read_topic, running, spawn, write_config
+from tests.synthetic import N, group_events
 
 ROW = {"prompt": [{"role": "user", "content": "q"}]}
 WAIT_S = 120.0  # seconds for a buffer to release what was produced (two busy cores)

@@ -1,16 +1,10 @@
 """Reward: verl's default_compute_score table, the arithmetic scorer, custom reward
 functions (path/name, keyword calls, async), and score_outputs (verl V1 semantics)."""
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from fixtures.scripted_server import qwen3_tokenizer  # noqa: E402
-
-from rolloutbus.schemas.agent_loop import AgentLoopMetrics, AgentLoopOutput  # noqa: E402
-from rolloutbus.streams.reward import (  # noqa: E402
+from rolloutbus.schemas.agent_loop import AgentLoopMetrics, AgentLoopOutput
+from rolloutbus.streams.reward import (
     ARITHMETIC_SOURCE,
     arithmetic_score,
     default_compute_score,
@@ -19,6 +13,7 @@ from rolloutbus.streams.reward import (  # noqa: E402
     score_outputs,
     split_result,
 )
+from tests.scripted_server import qwen3_tokenizer
 
 ROW = {
     "data_source": ARITHMETIC_SOURCE,

@@ -13,7 +13,6 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 import pytest
-from fixtures.scripted_server import qwen3_tokenizer
 
 from rolloutbus.config import Config, with_overrides
 from rolloutbus.consumers.tensors import to_padded
@@ -42,6 +41,7 @@ from rolloutbus.streams.assembly.trajectories import build_group_trajectories
 from rolloutbus.streams.inference.llm_client import LLMClient
 from rolloutbus.streams.sessions.recorder import RecordingLLMClient
 from rolloutbus.streams.sessions.runner import SessionContext, run_session
+from tests.scripted_server import qwen3_tokenizer
 
 LAYERS, TOP_K = 3, 2
 CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "18 * 7"}}\n</tool_call>'

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 
 import pytest
-from fixtures.scripted_server import qwen3_tokenizer
 
 from rolloutbus.config import Config, with_overrides
 from rolloutbus.replica.scripted import ScriptedEngine, ScriptedTurn
@@ -24,6 +23,7 @@ from rolloutbus.streams.assembly.session_fold import SessionFold
 from rolloutbus.streams.assembly.trajectories import build_group_trajectories
 from rolloutbus.streams.inference.llm_client import LLMClient
 from rolloutbus.streams.sessions.runner import SessionContext, run_session
+from tests.scripted_server import qwen3_tokenizer
 
 CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "18 * 7"}}\n</tool_call>'
 ANSWER = "The answer is 126."

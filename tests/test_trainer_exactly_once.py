@@ -18,8 +18,6 @@ from pathlib import Path
 
 import pytest
 from confluent_kafka import KafkaException, TopicPartition
-from helpers import unique_name
-from pipeline import write_config
 
 from rolloutbus.config import Config, KafkaConfig, TrainerConfig
 from rolloutbus.consumers.client import TrainerClient
@@ -29,12 +27,14 @@ from rolloutbus.errors import BrokerError
 from rolloutbus.kafka.clients import idempotent_producer, read_committed_consumer
 from rolloutbus.schemas.trajectories import Trajectory, TrajectoryStatus, encode_trajectories
 from rolloutbus.topics import Topics, partition_for, trajectory_key
+from tests.helpers import unique_name
+from tests.pipeline import write_config
 
 GROUP_SIZE = 3
 SAFETY_NET_OFF = TrainerConfig(dedupe_window_keys=0)
 TAKE_TIMEOUT_S = 90.0  # seconds; a group join on two busy cores takes a few
 SETTLE_S = 3.0  # seconds to wait for a duplicate that should not come
-FIXTURES = Path(__file__).parent / "fixtures"
+PROGRAMS = Path(__file__).parent / "programs"
 
 
 # -- trajectories on the topic -----------------------------------------------------------
@@ -287,7 +287,7 @@ def _run_trainer(
 ) -> int:
     argv = [
         sys.executable,
-        str(FIXTURES / "checkpointing_trainer.py"),
+        str(PROGRAMS / "checkpointing_trainer.py"),
         str(config_path),
         group_id,
         str(checkpoint),

@@ -24,13 +24,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 from confluent_kafka import Consumer, Producer, TopicPartition
-from pipeline import read_topic, spawn, write_config
 
 from rolloutbus.config import Config, KafkaConfig
 from rolloutbus.consumers.training.checkpoint import latest_checkpoint, load_state
 from rolloutbus.kafka.control import latest_policy_version, read_control_log
 from rolloutbus.schemas.trajectories import Trajectory, encode_trajectory
 from rolloutbus.topics import Topics, partition_for, trajectory_key, uid_of_key
+from tests.pipeline import read_topic, spawn, write_config
 
 pytestmark = pytest.mark.slow
 

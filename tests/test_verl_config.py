@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import verl_side_env
 
 from rolloutbus.config import VERL_KEYS_IGNORED, VERL_KEYS_READ, Config, key_tree, load_config
 from rolloutbus.consumers.training.grpo import GRPOTrainer
@@ -34,13 +33,14 @@ from rolloutbus.schemas.trajectories import (
 from rolloutbus.schemas.turns import GroupStarted, SessionFailed
 from rolloutbus.streams.assembly.partition_fold import PartitionFold
 from rolloutbus.streams.assembly.trajectories import build_group_trajectories
+from tests.helpers import verl_side_env
 
-FIXTURES = Path(__file__).parent / "fixtures"
-VERL_BLOCK = FIXTURES / "verl_0_9_1_rollout.yaml"
+VERL_DATA = Path(__file__).parent / "data" / "verl"  # verl's own config files
+VERL_BLOCK = VERL_DATA / "verl_0_9_1_rollout.yaml"
 # verl 0.9.1's verl/trainer/config/_generated_ppo_trainer.yaml, byte for byte (checked
 # against the installed verl by test_the_vendored_generated_config_is_verls)
-VERL_TRAINER = FIXTURES / "verl_0_9_1_generated_ppo_trainer.yaml"
-USER_GRPO = FIXTURES / "verl_grpo_user.yaml"
+VERL_TRAINER = VERL_DATA / "verl_0_9_1_generated_ppo_trainer.yaml"
+USER_GRPO = VERL_DATA / "verl_grpo_user.yaml"
 
 
 @pytest.fixture(scope="module")

@@ -209,6 +209,14 @@ def log_time(text: str) -> float:
 
 
 def register(sub: Subcommands) -> None:
+    _register_publish(sub)
+    _register_dispatch(sub)
+    _register_consume(sub)
+    _register_replay(sub)
+    _register_dataset(sub)
+
+
+def _register_publish(sub: Subcommands) -> None:
     p = command(
         sub,
         "publish",
@@ -247,6 +255,8 @@ def register(sub: Subcommands) -> None:
     )
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
 
+
+def _register_dispatch(sub: Subcommands) -> None:
     p = command(
         sub,
         "dispatch",
@@ -269,6 +279,8 @@ def register(sub: Subcommands) -> None:
     )
     p.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
 
+
+def _register_consume(sub: Subcommands) -> None:
     p = command(
         sub,
         "consume",
@@ -298,6 +310,8 @@ def register(sub: Subcommands) -> None:
         "group (a trainer in it never trains on them)",
     )
 
+
+def _register_replay(sub: Subcommands) -> None:
     p = command(
         sub, "replay", cmd_replay, "rebuild trajectories from a range of the turn log (read-only)"
     )
@@ -334,6 +348,8 @@ def register(sub: Subcommands) -> None:
     )
     p.add_argument("--out", type=Path, default=None, help="write an Arrow file instead of a table")
 
+
+def _register_dataset(sub: Subcommands) -> None:
     p = command(
         sub, "dataset", cmd_dataset, "write the bundled arithmetic dataset (verl rows) as jsonl"
     )

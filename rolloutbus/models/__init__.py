@@ -10,11 +10,11 @@ process that only wants a tokenizer does not pay for the model code.
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
+import typing
 
 from rolloutbus.models.catalog import KNOWN_MODELS, SMOLLM2, TINY_QWEN2_VL, TINY_QWEN3
 
-if TYPE_CHECKING:
+if typing.TYPE_CHECKING:
     from rolloutbus.models.causal_lm import load_causal_lm
     from rolloutbus.models.tokenizers import load_processor, load_tokenizer
 
@@ -35,7 +35,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> typing.Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'rolloutbus.models' has no attribute {name!r}")

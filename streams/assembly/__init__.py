@@ -8,7 +8,7 @@ Import direction: ``session_fold`` ← ``partition_fold`` ← ``trajectories`` �
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
+import typing
 
 from rolloutbus.streams.assembly.partition_fold import (
     FoldLimits,
@@ -41,7 +41,7 @@ __all__ = [
     "violations",
 ]
 
-if TYPE_CHECKING:
+if typing.TYPE_CHECKING:
     from rolloutbus.streams.assembly.released import ReleasedRecord
 
 # Imported on first use: ``released`` reads the turn log through Kafka, and importing the pure
@@ -49,7 +49,7 @@ if TYPE_CHECKING:
 _LAZY = {"ReleasedRecord": "rolloutbus.streams.assembly.released"}
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> typing.Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'rolloutbus.streams.assembly' has no attribute {name!r}")
