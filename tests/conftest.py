@@ -7,6 +7,7 @@
 - ``embedded_broker`` (session): the embedded broker's Config, or None when external.
 - ``kafka_config``: a KafkaConfig with a unique topic prefix, partitions=2, and the five
   rollout topics created (deleted again after the test).
+- ``tok`` (session): the real Qwen3 tokenizer, for tests that render prompts or count tokens.
 - ``make_producer`` / ``make_consumer``: confluent-kafka client factories, cleaned up at
   teardown; each consumer gets a unique group.id and reads from the earliest offset.
 """
@@ -77,6 +78,15 @@ def kafka_config(kafka_bootstrap: str) -> Iterator[KafkaConfig]:
     ensure_topics(kafka)
     yield kafka
     delete_topics(kafka, Topics.from_config(kafka).all())
+
+
+@pytest.fixture(scope="session")
+def tok() -> Any:
+    """The real Qwen3 tokenizer with its chat template (``tiny-qwen3``'s), loaded once: the
+    agent-loop, gateway, reward and Continuous Token tests render and count with it."""
+    from tests.scripted_server import qwen3_tokenizer
+
+    return qwen3_tokenizer()
 
 
 @pytest.fixture

@@ -21,17 +21,11 @@ from rolloutbus.streams.agent_loop import (
 from tests.scripted_server import (
     ScriptedServerManager,
     make_config,
-    qwen3_tokenizer,
     scripted_turn,
 )
 
 TESTS = Path(__file__).parent
 ROW = {"prompt": [{"role": "user", "content": "计算 18 * 7"}], "data_source": "my/math"}
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return qwen3_tokenizer()
 
 
 def loop_kwargs(tok, server, **rollout):

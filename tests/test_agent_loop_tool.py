@@ -28,16 +28,10 @@ from rolloutbus.streams.agent_loop.tools import BaseTool, CalculatorTool, Functi
 from tests.scripted_server import (
     ScriptedServerManager,
     make_config,
-    qwen3_tokenizer,
     scripted_turn,
 )
 
 PROMPT = [{"role": "user", "content": "计算 18 * 7"}]
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return qwen3_tokenizer()
 
 
 def call_text(name="calculator", arguments=None):

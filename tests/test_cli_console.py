@@ -25,19 +25,10 @@ from rolloutbus.cli import build_parser
 from rolloutbus.cli.console import QUIET_LIBRARIES, graceful_stop_handler
 from rolloutbus.config import KafkaConfig
 from rolloutbus.kafka.clients import LIBRDKAFKA_LOGGER, idempotent_producer
-from tests.helpers import free_port
+from tests.helpers import free_port, run_cli
 
 LOG_POLL_S = 0.2  # seconds per producer poll while waiting for librdkafka's first log line
 LOG_WAIT_S = 30.0  # seconds; a refused connection is logged within a second or two
-
-
-def _cli(*argv: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "rolloutbus.cli", *argv],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
 
 
 def _python(code: str, **kwargs) -> subprocess.CompletedProcess:
@@ -65,14 +56,14 @@ def test_every_option_of_every_subcommand_has_help_text():
 
 
 def test_version():
-    result = _cli("--version")
+    result = run_cli("--version")
     assert result.returncode == 0 and result.stdout.strip() == f"rolloutbus {__version__}"
 
 
 def test_broker_status_says_not_running_rather_than_pid_none(tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text(f"broker: {{port: {free_port()}, data_dir: '{tmp_path / 'kafka'}'}}\n")
-    result = _cli("broker", "status", "--config", str(cfg))
+    result = run_cli("broker", "status", "--config", str(cfg))
     assert result.returncode == 3, result.stderr
     assert result.stdout.startswith("broker not running (bootstrap 127.0.0.1:")
     assert "None" not in result.stdout

@@ -4,7 +4,6 @@ import pytest
 
 from rolloutbus.errors import AgentLoopError
 from rolloutbus.streams.agent_loop.continuous_token import ContinuousTokenBuilder, render_ids
-from tests.scripted_server import qwen3_tokenizer
 
 CALL_TEXT = (
     '<tool_call>\n{"name": "calculator", "arguments": {"expression": "18 * 7"}}\n</tool_call>'
@@ -22,11 +21,6 @@ TOOLS = [
         },
     }
 ]
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return qwen3_tokenizer()
 
 
 @pytest.fixture(scope="module")

@@ -43,12 +43,12 @@ from rolloutbus.schemas.trajectories import TRAJECTORY_SCHEMA, decode_trajectory
 from rolloutbus.schemas.turns import (
     Generation,
     GroupStarted,
-    SessionFailed,
     SessionFinished,
     decode_turn_event,
     encode_turn_event,
 )
 from rolloutbus.topics import Topics, partition_for, trajectory_key, uid_of_key
+from tests.builders import make_group_started, make_session_failed
 from tests.fuzz_records import (
     PROMPT_GROUP,
     TRAJECTORY,
@@ -472,8 +472,8 @@ def _orphan_generation(uid: str) -> list[BaseModel]:
 def _group_with_a_string_prompt(uid: str) -> list[BaseModel]:
     # GroupStarted.row is any dict: on release, Trajectory(raw_prompt=list("...")) fails
     return [
-        GroupStarted(uid=uid, attempt="a", n=1, row={"prompt": "a string prompt"}),
-        SessionFailed(uid=uid, session_id=0, attempt="a", error="no prompt"),
+        make_group_started(uid, row={"prompt": "a string prompt"}),
+        make_session_failed(uid, error="no prompt"),
     ]
 
 
@@ -490,10 +490,8 @@ def test_replay_buffer_survives_schema_valid_events_it_cannot_fold(
     topics = Topics.from_config(cfg.kafka)
     bad_uid, good_uid = "badbadbad", "goodgoodgood"
     good = [
-        GroupStarted(
-            uid=good_uid, attempt="a", n=1, row={"prompt": [{"role": "user", "content": "q"}]}
-        ),
-        SessionFailed(uid=good_uid, session_id=0, attempt="a", error="no replica"),
+        make_group_started(good_uid),
+        make_session_failed(good_uid, error="no replica"),
     ]
     _produce(
         cfg,

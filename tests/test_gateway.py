@@ -49,7 +49,6 @@ from tests.pipeline import (
     wait_http_ok,
     write_config,
 )
-from tests.scripted_server import qwen3_tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import openai_agent  # noqa: E402
@@ -64,11 +63,6 @@ ROW = {
     "prompt": [{"role": "user", "content": QUESTION}],
     "reward_model": {"ground_truth": "126"},
 }
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return qwen3_tokenizer()
 
 
 def _ids(tok, text: str) -> list[int]:

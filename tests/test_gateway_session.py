@@ -23,7 +23,6 @@ import pytest
 from rolloutbus.config import Config
 from rolloutbus.errors import TokenDriftError
 from rolloutbus.schemas.turns import (
-    GroupStarted,
     SessionFinished,
     SessionStarted,
     decode_turn_event,
@@ -44,9 +43,9 @@ from rolloutbus.streams.gateway.session import (
 from rolloutbus.streams.gateway.wire import ChatCompletionRequest
 from rolloutbus.streams.reward import default_compute_score
 from rolloutbus.streams.sessions.recovery import LoggedAttempt
+from tests.builders import make_group_started
 from tests.scripted_server import (
     ScriptedServerManager,
-    qwen3_tokenizer,
     scripted_turn,
 )
 
@@ -54,11 +53,6 @@ CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "18 * 7"
 ANSWER = "The answer is 126."
 LP_CALL, LP_ANSWER = -0.25, -0.75
 QUESTION = [{"role": "user", "content": "计算 18 * 7"}]
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return qwen3_tokenizer()
 
 
 @pytest.fixture(scope="module")
@@ -97,8 +91,8 @@ def make_session(tok, outputs, log, *, row=None, partitions=4, **rollout):
         parser=ToolParser.get_tool_parser("hermes", tok),
         scorer=default_compute_score,
     )
-    group = GroupStarted(
-        uid="g1", attempt="ga", n=1, row=row or {}, sampling_params={}, driven_by="gateway"
+    group = make_group_started(
+        "g1", attempt="ga", row=row or {}, sampling_params={}, driven_by="gateway"
     )
     return GatewaySession(ctx, group, 0), server
 
@@ -133,7 +127,7 @@ def trajectory(log, attempt, response_length=512):
     fold = SessionFold(0, attempt)
     for event in log.of(attempt):
         fold.apply(event)
-    started = GroupStarted(uid="g1", attempt="ga", n=1, row={}, driven_by="gateway")
+    started = make_group_started("g1", attempt="ga", row={}, driven_by="gateway")
     [t] = build_group_trajectories(started, [fold], response_length)
     return t
 

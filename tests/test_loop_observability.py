@@ -12,7 +12,7 @@ import pytest
 from rolloutbus.config import load_config
 from rolloutbus.errors import ConfigError
 from rolloutbus.schemas.agent_loop import AgentLoopMetrics
-from rolloutbus.schemas.trajectories import Trajectory, trajectories_to_batch
+from rolloutbus.schemas.trajectories import trajectories_to_batch
 from rolloutbus.streams.agent_loop import DictConfigWrap, ToolAgentLoop
 from rolloutbus.streams.agent_loop.metrics import (
     agent_loop_step_metrics,
@@ -27,19 +27,14 @@ from rolloutbus.streams.agent_loop.tracing import (
     trace_span,
 )
 from rolloutbus.streams.inference.routing import LoadBalancer, load_balancer
+from tests.builders import make_trajectory
 from tests.scripted_server import (
     ScriptedServerManager,
     make_config,
-    qwen3_tokenizer,
     scripted_turn,
 )
 
 CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "18 * 7"}}\n</tool_call>'
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return qwen3_tokenizer()
 
 
 def _turn(tok, text):
@@ -142,17 +137,13 @@ def test_step_metrics_have_verls_names_and_pick_the_slowest():
 
 def test_step_metrics_of_a_trajectory_batch_leave_failed_records_out():
     def trajectory(i, status, generate):
-        return Trajectory(
-            key=f"u_{i}_0",
-            uid="u",
-            session_id=i,
-            output_index=0,
-            num_outputs=1,
+        return make_trajectory(
+            "u",
+            i,
             group_size=2,
             status=status,
             prompts=[1] * (i + 2),
             responses=[2] * (i + 1),
-            response_mask=[1] * (i + 1),
             metrics=AgentLoopMetrics(generate_sequences=generate, num_preempted=0),
         )
 

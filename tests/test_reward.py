@@ -13,7 +13,6 @@ from rolloutbus.streams.reward import (
     score_outputs,
     split_result,
 )
-from tests.scripted_server import qwen3_tokenizer
 
 ROW = {
     "data_source": ARITHMETIC_SOURCE,
@@ -21,11 +20,6 @@ ROW = {
     "reward_model": {"style": "rule", "ground_truth": "126"},
     "extra_info": {"index": 42},
 }
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return qwen3_tokenizer()
 
 
 def output(tok, text, **fields):

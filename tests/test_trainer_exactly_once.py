@@ -25,8 +25,8 @@ from rolloutbus.consumers.groups import TrajectoryGroup
 from rolloutbus.consumers.position import PartitionPosition
 from rolloutbus.errors import BrokerError
 from rolloutbus.kafka.clients import idempotent_producer, read_committed_consumer
-from rolloutbus.schemas.trajectories import Trajectory, TrajectoryStatus, encode_trajectories
-from rolloutbus.topics import Topics, partition_for, trajectory_key
+from rolloutbus.topics import Topics, partition_for
+from tests.builders import make_group, trajectory_records
 from tests.helpers import unique_name
 from tests.pipeline import write_config
 
@@ -41,23 +41,10 @@ PROGRAMS = Path(__file__).parent / "programs"
 
 
 def _records(uid: str) -> list[tuple[str, bytes]]:
-    ts = [
-        Trajectory(
-            key=trajectory_key(uid, s, 0),
-            uid=uid,
-            session_id=s,
-            output_index=0,
-            num_outputs=1,
-            group_size=GROUP_SIZE,
-            status=TrajectoryStatus.COMPLETED,
-            prompts=[1, 2, 3],
-            responses=[4, 5],
-            response_mask=[1, 1],
-            rollout_log_probs=[-0.1, -0.2],
-        )
-        for s in range(GROUP_SIZE)
-    ]
-    return list(zip([t.key for t in ts], encode_trajectories(ts), strict=True))
+    group = make_group(
+        uid, GROUP_SIZE, prompts=[1, 2, 3], responses=[4, 5], rollout_log_probs=[-0.1, -0.2]
+    )
+    return trajectory_records(group)
 
 
 def _interleaved(uids: list[str]) -> list[tuple[str, bytes]]:
