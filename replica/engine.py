@@ -96,7 +96,7 @@ class DecodeEngine:
 
     @classmethod
     def from_config(cls, cfg: Config) -> DecodeEngine:
-        """Load ``cfg.model`` (see ``weights.load_causal_lm``) and wrap it; not started."""
+        """Load ``cfg.model`` (``rolloutbus.models.causal_lm``) and wrap it; not started."""
         from rolloutbus.models.causal_lm import load_causal_lm
 
         if cfg.replica_server.torch_threads:
