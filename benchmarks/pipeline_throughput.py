@@ -33,9 +33,9 @@ from rolloutbus.kafka.clients import (
 from rolloutbus.streams.assembly.replay_buffer import ReplayBuffer
 from rolloutbus.topics import Topics, partition_for
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from helpers import free_port  # noqa: E402
-from synthetic import TURNS, N, make_events  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: ``tests``
+from tests.helpers import free_port  # noqa: E402
+from tests.synthetic import TURNS, N, make_events  # noqa: E402
 
 
 def produce_all(kafka: KafkaConfig, topic: str, events) -> None:

@@ -25,4 +25,4 @@ if [ "${SKIP_VLLM_ENV:-0}" != 1 ] && [ -f ops/vllm/setup_vllm_cpu.sh ]; then
   bash ops/vllm/setup_vllm_cpu.sh >/dev/null
 fi
 bash ops/check.sh   # the quality gate: ruff format --check, ruff check, mypy
-exec python -m pytest -p no:cacheprovider -ra "$@"
+exec python -m pytest -p no:cacheprovider -ra --durations=40 "$@"

@@ -292,6 +292,10 @@ class SessionsConfig(_Section):
     # seconds without a heartbeat before the group gives a dead worker's partitions to the
     # others (Faust's default is 60): how long a crashed worker's groups wait to be resumed
     broker_session_timeout_s: float = Field(default=20.0, gt=0)
+    # seconds a session (or a group waiting for a slot) may go without progress (a logged
+    # event) before it is logged as stalled with what it waits on, and counted; it only
+    # reports. Above a healthy turn: a long decode plus a slow tool on a busy fleet.
+    stall_warn_s: float = Field(default=300.0, gt=0)
     # Faust's local folder (it keeps no tables here, but creates one): {data_dir}/{app_id}.
     # Faust's default, "{app_id}-data" in the working directory, littered checkouts.
     data_dir: Path = Path("var/faust")
@@ -304,6 +308,24 @@ class ReplayBufferConfig(_Section):
     # through the consumer group instead, KIP-447). Set it only to pin an id: a second
     # process with the same id fences the first.
     transactional_id: str | None = None
+    # Static membership (KIP-345): this process's fixed name in the consumer group, kept
+    # across its restarts (a StatefulSet's pod name, a systemd instance). A restarted member
+    # takes its partitions back at once, without a rebalance or waiting session_timeout_s
+    # for the dead one; its transactional id (unless pinned) is then
+    # ``{group_id}-{group_instance_id}``, so the restart also fences the dead process's
+    # producer and ends its open transaction at once. Unique per live process: a second one
+    # with the same name fences the first (which exits with FENCED_INSTANCE_ID). None:
+    # dynamic membership, and a transactional id of its own per process.
+    group_instance_id: str | None = None
+    # seconds without a heartbeat before the group gives a dead member's partitions to the
+    # others (librdkafka's default is 45): how long a member that is gone for good stalls the
+    # releases of its partitions; heartbeats come from librdkafka's own thread every 3 s
+    session_timeout_s: float = Field(default=10.0, ge=6.0, le=1800.0)  # the broker's bounds
+    # seconds the transaction coordinator lets a transaction stay open before it aborts it:
+    # a dead member's open transaction holds back read_committed readers of its output
+    # (trainers, the next owner's read of the released topic) until then; a batch's
+    # transaction takes well under a second
+    transaction_timeout_s: float = Field(default=10.0, gt=0, le=900.0)
     # Open groups per turn-log partition; past it the oldest is released with its unsettled
     # sessions as failed records ("too many open groups") and a dead letter. An open group
     # holds its sessions' token streams, ~80 bytes per token (8 sessions x 4k tokens is

@@ -102,7 +102,18 @@ class SessionMetrics(PerRegistry):
             ["kind"],
             registry=registry,
         )
-
+        self.stalls = Counter(
+            "rolloutbus_sessions_stalls_total",
+            "Sessions or groups found with no progress for sessions.stall_warn_s (each "
+            "stall counted once; the log line names the key and what it waits on); stalls",
+            registry=registry,
+        )
+        self.stalled = Gauge(
+            "rolloutbus_sessions_stalled",
+            "Sessions or groups stalled now (no progress for sessions.stall_warn_s); "
+            "sessions or groups",
+            registry=registry,
+        )
         self.failed_sessions = Counter(
             "rolloutbus_sessions_failed_total",
             "Sessions that ended in session_failed, by failure class (infrastructure, loop, "
@@ -192,6 +203,11 @@ class GatewayMetrics(PerRegistry):
 
 class ReplayBufferMetrics(PerRegistry):
     def _init(self, registry: CollectorRegistry) -> None:
+        self._init_fold(registry)
+        self._init_recovery(registry)
+
+    def _init_fold(self, registry: CollectorRegistry) -> None:
+        """What the fold of the turn log counts: events, groups, trajectories."""
         self.events = Counter(
             "rolloutbus_replay_buffer_events_total",
             "Turn events consumed, by type; events",
@@ -232,6 +248,22 @@ class ReplayBufferMetrics(PerRegistry):
             ["kind"],
             registry=registry,
         )
+        self.oldest_open_group = Gauge(
+            "rolloutbus_replay_buffer_oldest_open_group_timestamp_seconds",
+            "Log timestamp of the first event of the oldest group still open (0: none open); "
+            "seconds since the epoch",
+            registry=registry,
+        )
+        self.group_deadline = Gauge(
+            "rolloutbus_replay_buffer_group_deadline_seconds",
+            "deadlines.group_s: log time a group may stay open before its unsettled sessions "
+            "are released as failed; seconds",
+            registry=registry,
+        )
+
+    def _init_recovery(self, registry: CollectorRegistry) -> None:
+        """What makes a release exactly once: released uids remembered, partitions
+        recovered, transactions aborted and producers replaced."""
         self.released_uids = Gauge(
             "rolloutbus_replay_buffer_released_uids",
             "Released uids remembered (read back from the released topic on assignment); uids",
@@ -248,23 +280,19 @@ class ReplayBufferMetrics(PerRegistry):
             "topic: on assignment and after an aborted transaction; partitions",
             registry=registry,
         )
-        self.oldest_open_group = Gauge(
-            "rolloutbus_replay_buffer_oldest_open_group_timestamp_seconds",
-            "Log timestamp of the first event of the oldest group still open (0: none open); "
-            "seconds since the epoch",
-            registry=registry,
-        )
-        self.group_deadline = Gauge(
-            "rolloutbus_replay_buffer_group_deadline_seconds",
-            "deadlines.group_s: log time a group may stay open before its unsettled sessions "
-            "are released as failed; seconds",
-            registry=registry,
-        )
         self.transaction_aborts = Counter(
             "rolloutbus_replay_buffer_transaction_aborts_total",
             "Transactions aborted and retried from the committed offsets, by cause: abortable "
-            "(a broker error), retries_exhausted, wedged (a client call that never returned); "
-            "transactions",
+            "(a broker error), retries_exhausted, wedged (a client call that never returned), "
+            "fatal (the producer fenced or its transaction state beyond repair); transactions",
+            ["cause"],
+            registry=registry,
+        )
+        self.producer_replacements = Counter(
+            "rolloutbus_replay_buffer_producer_replacements_total",
+            "Transactional producers replaced by a new one with the same transactional id "
+            "(which fences the old and ends its transaction), by cause: fatal, wedged, or "
+            "abortable/retries_exhausted when the abort itself failed; replacement events",
             ["cause"],
             registry=registry,
         )

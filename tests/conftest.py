@@ -146,8 +146,9 @@ def make_consumer(kafka_bootstrap: str) -> Iterator[Callable[..., Consumer]]:
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
-    """The fault-injection table (tests/faults_harness.py), when fault scenarios ran."""
-    harness = sys.modules.get("faults_harness")
+    """The fault-injection table (the harness package tests/faults/, re-exported by
+    ``tests.faults_harness``), when fault scenarios ran."""
+    harness = sys.modules.get("tests.faults")
     rows = getattr(harness, "ROWS", None)
     if not rows:
         return

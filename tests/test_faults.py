@@ -1,4 +1,4 @@
-"""Fault scenarios against the whole pipeline of real processes (``tests/faults_harness.py``).
+"""Fault scenarios against the whole pipeline of real processes (the harness: ``tests/faults/``).
 
 Each scenario runs the same workload as a fault-free reference run (computed once per
 module) and must lose nothing, duplicate nothing, sample no logged turn again, and release
@@ -13,31 +13,44 @@ replay buffer and the trainer client are hardened behind them.
 from __future__ import annotations
 
 import importlib.util
-import time
 
 import pytest
-from faults_harness import (
-    FIXTURES,
+
+from rolloutbus.schemas.turns import Generation, GroupStarted, SessionStarted
+from rolloutbus.streams.assembly.released import ReleasedRecord
+from tests.faults_harness import (
+    PLUGINS,
     FaultContext,
     FaultRow,
     FaultRun,
     Workload,
+    at_spread_moments,
     dedicated_broker,
+    kill_broker,
+    release_stall,
     restart_broker,
     run_fault_scenario,
+    sigkill_spread,
     turn_log_counts,
 )
 
-from rolloutbus.schemas.turns import Generation, GroupStarted, SessionStarted
-
 fault_scenario = pytest.mark.slow  # and kafka, added by conftest: every scenario needs the broker
 
-# 64 groups x 4 sessions: every fault lands mid-run with groups open on every partition.
-# A scenario's time is mostly fixed (process starts, the outage, the 20 s session timeout):
-# the five rows took 405 s in CI at 64 groups and 404-761 s at 100, by the machine's load.
-WORKLOAD = Workload(groups=64, n=4, turns=3, tokens_per_turn=2, tool_delay_s=0.25)
+# 32 groups x 4 sessions. Every fault lands mid-run whatever the size: kills are placed by
+# progress (at_spread_moments: kill i in the i-th slice of 5-85 % of the sessions released,
+# each after one more group), and with sessions.concurrency 8 over 4 partitions groups are
+# open on the partitions a fault moves. The rest of a row's time is mostly fixed (process
+# starts, the outage, the session timeouts): at 64 groups the reference took 129 s and the
+# session kills 130 s, at 32 groups 41 s and 103 s; the other rows swing with the load.
+WORKLOAD = Workload(groups=32, n=4, turns=3, tokens_per_turn=2, tool_delay_s=0.25)
 KILLS = 5
-BROKER_OUTAGE_S = 10.0  # seconds the broker stays down
+BROKER_KILLS = 3
+BROKER_OUTAGE_S = 10.0  # seconds the broker stays down after a graceful stop
+BROKER_KILLED_S = 2.0  # seconds a SIGKILLed broker stays down (its JVM start adds more)
+# sessions.concurrency for the replay-buffer kills: 2 groups in flight instead of 8 makes
+# the run about 4x longer, so all five kills land while groups are still being released
+# and each stall is a takeover, not a wait for the workload
+SLOW_RELEASES_CONCURRENCY = 2
 
 
 @pytest.fixture(scope="module")
@@ -68,36 +81,39 @@ def _assert_exactly_once_and_as_reference(run: FaultRun) -> None:
 # -- scenarios ---------------------------------------------------------------------------------
 
 
-def sigkill_session_worker(kills: int):
-    """SIGKILL the session worker ``kills`` times at random moments spread over the run (each
-    after the restarted worker released at least one more group), restarted each time."""
-
-    def scenario(ctx: FaultContext) -> None:
-        slot = 0.8 / kills  # fractions of the run: kill i lands somewhere in slot i
-        last = 0
-        for i in range(kills):
-            fraction = 0.05 + i * slot + ctx.rng.uniform(0, 0.8 * slot)
-            ctx.wait_for_released(max(int(fraction * ctx.workload.sessions), last + ctx.workload.n))
-            time.sleep(ctx.rng.uniform(0.0, 2.0))  # seconds: a random moment
-            last = ctx.released()
-            ctx.kill(ctx.pipeline.workers[0])
-
-    return scenario
-
-
 @fault_scenario
 def test_sigkill_sessions_x5(kafka_bootstrap, tmp_path, reference):
+    """SIGKILL the session worker five times at random moments spread over the run."""
     run = run_fault_scenario(
         f"sigkill sessions x{KILLS}",
         bootstrap=kafka_bootstrap,
         workdir=tmp_path,
         workload=WORKLOAD,
         seed=5,
-        scenario=sigkill_session_worker(KILLS),
+        scenario=sigkill_spread(lambda pipeline: pipeline.workers[0], KILLS),
         reference=reference,
     )
     _assert_exactly_once_and_as_reference(run)
     assert run.row.resumed > 0, f"no session was resumed from the log\n{run.explain()}"
+
+
+@fault_scenario
+def test_sigkill_replay_buffer_x5_during_releases(kafka_bootstrap, tmp_path, reference):
+    """SIGKILL the replay buffer five times while it releases groups; the supervisor starts
+    it again each time. The row's ``stall s`` is the median time from a kill to the next
+    group released (the takeover)."""
+    run = run_fault_scenario(
+        f"sigkill replay buffer x{KILLS}",
+        bootstrap=kafka_bootstrap,
+        workdir=tmp_path,
+        workload=WORKLOAD,
+        seed=7,
+        scenario=sigkill_spread(lambda pipeline: pipeline.buffers[0], KILLS),
+        concurrency=SLOW_RELEASES_CONCURRENCY,
+        reference=reference,
+    )
+    _assert_exactly_once_and_as_reference(run)
+    assert run.row.stall_s is not None, f"no release after a kill\n{run.explain()}"
 
 
 @fault_scenario
@@ -123,6 +139,36 @@ def test_broker_restart(tmp_path, reference):
             broker=broker,
         )
     _assert_exactly_once_and_as_reference(run)
+
+
+@fault_scenario
+@pytest.mark.kafka  # a broker of its own (the session broker only runs the reference)
+def test_sigkill_broker_x3(tmp_path, reference):
+    """SIGKILL the broker's JVM three times mid-run (no shutdown: transactions open, the
+    coordinators' state as a power cut leaves it), started again each time. No process may
+    exit for a transaction error (a fatal one replaces the replay buffer's producer)."""
+    with dedicated_broker(tmp_path / "broker") as broker:
+
+        def kill(ctx: FaultContext, i: int) -> None:
+            ctx.note(f"SIGKILL the broker ({i + 1} of {BROKER_KILLS})")
+            kill_broker(broker, BROKER_KILLED_S)
+            ctx.note("broker started again")
+
+        run = run_fault_scenario(
+            f"sigkill broker x{BROKER_KILLS}",
+            bootstrap=broker.kafka.bootstrap_servers,
+            workdir=tmp_path,
+            workload=WORKLOAD,
+            seed=3,
+            scenario=at_spread_moments(BROKER_KILLS, kill),
+            reference=reference,
+            broker=broker,
+        )
+    _assert_exactly_once_and_as_reference(run)
+    buffer_exits = {name: codes for name, codes in run.exits.items() if name.startswith("replay")}
+    assert not any(buffer_exits.values()), (
+        f"the replay buffer exited on its own: {buffer_exits}\n{run.explain()}"
+    )
 
 
 @fault_scenario
@@ -208,8 +254,34 @@ def test_turn_log_counts_tell_replayed_turns_from_resampled_ones():
     assert row.notes == ["1 resumed sessions did not replay what was logged"]
 
 
+def test_turn_log_counts_tell_a_resume_cut_short_from_one_that_resampled():
+    """A worker killed part way through replaying a session's log re-logged only a prefix of
+    it; the next attempt resumes from the whole log (recovery.LoggedAttempt.history)."""
+    events = [
+        GroupStarted(uid="u", attempt="a", n=1, row={"prompt": [{"role": "user", "content": "x"}]}),
+        SessionStarted(uid="u", session_id=0, attempt="a", agent_name="p"),
+        _generation("a", 0, "r0", [1, 2], seq=2),
+        _generation("a", 1, "r1", [3, 4], seq=4),
+        # resumed, killed after replaying turn 0 of 2
+        SessionStarted(uid="u", session_id=0, attempt="b", agent_name="p", resumed_from="a"),
+        _generation("b", 0, "r0", [1, 2], seq=2),
+        # resumed from b, whose history is b's turn 0 then a's turn 1: both replayed
+        SessionStarted(uid="u", session_id=0, attempt="c", agent_name="p", resumed_from="b"),
+        _generation("c", 0, "r0", [1, 2], seq=2),
+        _generation("c", 1, "r1", [3, 4], seq=4),
+        _generation("c", 2, "r2", [5, 6], seq=6),
+    ]
+    row = FaultRow("unit", expected=1)
+    turn_log_counts(events, row)
+    assert (row.attempts, row.resumed, row.resampled) == (3, 1, 0)
+    assert row.notes == [
+        "1 resumed sessions stopped part way through replaying their log (their worker was "
+        "stopped; a later attempt resumes them)"
+    ]
+
+
 def test_turn_seeds_are_stable_and_distinct(monkeypatch):
-    monkeypatch.syspath_prepend(str(FIXTURES))  # as the workers' PYTHONPATH has it
+    monkeypatch.syspath_prepend(str(PLUGINS))  # as the workers' PYTHONPATH has it
     loop = importlib.import_module("seeded_paced_loop")
     turn_seed = loop.turn_seed
     assert turn_seed("fault00001", 0, 0) == turn_seed("fault00001", 0, 0)
@@ -217,3 +289,17 @@ def test_turn_seeds_are_stable_and_distinct(monkeypatch):
         turn_seed(f"fault{g:05d}", s, t) for g in range(100) for s in range(4) for t in range(3)
     }
     assert len(seeds) == 1200 and all(0 <= seed < 2**31 for seed in seeds)
+
+
+def test_the_release_stall_waits_for_every_partition_to_release_again():
+    def released(partition: int, at_s: float) -> ReleasedRecord:
+        return ReleasedRecord(
+            uid=f"u{partition}{at_s}",
+            partition=partition,
+            trajectories=1,
+            released_at_ms=int(at_s * 1000),
+        )
+
+    records = [released(0, 99.0), released(0, 103.0), released(1, 107.5), released(0, 104.0)]
+    assert release_stall(records, killed_at=100.0) == 7.5  # partition 1 came back last
+    assert release_stall(records, killed_at=110.0) is None  # nothing released after it

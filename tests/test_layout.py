@@ -81,20 +81,6 @@ CONSUMER_SUBROOMS = {"training"}
 # What importing the pure fold may not load: the fold folds events in memory.
 CLIENT_LIBRARIES = ("httpx", "aiohttp", "confluent_kafka", "aiokafka", "faust", "torch")
 
-# Test-side modules that still import the shared helpers by bare name (tests/__init__.py),
-# each with why; nothing else may. The fault harness and its rows (b-kafka-recovery's split,
-# in flight) and that branch's new tests move to ``tests.`` paths after it merges.
-BARE_HELPER_IMPORTERS = {
-    "faults_harness.py",
-    "test_faults.py",
-    "test_faults_cluster.py",
-    "test_faults_training.py",
-    "test_faults_weight_sync.py",
-    "test_kafka_transactions.py",
-    "test_replay_buffer_takeover.py",
-}
-BARE_HELPER_FOLDERS = {"faults"}  # tests/faults/, the harness split by job
-
 
 def room_of(module: str) -> str:
     """The room of a dotted module name, as ALLOWED names them."""
@@ -262,31 +248,47 @@ def test_the_lazy_re_exports_still_resolve():
 # ---- the test suite's own imports ------------------------------------------------------
 
 
-def _bare_helper_importers() -> set[str]:
-    from tests import BARE_NAME_HELPERS
-
+def _test_side_names() -> set[str]:
+    """The names the modules and packages directly in tests/ would answer to if tests/ were
+    on ``sys.path`` (``helpers``, ``pipeline``, ``faults``, ``faults_harness``, ...)."""
     tests = ROOT / "tests"
-    found = set()
-    for path in tests.rglob("*.py"):
-        if path.is_relative_to(tests / "fixtures"):
-            continue  # the link to plugins/, kept for the fault harness
+    modules_here = {path.stem for path in tests.glob("*.py")}
+    packages_here = {path.parent.name for path in tests.glob("*/__init__.py")}
+    return (modules_here | packages_here) - {"__init__", "conftest"}
+
+
+def bare_test_imports(paths: list[Path]) -> dict[str, set[str]]:
+    """File → the test-side names it imports bare (``import helpers``, ``from faults.x``)."""
+    bare_names = _test_side_names()
+    found: dict[str, set[str]] = {}
+    for path in paths:
+        names: list[str] = []
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            names = (
-                [node.module or ""]
-                if isinstance(node, ast.ImportFrom) and not node.level
-                else [a.name for a in node.names]
-                if isinstance(node, ast.Import)
-                else []
-            )
-            if any(name.split(".")[0] in BARE_NAME_HELPERS for name in names):
-                found.add(path.relative_to(tests).as_posix())
+            if isinstance(node, ast.ImportFrom) and not node.level:
+                names.append(node.module or "")
+            elif isinstance(node, ast.Import):
+                names.extend(alias.name for alias in node.names)
+        hits = {name.split(".")[0] for name in names} & bare_names
+        if hits:
+            where = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+            found[where.as_posix()] = hits
     return found
 
 
-def test_tests_import_the_shared_helpers_by_package_path():
-    bare = {
-        path
-        for path in _bare_helper_importers()
-        if path not in BARE_HELPER_IMPORTERS and Path(path).parts[0] not in BARE_HELPER_FOLDERS
-    }
-    assert not bare, f"import these as tests.<name>: {sorted(bare)}"
+def test_tests_and_benchmarks_import_the_test_helpers_by_package_path():
+    """``tests.helpers``, never ``helpers``: a bare name resolves only while something has
+    put tests/ on ``sys.path``, and one module imported under two names holds its state
+    twice (the fault table, registries)."""
+    paths = sorted([*(ROOT / "tests").rglob("*.py"), *(ROOT / "benchmarks").rglob("*.py")])
+    bare = bare_test_imports(paths)
+    assert not bare, f"import these as tests.<name>: {bare}"
+
+
+def test_a_bare_import_of_a_test_helper_is_found(tmp_path):
+    planted = tmp_path / "planted.py"
+    planted.write_text(
+        "import helpers\nfrom faults.workload import Workload\nfrom tests.pipeline import spawn\n"
+        "def f():\n    import faults_harness\n"
+    )
+    [(_, names)] = bare_test_imports([planted]).items()
+    assert names == {"helpers", "faults", "faults_harness"}

@@ -264,3 +264,35 @@ async def test_a_session_past_its_deadline_is_recorded_as_failed():
     assert result.type == "session_failed" and "deadlines.session_s" in result.error
     [t] = _released(log.events)
     assert t.status.value == "failed"
+
+
+async def test_a_resume_stopped_part_way_through_its_replay_is_resumed_from_the_whole_log():
+    """A worker resumed the sessions, re-logged the first of their logged turns under the new
+    attempts, and was killed (the rebalance fault row: resumed at a rebalance, SIGKILLed
+    seconds later). The next worker's resume must still answer every turn the first attempt
+    logged from the log: none is sampled again."""
+    reference = await _fault_free()
+    full = Log()
+    await run_group(
+        SessionContext(config=Config(), tokenizer=None, llm_client=CountingClient()),
+        _group(),
+        full.emit,
+    )
+    crashed = Log()
+    crashed.events = _crash_after(full.events, generations=4)  # every turn logged, none done
+    first_resume = Log()
+    first_resume.events = list(crashed.events)
+    await _resume(first_resume, CountingClient())
+    resumed_part = first_resume.events[len(crashed.events) :]
+    first_replayed = next(i for i, e in enumerate(resumed_part) if e.type == "generation")
+    killed = Log()  # the log as the killed worker left it: its resume cut after one turn
+    killed.events = crashed.events + resumed_part[: first_replayed + 1]
+    assert any(e.type == "session_started" and e.resumed_from for e in killed.events)
+
+    client = CountingClient()
+    client.calls = 4
+    ctx = await _resume(killed, client)
+
+    assert client.calls == 4, "every turn was logged: none may be sampled again"
+    assert ctx.stats.replayed_generations == 4
+    assert _columns(_released(killed.events)) == reference

@@ -9,16 +9,22 @@ process rather than leaving the group open forever.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import namedtuple
 from types import SimpleNamespace
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from rolloutbus.config import Config
 from rolloutbus.errors import BrokerError
+from rolloutbus.metrics import SessionMetrics
 from rolloutbus.schemas.prompts import GroupSamplingParams, PromptGroup
+from rolloutbus.schemas.turns import GroupStarted, SessionStarted
 from rolloutbus.streams.sessions import worker as worker_module
+from rolloutbus.streams.sessions.recovery import UnfinishedGroup
 from rolloutbus.streams.sessions.runner import SessionContext
+from rolloutbus.streams.sessions.stall import StallWatch
 from rolloutbus.streams.sessions.worker import PartitionState, SessionWorker
 
 TP = namedtuple("TP", "topic partition")  # test double for a Kafka topic-partition
@@ -71,7 +77,14 @@ def _worker(monkeypatch) -> SessionWorker:
     worker.ctx = SessionContext(config=Config(), tokenizer=None, llm_client=None)
     state = worker.partitions[0] = PartitionState()
     state.recovered.set()
+    worker.assignment_settled.set()  # partition 0 assigned, as on_assigned leaves it
     return worker
+
+
+def _scan_finds(worker: SessionWorker, monkeypatch, started: set[str]) -> None:
+    """Test double for the turn-log scan on (re)assignment: these groups started, none open."""
+    scan = SimpleNamespace(started_uids=started, events=len(started), unfinished=lambda: [])
+    monkeypatch.setattr(worker, "_scan_turn_log", lambda partition: scan)
 
 
 def _group() -> bytes:
@@ -96,8 +109,10 @@ async def test_a_group_whose_turns_cannot_be_written_ends_the_process(monkeypatc
     worker = _worker(monkeypatch)
     group = PromptGroup.model_validate_json(_group())
     await worker._slots.acquire()  # as take() does before it starts a group
+    task = worker._spawn(worker.partitions[0], group.uid, worker._run_logged(group, "a0", None))
     with pytest.raises(Exited):
-        await worker._run_logged(group, "a0", None)
+        await task
+    await asyncio.sleep(0)  # the task's done callbacks
     assert worker._slots._value == worker.cfg.sessions.concurrency  # its slot was given back
 
 
@@ -119,6 +134,10 @@ async def test_a_prompt_of_a_revoked_partition_is_left_for_its_new_owner(monkeyp
     waiting = asyncio.ensure_future(worker.take(_event(_group())))
     await asyncio.sleep(0)
     await worker.on_revoked({TP(worker.topics.prompts, 0)})
+    await asyncio.sleep(0)
+    assert not waiting.done()  # whose the prompt is shows only after the rebalance
+    _scan_finds(worker, monkeypatch, started=set())
+    worker.on_assigned({TP(worker.topics.prompts, 1)})  # partition 0 went to another worker
     await waiting  # returns without writing: the new owner reads the prompt again
     assert worker.turn_log.attempts == 0
 
@@ -138,6 +157,7 @@ async def test_a_prompt_waiting_for_a_slot_when_its_partition_is_revoked_is_not_
     await asyncio.sleep(0)
     await worker.on_revoked({TP(worker.topics.prompts, 0)})
     worker._slots.release()  # a running group ends
+    worker.on_assigned(set())  # partition 0 went to another worker
     await waiting
     assert worker.turn_log.attempts == 0  # no group_started written by the old owner
     assert worker._slots._value == 1  # the slot it took was given back
@@ -165,12 +185,15 @@ async def test_a_group_whose_partition_is_revoked_while_group_started_is_written
     worker.producer = SimpleNamespace(flush=lambda timeout: 0)  # test double: nothing queued
     worker.turn_log = SlowTurnLog()  # type: ignore[assignment]
     started = []
-    monkeypatch.setattr(worker, "_spawn", lambda state, coro: (started.append(coro), coro.close()))
+    monkeypatch.setattr(
+        worker, "_spawn", lambda state, uid, coro: (started.append(coro), coro.close())
+    )
     waiting = asyncio.ensure_future(worker.take(_event(_group())))
     await asyncio.sleep(0)
     assert [e.type for e in worker.turn_log.events] == ["group_started"]
     await worker.on_revoked({TP(worker.topics.prompts, 0)})
     worker.turn_log.done.set()
+    worker.on_assigned(set())  # partition 0 went to another worker
     await waiting
     assert started == []  # not run by the old owner
     assert worker._slots._value == worker.cfg.sessions.concurrency  # its slot was given back
@@ -192,3 +215,177 @@ def test_faust_keeps_its_folder_under_sessions_data_dir_not_the_working_director
     app = worker_module.build_app(cfg)
     assert app.conf.datadir.resolve() == (tmp_path / "var" / "faust" / "workers-a").resolve()
     assert (tmp_path / "var" / "faust").is_dir()
+
+
+def _unfinished(uid: str, offset: int) -> UnfinishedGroup:
+    started = GroupStarted(
+        uid=uid, attempt="a0", n=1, row={"prompt": [{"role": "user", "content": "hi"}]}
+    )
+    return UnfinishedGroup(started, offset, {0: None})  # its one session never started
+
+
+class ScanWith:
+    """Test double for the turn-log scan: these groups started and did not finish."""
+
+    def __init__(self, groups: list[UnfinishedGroup]):
+        self.groups = groups
+
+    def __call__(self, partition: int) -> SimpleNamespace:
+        return SimpleNamespace(
+            started_uids={g.group.uid for g in self.groups},
+            events=len(self.groups),
+            unfinished=lambda: list(self.groups),
+        )
+
+
+async def _assigned_then_revoked_at_once(worker: SessionWorker) -> None:
+    """Assign partition 0 and revoke it the moment its recovery has spawned its groups,
+    before their tasks took a step (as a rebalance that follows another can)."""
+    worker.on_assigned({TP(worker.topics.prompts, 0)})
+    state = worker.partitions[0]
+    while not state.recovered.is_set():
+        await asyncio.sleep(0)  # spinning: this task runs next, before the spawned ones
+    assert len([t for t in state.tasks if not t.done()]) == 2  # its two groups, spawned
+    await worker.on_revoked({TP(worker.topics.prompts, 0)})
+
+
+async def test_groups_revoked_before_their_first_step_give_their_slots_back(monkeypatch):
+    """A task cancelled before its first step never runs its coroutine (not even a
+    ``finally``), so a slot released there leaked: with every slot leaked, the next
+    recovery waited on a slot forever and its groups never ran (a silent hang)."""
+    worker = _worker(monkeypatch)
+    worker.cfg = Config.model_validate({"sessions": {"concurrency": 2}})
+    worker._slots = asyncio.Semaphore(2)
+    worker.ready.set()
+    worker.producer = SimpleNamespace(flush=lambda timeout: 0)  # test double: nothing queued
+    del worker.partitions[0]
+    monkeypatch.setattr(
+        worker, "_scan_turn_log", ScanWith([_unfinished(f"g{i}", i) for i in (0, 1)])
+    )
+    ran: list[str] = []
+
+    async def run_sessions(ctx, group, attempt, emit, resume):  # test double for the runner
+        ran.append(group.uid)
+        return []
+
+    monkeypatch.setattr(worker_module, "run_sessions", run_sessions)
+    await _assigned_then_revoked_at_once(worker)
+    assert ran == []  # cancelled before they ran
+    await asyncio.sleep(0)
+    assert worker._slots._value == 2  # both slots given back
+    worker.on_assigned({TP(worker.topics.prompts, 0)})  # the partition comes back
+    await asyncio.wait_for(worker.partitions[0].recovered.wait(), timeout=5)
+    await asyncio.wait_for(asyncio.gather(*worker.partitions[0].tasks), timeout=5)
+    assert sorted(ran) == ["g0", "g1"]  # resumed, not waiting on a leaked slot
+
+
+class FakeClock:
+    """Test double for time.monotonic: advanced by hand."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_session_without_progress_is_reported_once_with_what_it_waits_on(caplog):
+    clock = FakeClock()
+    metrics = SessionMetrics(CollectorRegistry())
+    watch = StallWatch(60.0, metrics, clock=clock)
+    watch.waiting("g1", "g1", "a free group slot (sessions.concurrency=2)")
+    watch.waiting("g2", "g2_0", "the replica's answer to its next turn")
+    clock.now = 59.0
+    assert watch.check() == []
+    watch.waiting("g2", "g2_0", "the agent loop after turn 0 (a tool, the reward or ...)")
+    clock.now = 61.0
+    with caplog.at_level(logging.WARNING):
+        stalls = watch.check()
+    assert [(s.key, s.what) for s in stalls] == [
+        ("g1", "a free group slot (sessions.concurrency=2)")
+    ]
+    assert "g1 has made no progress for 61 s" in caplog.text and "group slot" in caplog.text
+    assert watch.check() == []  # reported once per stall
+    assert metrics.stalls._value.get() == 1 and metrics.stalled._value.get() == 1
+    clock.now = 200.0
+    assert [s.key for s in watch.check()] == ["g2_0"]  # its progress at 59 s was the last
+    watch.settled("g2", "g2_0")
+    watch.forget_group("g1")
+    assert metrics.stalls._value.get() == 2 and metrics.stalled._value.get() == 0
+
+
+async def test_the_worker_reports_a_group_waiting_for_a_slot_and_a_session_on_the_replica(
+    monkeypatch,
+):
+    worker = _worker(monkeypatch)
+    worker.turn_log = SlowTurnLog()  # type: ignore[assignment]
+    worker.turn_log.done.set()  # every write acknowledged at once
+    clock = FakeClock()
+    worker.stalls = StallWatch(30.0, SessionMetrics(CollectorRegistry()), clock=clock)
+    await worker._emit(
+        SessionStarted(uid="g0", session_id=1, attempt="a", agent_name="single_turn_agent")
+    )
+    for _ in range(worker.cfg.sessions.concurrency):
+        await worker._slots.acquire()  # every slot busy
+    waiting = asyncio.ensure_future(worker.take(_event(_group())))
+    await asyncio.sleep(0)
+    clock.now = 31.0
+    stalls = {s.key: s.what for s in worker.stalls.check()}
+    assert stalls == {
+        "g0_1": "the replica's answer to its next turn",
+        "g1": f"a free group slot (sessions.concurrency={worker.cfg.sessions.concurrency})",
+    }
+    waiting.cancel()
+
+
+async def test_a_prompt_revoked_while_waiting_for_a_slot_starts_when_its_partition_comes_back(
+    monkeypatch,
+):
+    """An eager rebalance revokes every partition and may hand one straight back. The
+    prompt that waited for a slot meanwhile used to return unstarted, and Faust committed its
+    acknowledgement once the partition was back: a crash before the prompt came round again
+    lost its group for good (4 sessions lost in the rebalance fault row)."""
+    worker = _worker(monkeypatch)
+    worker.ready.set()
+    worker.producer = SimpleNamespace(flush=lambda timeout: 0)  # test double: nothing queued
+    worker.turn_log = SlowTurnLog()  # type: ignore[assignment]
+    worker.turn_log.done.set()  # every write acknowledged at once
+    spawned = []
+    monkeypatch.setattr(
+        worker, "_spawn", lambda state, uid, coro: (spawned.append(uid), coro.close())
+    )
+    for _ in range(worker.cfg.sessions.concurrency):
+        await worker._slots.acquire()  # every slot taken by groups already running
+    waiting = asyncio.ensure_future(worker.take(_event(_group())))
+    await asyncio.sleep(0)
+    await worker.on_revoked({TP(worker.topics.prompts, 0)})
+    _scan_finds(worker, monkeypatch, started=set())  # the group is not in the turn log
+    worker.on_assigned({TP(worker.topics.prompts, 0)})  # ... and the partition comes back
+    worker._slots.release()  # a running group ends
+    await asyncio.wait_for(waiting, timeout=5)
+    assert [e.type for e in worker.turn_log.events] == ["group_started"]
+    assert spawned == ["g1"]  # run here, under the partition's new state
+
+
+async def test_a_group_started_during_a_revocation_is_not_started_twice_when_it_comes_back(
+    monkeypatch,
+):
+    """group_started was being written when the partition was revoked: on_revoked flushed
+    it, the partition's next scan finds it, and the prompt is not started a second time."""
+    worker = _worker(monkeypatch)
+    worker.ready.set()
+    worker.producer = SimpleNamespace(flush=lambda timeout: 0)  # test double: nothing queued
+    worker.turn_log = SlowTurnLog()  # type: ignore[assignment]
+    spawned = []
+    monkeypatch.setattr(
+        worker, "_spawn", lambda state, uid, coro: (spawned.append(uid), coro.close())
+    )
+    waiting = asyncio.ensure_future(worker.take(_event(_group())))
+    await asyncio.sleep(0)
+    await worker.on_revoked({TP(worker.topics.prompts, 0)})
+    worker.turn_log.done.set()
+    _scan_finds(worker, monkeypatch, started={"g1"})  # the flushed group_started
+    worker.on_assigned({TP(worker.topics.prompts, 0)})
+    await asyncio.wait_for(waiting, timeout=5)
+    assert [e.type for e in worker.turn_log.events] == ["group_started"]  # written once
+    assert spawned == []  # the new state's recovery resumes it (its scan found it)

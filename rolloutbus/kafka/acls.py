@@ -124,7 +124,8 @@ def _sessions(cfg: Config, topics: Topics, role: str) -> list[Grant]:
 
 def _replay_buffer(cfg: Config, topics: Topics, role: str) -> list[Grant]:
     pinned = cfg.replay_buffer.transactional_id
-    # unpinned, every process draws "{group_id}-{host}-{pid}-{random}": a prefix ACL
+    # unpinned, a static member's is "{group_id}-{group_instance_id}" and any other process
+    # draws "{group_id}-{host}-{pid}-{random}" (replay_buffer.transactional_id_of): a prefix ACL
     txn_name, txn_prefixed = (pinned, False) if pinned else (cfg.replay_buffer.group_id, True)
     return [
         _topic(role, topics.turns, READ),

@@ -26,17 +26,20 @@ owned are sought back to where their folds stand: nothing polled before a rebala
 folded after it.
 
 **Failures.** Bad input never stops the worker (``trajectories.py``: failed records plus a
-dead letter). A broker error during a transaction: a retriable one is retried with
-backoff; an abortable one (or retries used up) aborts the transaction and re-reads every
-partition from its committed offset (the fold state of the aborted batch is discarded);
-a fatal one (e.g. fenced by another process with the same ``transactional_id``) ends the
-process with one line naming the cause. Transactional calls run under a watchdog: librdkafka
-can block in ``send_offsets_to_transaction`` forever when the coordinator goes away during
-a broker restart (confluentinc/librdkafka#5456, #5511); a call that outlives its timeout
-plus ``CALL_GRACE_S`` retires the producer (kept referenced, never closed under a blocked
-call) for a new one with the same transactional id, whose ``init_transactions`` fences
-the old and aborts its transaction. A broker that stays unusable for ``BROKER_RETRY_S``
-ends the process.
+dead letter). The transaction itself is ``rolloutbus/kafka/transactions.py``'s
+(:class:`TransactionalProducer`): retriable broker errors are retried, an abortable one
+aborts, and a fatal one (fenced, ``INVALID_TXN_STATE`` after a broker was SIGKILLed) or a
+call that never returns replaces the producer, never ends the process. Whenever a
+transaction did not commit, every partition is re-read from its committed offset (the
+fold state of the batch is discarded), so nothing is released twice. The process ends
+only when no transaction commits for ``BROKER_RETRY_S``, or when another live process
+holds its transactional id (fenced again and again).
+
+**Takeover.** With ``replay_buffer.group_instance_id`` (static membership) a restarted
+member takes its partitions back at once and, through the transactional id derived from
+that name, fences its dead predecessor's producer and ends its open transaction; a member
+gone for good is replaced after ``session_timeout_s``, and its open transaction ends after
+``transaction_timeout_s`` (``docs/faults.md`` has the measured stalls).
 """
 
 from __future__ import annotations
@@ -48,10 +51,9 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
+from confluent_kafka import Consumer, KafkaException, Message, TopicPartition
 from pydantic import ValidationError
 
 from rolloutbus.config import Config
@@ -60,13 +62,18 @@ from rolloutbus.kafka.admin import check_partition_counts
 from rolloutbus.kafka.clients import (
     broker_error,
     message_location,
-    read_committed_consumer,
-    record_or_partition_end,
     record_position,
-    transactional_producer,
     translate_kafka_errors,
 )
 from rolloutbus.kafka.dead_letters import dead_letter_record
+from rolloutbus.kafka.group_member import GroupMember
+from rolloutbus.kafka.transactions import (
+    ANY_PARTITION,
+    TransactionAborted,
+    TransactionalProducer,
+    TransactionSettings,
+)
+from rolloutbus.kafka.transactions import OutgoingRecord as Outgoing
 from rolloutbus.metrics import ReplayBufferMetrics, start_metrics_server
 from rolloutbus.schemas.trajectories import TrajectoryStatus
 from rolloutbus.schemas.turns import decode_turn_event
@@ -79,6 +86,7 @@ from rolloutbus.streams.assembly.release_metrics import (
 from rolloutbus.streams.assembly.released import (
     BadRecord,
     ReleasedClaims,
+    ReleasedRead,
     TurnLogProbe,
     read_released,
     released_record,
@@ -101,54 +109,20 @@ POLL_TIMEOUT_S = 0.5  # seconds; also the idle commit cadence
 BATCH_WINDOW_S = 0.1
 BATCH_MAX_RECORDS = 5000
 COMMIT_IDLE_S = 5.0  # seconds between watermark-only commits when nothing is released
-TXN_TIMEOUT_S = 30.0  # seconds for each transactional call and offset query
-# ms the coordinator lets a transaction stay open: a crashed worker's open transaction holds
-# back read_committed readers of its output partitions (trainers, the next owner's read of
-# the released topic) until then; a batch's transaction lasts well under a second
-TRANSACTION_TIMEOUT_MS = 30_000
-CALL_GRACE_S = 5.0  # seconds past a call's own timeout (librdkafka answers by then unless it hangs)
+OFFSET_QUERY_TIMEOUT_S = 30.0  # seconds for each committed-offset and watermark query
 BROKER_RETRY_S = 300.0  # seconds of a broker failing every retry before the worker gives up
-RETRY_BACKOFF_S = 0.5  # seconds before the first retry, doubled up to RETRY_BACKOFF_MAX_S
-RETRY_BACKOFF_MAX_S = 5.0
+RETRY_BACKOFF_S = 0.5  # seconds before retrying a partition's recovery
 LINGER_MS = 5  # ms a record waits to batch; small, since each batch is flushed by its commit
 LETTER_REASON_CHARS = 4000  # characters of a decoder's error kept in a dead letter's reason
-ANY_PARTITION = -1  # an outgoing record the producer's partitioner places (dead letters)
-# consumer errors no retry can fix; every other non-fatal one is retried by librdkafka itself
-PERMANENT_CONSUMER_ERRORS = frozenset(
-    {
-        KafkaError.UNKNOWN_TOPIC_OR_PART,
-        KafkaError.TOPIC_AUTHORIZATION_FAILED,
-        KafkaError.GROUP_AUTHORIZATION_FAILED,
-        KafkaError._UNKNOWN_TOPIC,
-    }
-)
 HEAD_MISSING_REASON = (
     "turn event of group {uid}, whose group_started is not in the turn log (deleted by "
     "retention, or never written): the group's sessions are released as failed records once "
     "it passes deadlines.group_s or replay_buffer.max_open_groups"
 )
 FENCED_HINT = (
-    "another process runs with the same replay_buffer.transactional_id; leave it unset "
-    "to give every process its own"
+    "give every process its own replay_buffer.group_instance_id (or leave "
+    "replay_buffer.transactional_id and group_instance_id unset)"
 )
-
-
-class Outgoing(NamedTuple):
-    """A record to produce inside the batch's transaction."""
-
-    topic: str
-    key: str
-    value: bytes
-    partition: int  # ANY_PARTITION: the producer's partitioner places it
-    timestamp_ms: int | None = None  # the record's timestamp; None: the produce time
-
-
-class TransactionFailed(RolloutBusError):
-    """A transaction must be aborted and its batch re-read from the committed offsets."""
-
-    def __init__(self, cause: str, action: str, detail: str):
-        super().__init__(f"{action}: {detail}")
-        self.cause = cause  # abortable, retries_exhausted or wedged (a metrics label)
 
 
 def default_transactional_id(group_id: str) -> str:
@@ -156,14 +130,47 @@ def default_transactional_id(group_id: str) -> str:
     return f"{group_id}-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
 
 
+def transactional_id_of(cfg: Config) -> str:
+    """Pinned; or, for a static member, its name's (so a restart fences the dead process's
+    producer and ends its open transaction at once); else one of its own per process."""
+    rb = cfg.replay_buffer
+    if rb.transactional_id:
+        return rb.transactional_id
+    if rb.group_instance_id:
+        return f"{rb.group_id}-{rb.group_instance_id}"
+    return default_transactional_id(rb.group_id)
+
+
+def consumer_overrides(cfg: Config) -> dict[str, Any]:
+    """The turn-log consumer's group membership: static when named, a short session."""
+    rb = cfg.replay_buffer
+    overrides: dict[str, Any] = {
+        "auto.offset.reset": "earliest",
+        "session.timeout.ms": int(rb.session_timeout_s * 1000),
+    }
+    if rb.group_instance_id:
+        overrides["group.instance.id"] = rb.group_instance_id
+    return overrides
+
+
+def transaction_settings(cfg: Config) -> TransactionSettings:
+    return TransactionSettings(
+        broker_retry_s=BROKER_RETRY_S,
+        producer_overrides={
+            "linger.ms": LINGER_MS,
+            "compression.type": "lz4",
+            "transaction.timeout.ms": int(cfg.replay_buffer.transaction_timeout_s * 1000),
+        },
+        fenced_hint=FENCED_HINT,
+    )
+
+
 class ReplayBuffer:
     def __init__(self, cfg: Config, *, metrics: ReplayBufferMetrics | None = None):
         self.cfg = cfg
         self.topics = Topics.from_config(cfg.kafka)
         self.metrics = metrics or ReplayBufferMetrics()
-        self.transactional_id = cfg.replay_buffer.transactional_id or default_transactional_id(
-            cfg.replay_buffer.group_id
-        )
+        self.transactional_id = transactional_id_of(cfg)
         self.limits = FoldLimits.from_config(cfg)
         self.max_record_bytes = max_record_bytes(cfg.kafka)
         self.partitions: dict[int, PartitionFold] = {}  # ready: recovered, being folded
@@ -175,14 +182,21 @@ class ReplayBuffer:
         self._paused: set[int] = set()
         self._generation = 0  # bumped by every rebalance callback
         self._stop = threading.Event()
-        self._consumer = read_committed_consumer(
-            cfg.kafka, cfg.replay_buffer.group_id, overrides={"auto.offset.reset": "earliest"}
+        self._member = GroupMember(
+            cfg.kafka,
+            cfg.replay_buffer.group_id,
+            [self.topics.turns],
+            overrides=consumer_overrides(cfg),
+            on_assign=self._on_assign,
+            on_revoke=self._on_revoke,
+            on_replaced=self._drop_every_partition,
+            fenced_hint=FENCED_HINT,
         )
-        self._producer = self._new_producer()
-        self._retired: list[Producer] = []  # wedged producers: a thread may still be inside one
+        self._transactions = TransactionalProducer(
+            cfg.kafka, self.transactional_id, transaction_settings(cfg), stop=self._stop
+        )
         self._dirty = False
         self._last_commit = time.monotonic()
-        self._failing_since: float | None = None  # first of consecutive failed transactions
 
     # -- lifecycle -------------------------------------------------------------------------
     def stop(self) -> None:
@@ -192,31 +206,16 @@ class ReplayBuffer:
         """Consume until stop(); every exit path closes the consumer (leaving the group)."""
         try:
             check_partition_counts(self.cfg.kafka)
-            self._init_transactions()
-            self._consumer.subscribe(
-                [self.topics.turns],
-                on_assign=self._on_assign,
-                on_revoke=self._on_revoke,
-                on_lost=self._on_revoke,
-            )
+            self._transactions.init()
+            self._member.subscribe()
             log.info("replay buffer %s consuming %s", self.transactional_id, self.topics.turns)
             while not self._stop.is_set():
                 self.step()
         finally:
-            self._consumer.close()
+            self._member.close()
             for probe in self._probes.values():
                 probe.close()
-            self._flush_quietly()
-
-    def _flush_quietly(self) -> None:
-        """Best effort on the way out: the error that ended the run, if any, is the one to
-        report, not a flush failing after it (a fenced producer fails every call)."""
-        if self._retired:
-            return  # a retired producer may hold a call that never returns
-        try:
-            self._producer.flush(TXN_TIMEOUT_S)
-        except KafkaException as exc:
-            log.debug("flush on exit failed: %s", exc)
+            self._transactions.close()
 
     def step(self) -> int:
         """Recover pending partitions, then one batch of polls folded and committed in one
@@ -256,22 +255,7 @@ class ReplayBuffer:
         return messages, generation
 
     def _consume(self, timeout_s: float) -> list[Message]:
-        """Records only; a transient consumer error (the broker restarting) is logged and
-        left to librdkafka's own retries, a fatal or permanent one raises BrokerError."""
-        with translate_kafka_errors("consuming", topic=self.topics.turns):
-            batch = self._consumer.consume(POLL_BATCH, timeout_s)
-        records = []
-        for msg in batch:
-            err = msg.error()
-            if err is None:
-                records.append(msg)
-            elif err.code() == KafkaError._PARTITION_EOF:
-                continue
-            elif err.fatal() or err.code() in PERMANENT_CONSUMER_ERRORS:
-                record_or_partition_end(msg)  # raises the BrokerError
-            else:
-                log.warning("consumer: %s (%s); the client retries", err.str(), err.name())
-        return records
+        return self._member.consume(POLL_BATCH, timeout_s)
 
     def _pause_pending(self) -> None:
         """Stop fetching partitions that are not recovered yet (their records are dropped
@@ -280,7 +264,7 @@ class ReplayBuffer:
         if not todo:
             return
         try:
-            self._consumer.pause([TopicPartition(self.topics.turns, p) for p in todo])
+            self._member.consumer.pause([TopicPartition(self.topics.turns, p) for p in todo])
         except KafkaException as exc:  # only saves fetches: recovery seeks back anyway
             log.debug("pausing %s failed: %s", todo, exc)
         self._paused.update(todo)
@@ -295,7 +279,9 @@ class ReplayBuffer:
                 partition=part,
                 offset=fold.next_offset,
             ):
-                self._consumer.seek(TopicPartition(self.topics.turns, part, fold.next_offset))
+                self._member.consumer.seek(
+                    TopicPartition(self.topics.turns, part, fold.next_offset)
+                )
 
     # -- folding ---------------------------------------------------------------------------
     def _fold_message(self, msg: Message, outgoing: list[Outgoing]) -> None:
@@ -404,71 +390,22 @@ class ReplayBuffer:
         return self._letter(msg.value() or b"", reason, source=message_location(msg), key=key)
 
     def _letter(self, original: bytes, reason: str, *, source: str, key: str) -> Outgoing:
-        """A dead letter that fits the topic: an original too large to carry in base64 is
-        cut, and the reason says so (a record over the limit would abort every retry)."""
         self.metrics.dead_letters.inc()
-        letter = dead_letter_record(
-            self.topics.dlq, original, stage="replay_buffer", reason=reason, source=source, key=key
+        return sized_dead_letter(
+            self.topics.dlq, original, reason, source=source, key=key, limit=self.max_record_bytes
         )
-        if len(letter.value) > self.max_record_bytes:
-            keep = max(
-                0,
-                (self.max_record_bytes - len(letter.value) + len(original) * 4 // 3) * 3 // 4
-                - RECORD_HEADROOM_BYTES,
-            )
-            letter = dead_letter_record(
-                self.topics.dlq,
-                original[:keep],
-                stage="replay_buffer",
-                source=source,
-                key=key,
-                reason=f"{reason} (original cut to its first {keep} of {len(original)} bytes)",
-            )
-        return Outgoing(letter.topic, letter.key or "", letter.value, ANY_PARTITION)
 
-    # -- the transaction -------------------------------------------------------------------
+    # -- the transaction (rolloutbus/kafka/transactions.py) --------------------------------
     def _commit(self, outgoing: list[Outgoing]) -> None:
+        """Steps 2-4 in one transaction: the records, then the offsets (the low watermarks)."""
         try:
-            self._call("beginning a transaction", self._producer.begin_transaction)  # 2.
-            for record in outgoing:
-                self._produce(record)
-            offsets = self._offsets()  # 3.
-            with translate_kafka_errors("reading the consumer group metadata"):
-                group_metadata = self._consumer.consumer_group_metadata()
-            self._call(
-                "sending offsets to the transaction",
-                lambda: self._producer.send_offsets_to_transaction(
-                    offsets, group_metadata, TXN_TIMEOUT_S
-                ),
-            )
-            self._call(
-                "committing the transaction",  # 4.
-                lambda: self._producer.commit_transaction(TXN_TIMEOUT_S),
-            )
-        except TransactionFailed as failure:
-            self._abort_and_rewind(failure)
+            self._transactions.commit(outgoing, self._offsets(), self._member.consumer)
+        except TransactionAborted as failure:
+            self._rewind(failure)
             return
+        self._member.committed()
         self._dirty = False
         self._last_commit = time.monotonic()
-        self._failing_since = None
-
-    def _produce(self, record: Outgoing) -> None:
-        kwargs: dict[str, Any] = (
-            {} if record.partition == ANY_PARTITION else {"partition": record.partition}
-        )
-        if record.timestamp_ms is not None:
-            kwargs["timestamp"] = record.timestamp_ms
-        while True:
-            try:
-                self._producer.produce(record.topic, key=record.key, value=record.value, **kwargs)
-                return
-            except BufferError:
-                self._producer.poll(0.1)  # local queue full: let deliveries drain
-            except KafkaException as exc:
-                self._raise_if_fatal("producing", exc)
-                raise TransactionFailed(
-                    "abortable", f"producing to {record.topic}", str(exc)
-                ) from exc
 
     def _offsets(self) -> list[TopicPartition]:
         return [
@@ -476,135 +413,33 @@ class ReplayBuffer:
             for part, fold in self.partitions.items()
         ]
 
-    def _call(self, action: str, call: Callable[[], Any]) -> Any:
-        """One transactional call: retriable errors retried with backoff for up to
-        BROKER_RETRY_S; abortable ones (and exhausted retries) raise TransactionFailed;
-        fatal ones raise BrokerError."""
-        give_up = time.monotonic() + BROKER_RETRY_S
-        backoff = RETRY_BACKOFF_S
-        while True:
-            try:
-                return self._within_deadline(action, call)
-            except KafkaException as exc:
-                self._raise_if_fatal(action, exc)
-                err = exc.args[0] if exc.args and isinstance(exc.args[0], KafkaError) else None
-                if err is not None and err.txn_requires_abort():
-                    raise TransactionFailed("abortable", action, _describe(exc)) from exc
-                if err is None or not err.retriable():
-                    raise TransactionFailed("abortable", action, _describe(exc)) from exc
-                if time.monotonic() > give_up or self._stop.is_set():
-                    raise TransactionFailed("retries_exhausted", action, _describe(exc)) from exc
-                log.warning(
-                    "replay buffer: %s: %s; retrying in %.1f s", action, _describe(exc), backoff
-                )
-                self._stop.wait(backoff)
-                backoff = min(2 * backoff, RETRY_BACKOFF_MAX_S)
-
-    def _within_deadline(self, action: str, call: Callable[[], Any]) -> Any:
-        """Run ``call`` on a helper thread; a call still running after TXN_TIMEOUT_S +
-        CALL_GRACE_S has wedged the producer (librdkafka#5456)."""
-        box: dict[str, Any] = {}
-
-        def run() -> None:
-            try:
-                box["result"] = call()
-            except BaseException as exc:  # re-raised on the caller's thread below
-                box["error"] = exc
-
-        helper = threading.Thread(target=run, name="replay-buffer-txn", daemon=True)
-        helper.start()
-        helper.join(TXN_TIMEOUT_S + CALL_GRACE_S)
-        if helper.is_alive():
-            raise TransactionFailed(
-                "wedged", action, f"no answer within {TXN_TIMEOUT_S + CALL_GRACE_S:.0f} s"
-            )
-        if "error" in box:
-            raise box["error"]
-        return box.get("result")
-
-    def _raise_if_fatal(self, action: str, exc: KafkaException) -> None:
-        err = exc.args[0] if exc.args and isinstance(exc.args[0], KafkaError) else None
-        if err is not None and err.fatal():
-            fenced = err.code() in (
-                KafkaError._FENCED,
-                KafkaError.PRODUCER_FENCED,
-                KafkaError.INVALID_PRODUCER_EPOCH,
-            )
-            raise broker_error(
-                exc,
-                f"replay buffer {self.transactional_id}: {action} (fatal)",
-                hint=FENCED_HINT if fenced else "restart the worker",
-            ) from exc
-
-    def _abort_and_rewind(self, failure: TransactionFailed) -> None:
-        """Abort (or, for a wedged producer, replace it), then re-read every partition from
-        its committed offset: the fold state of the aborted batch is discarded."""
+    def _rewind(self, failure: TransactionAborted) -> None:
+        """Nothing of the batch committed: re-read every partition from its committed
+        offset (the fold state of the aborted batch is discarded)."""
         self.metrics.transaction_aborts.labels(cause=failure.cause).inc()
+        if failure.replaced:
+            self.metrics.producer_replacements.labels(cause=failure.cause).inc()
         log.warning(
-            "replay buffer: %s (%s): aborting; every partition is re-read from its "
-            "committed offset",
+            "replay buffer: %s (%s%s): every partition is re-read from its committed offset",
             failure,
             failure.cause,
+            ", producer replaced" if failure.replaced else "",
         )
-        if failure.cause == "wedged":
-            self._replace_producer()
-        else:
-            try:
-                self._call(
-                    "aborting the transaction",
-                    lambda: self._producer.abort_transaction(TXN_TIMEOUT_S),
-                )
-            except TransactionFailed as again:
-                log.warning("replay buffer: %s; replacing the producer", again)
-                self._replace_producer()
         now = time.monotonic()
         for part in self.partitions:
             self._pending[part] = now
         self.partitions.clear()
         self._paused.clear()
         self._dirty = False  # the recovered folds are what was committed
-        self._failing_since = self._failing_since or now
-        if now - self._failing_since > BROKER_RETRY_S:
-            raise BrokerError(
-                f"replay buffer {self.transactional_id}: no transaction committed for "
-                f"{BROKER_RETRY_S:.0f} s; the last one failed: {failure}"
-            )
-        self._stop.wait(RETRY_BACKOFF_S)
 
-    def _new_producer(self) -> Producer:
-        return transactional_producer(
-            self.cfg.kafka,
-            self.transactional_id,
-            {
-                "linger.ms": LINGER_MS,
-                "compression.type": "lz4",
-                "transaction.timeout.ms": TRANSACTION_TIMEOUT_MS,
-            },
-        )
-
-    def _replace_producer(self) -> None:
-        """A new producer with the same transactional id: its init_transactions fences the
-        old one, and the coordinator aborts the old one's open transaction."""
-        self._retired.append(self._producer)
-        self._producer = self._new_producer()
-        self._init_transactions()
-
-    def _init_transactions(self) -> None:
-        give_up = time.monotonic() + BROKER_RETRY_S
-        while True:
-            try:
-                self._call(
-                    f"init_transactions for {self.transactional_id!r}",
-                    lambda: self._producer.init_transactions(TXN_TIMEOUT_S),
-                )
-                return
-            except TransactionFailed as failure:
-                if time.monotonic() > give_up:
-                    raise BrokerError(f"replay buffer: {failure}") from failure
-                if failure.cause == "wedged":
-                    self._retired.append(self._producer)
-                    self._producer = self._new_producer()
-                self._stop.wait(RETRY_BACKOFF_S)
+    def _drop_every_partition(self) -> None:
+        """The consumer was replaced (a fatal consumer error): its assignment is gone, and
+        the new one comes through _on_assign; nothing polled before is folded after."""
+        self._generation += 1
+        self.partitions.clear()
+        self._pending.clear()
+        self._paused.clear()
+        self._dirty = False
 
     # -- rebalancing: record only; the main loop does the work ----------------------------
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
@@ -627,7 +462,9 @@ class ReplayBuffer:
     def _recover_pending(self) -> None:
         for part, since in sorted(self._pending.items()):
             try:
-                fold = self._recover(part)
+                fold, released = recover_partition(
+                    self._member.consumer, self.cfg, part, self.limits
+                )
             except BrokerError as exc:
                 if time.monotonic() - since > BROKER_RETRY_S:
                     raise
@@ -639,43 +476,12 @@ class ReplayBuffer:
                 )
                 self._stop.wait(RETRY_BACKOFF_S)
                 continue
+            self._claims[part] = released.claims
+            self._recovery_letters += [self._bad_released_letter(bad) for bad in released.bad]
             self.partitions[part] = fold
             del self._pending[part]
             self._paused.discard(part)
             self.metrics.recoveries.inc()
-
-    def _recover(self, part: int) -> PartitionFold:
-        """The fold of ``part`` as of its committed offset: the uids already released on it
-        (the released topic), then a seek back to that offset."""
-        tp = TopicPartition(self.topics.turns, part)
-        with translate_kafka_errors("reading the committed offset", topic=tp.topic, partition=part):
-            [committed] = self._consumer.committed([tp], timeout=TXN_TIMEOUT_S)
-            low, _ = self._consumer.get_watermark_offsets(tp, timeout=TXN_TIMEOUT_S, cached=False)
-        if committed.error is not None:
-            raise broker_error(
-                committed.error, "reading the committed offset", topic=tp.topic, partition=part
-            )
-        start = max(committed.offset, low) if committed.offset >= 0 else low
-        released = read_released(
-            self.cfg.kafka, self.topics.released, part, self.limits.max_released, start
-        )
-        self._claims[part] = released.claims
-        self._recovery_letters += [self._bad_released_letter(bad) for bad in released.bad]
-        fold = PartitionFold(start, released=released.uids, limits=self.limits)
-        with translate_kafka_errors(
-            "seeking to the committed offset", topic=tp.topic, partition=part, offset=start
-        ):
-            self._consumer.seek(TopicPartition(tp.topic, part, start))
-            self._consumer.resume([tp])
-        log.info(
-            "recovered %s[%d] at offset %d: %d released groups remembered (of %d read)",
-            tp.topic,
-            part,
-            start,
-            len(released.uids),
-            released.read,
-        )
-        return fold
 
     def _update_gauges(self) -> None:
         self.metrics.open_groups.set(sum(len(f.open) for f in self.partitions.values()))
@@ -683,9 +489,63 @@ class ReplayBuffer:
         observe_open_groups(self.metrics, self.partitions.values(), self.cfg.deadlines.group_s)
 
 
-def _describe(exc: KafkaException) -> str:
-    err = exc.args[0] if exc.args and isinstance(exc.args[0], KafkaError) else None
-    return f"{err.str()} ({err.name()})" if err is not None else str(exc)
+def sized_dead_letter(
+    topic: str, original: bytes, reason: str, *, source: str, key: str, limit: int
+) -> Outgoing:
+    """A dead letter that fits the topic (``limit`` bytes): an original too large to carry
+    in base64 is cut, and the reason says so (a record over the limit would abort every
+    retry of its transaction)."""
+    letter = dead_letter_record(
+        topic, original, stage="replay_buffer", reason=reason, source=source, key=key
+    )
+    if len(letter.value) > limit:
+        keep = max(
+            0,
+            (limit - len(letter.value) + len(original) * 4 // 3) * 3 // 4 - RECORD_HEADROOM_BYTES,
+        )
+        letter = dead_letter_record(
+            topic,
+            original[:keep],
+            stage="replay_buffer",
+            source=source,
+            key=key,
+            reason=f"{reason} (original cut to its first {keep} of {len(original)} bytes)",
+        )
+    return Outgoing(letter.topic, letter.key or "", letter.value, ANY_PARTITION)
+
+
+def recover_partition(
+    consumer: Consumer, cfg: Config, part: int, limits: FoldLimits
+) -> tuple[PartitionFold, ReleasedRead]:
+    """The fold of turn-log partition ``part`` as of its committed offset: the uids already
+    released on it (the released topic, with the claims the turn log must still back and
+    the records that were bad), then ``consumer`` sought back to that offset."""
+    topics = Topics.from_config(cfg.kafka)
+    tp = TopicPartition(topics.turns, part)
+    with translate_kafka_errors("reading the committed offset", topic=tp.topic, partition=part):
+        [committed] = consumer.committed([tp], timeout=OFFSET_QUERY_TIMEOUT_S)
+        low, _ = consumer.get_watermark_offsets(tp, timeout=OFFSET_QUERY_TIMEOUT_S, cached=False)
+    if committed.error is not None:
+        raise broker_error(
+            committed.error, "reading the committed offset", topic=tp.topic, partition=part
+        )
+    start = max(committed.offset, low) if committed.offset >= 0 else low
+    released = read_released(cfg.kafka, topics.released, part, limits.max_released, start)
+    fold = PartitionFold(start, released=released.uids, limits=limits)
+    with translate_kafka_errors(
+        "seeking to the committed offset", topic=tp.topic, partition=part, offset=start
+    ):
+        consumer.seek(TopicPartition(tp.topic, part, start))
+        consumer.resume([tp])
+    log.info(
+        "recovered %s[%d] at offset %d: %d released groups remembered (of %d read)",
+        tp.topic,
+        part,
+        start,
+        len(released.uids),
+        released.read,
+    )
+    return fold, released
 
 
 def run_replay_buffer(cfg: Config) -> None:

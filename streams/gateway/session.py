@@ -149,7 +149,7 @@ class GatewaySession:
                 resumed_from=resume.attempt if resume else None,
             )
         )
-        replay = replayable(resume.events) if resume else []
+        replay = replayable(resume.history()) if resume else []
         self.recorder = RecordingLLMClient(
             self.ctx.llm_client,
             self._emit,

@@ -34,6 +34,8 @@ class LoggedAttempt:
     agent_name: str | None
     events: list[Any] = field(default_factory=list)  # after session_started
     next_seq: int = 1  # session_started is seq 0
+    # the attempt this one resumed (its session_started's resumed_from), if in the scan
+    predecessor: LoggedAttempt | None = None
 
     def add(self, event: Any) -> None:
         if event.seq < self.next_seq:
@@ -41,12 +43,27 @@ class LoggedAttempt:
         self.events.append(event)
         self.next_seq = event.seq + 1
 
+    def history(self) -> list[Any]:
+        """Everything this session logged along its chain of attempts, to replay on resume.
+
+        A resumed attempt re-logs its predecessor's events one for one, in order, before it
+        logs anything new (``recorder.py``). An attempt stopped part way through that replay
+        (its worker killed or its partition revoked) logged only a prefix of them: the rest
+        stays in the predecessor's events, and resuming from this attempt's own events alone
+        would sample those logged turns again.
+        """
+        if self.predecessor is None:
+            return self.events
+        inherited = self.predecessor.history()
+        return self.events + inherited[len(self.events) :]
+
 
 @dataclass
 class UnfinishedGroup:
     group: GroupStarted
     first_offset: int
-    # session id -> the attempt to resume (the latest one started), or None: never started
+    # session id -> the attempt to resume (the latest one started; its history() is what to
+    # replay), or None: never started
     sessions: dict[int, LoggedAttempt | None]
 
 
@@ -93,7 +110,10 @@ class TurnLogScan:
         key = (event.session_id, event.attempt)
         if isinstance(event, SessionStarted):
             if key not in group.attempts:
-                attempt = LoggedAttempt(event.session_id, event.attempt, event.agent_name)
+                resumed = group.attempts.get((event.session_id, event.resumed_from or ""))
+                attempt = LoggedAttempt(
+                    event.session_id, event.attempt, event.agent_name, predecessor=resumed
+                )
                 group.attempts[key] = group.latest[event.session_id] = attempt
             return
         logged = group.attempts.get(key)

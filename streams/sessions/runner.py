@@ -276,7 +276,7 @@ async def _run_attempt(
             ctx.llm_client,
             checked_emit,
             **ids,
-            replay=resume.events if resume else (),
+            replay=resume.history() if resume else (),
             tokenizer=ctx.tokenizer,
             routing_replay=ctx.config.rollout.enable_rollout_routing_replay,
         )

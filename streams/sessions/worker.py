@@ -48,7 +48,7 @@ from rolloutbus.kafka.dead_letters import DeadLetterWriter
 from rolloutbus.metrics import SessionMetrics, start_metrics_server
 from rolloutbus.models.tokenizers import load_tokenizer
 from rolloutbus.schemas.prompts import PromptGroup, decode_prompt_group
-from rolloutbus.schemas.turns import SessionFailed
+from rolloutbus.schemas.turns import SessionFailed, SessionFinished
 from rolloutbus.streams.agent_loop import registry
 from rolloutbus.streams.inference.admission import ControlVersionWatch
 from rolloutbus.streams.inference.llm_client import LLMClient
@@ -60,8 +60,9 @@ from rolloutbus.streams.sessions.runner import (
     prompt_group_of,
     run_sessions,
 )
+from rolloutbus.streams.sessions.stall import StallWatch, waits_on
 from rolloutbus.streams.sessions.turn_log import RecordTooLargeError, TurnLog, scan_turn_log
-from rolloutbus.topics import Topics
+from rolloutbus.topics import Topics, session_key
 
 log = logging.getLogger(__name__)
 
@@ -95,8 +96,15 @@ class SessionWorker:
         self.topics = Topics.from_config(cfg.kafka)
         self.partitions: dict[int, PartitionState] = {}
         self.ready = asyncio.Event()
+        # one slot per group in flight; a slot belongs to the task that runs its group and is
+        # given back when that task ends, however it ends (see _spawn)
         self._slots = asyncio.Semaphore(cfg.sessions.concurrency)
         self.metrics = SessionMetrics()
+        self.stalls = StallWatch(cfg.sessions.stall_warn_s, self.metrics)
+        self._background: set[asyncio.Task[Any]] = set()
+        # set once an assignment is in place, cleared when a rebalance revokes: a prompt is
+        # never let go (acknowledged) in between, when it cannot be known whose it will be
+        self.assignment_settled = asyncio.Event()
 
     async def start(self) -> None:
         self.dlq = DeadLetterWriter(self.cfg.kafka, stage="sessions")
@@ -106,6 +114,7 @@ class SessionWorker:
         await self.ctx.llm_client.probe_replicas()  # names every replica it cannot reach
         if self.cfg.sessions.metrics_port is not None:
             start_metrics_server(self.cfg.sessions.metrics_port, self.cfg.sessions.metrics_host)
+        self._background.add(asyncio.ensure_future(self.stalls.run()))
         self.ready.set()
 
     # -- assignment --------------------------------------------------------------------
@@ -115,6 +124,7 @@ class SessionWorker:
         for partition in sorted(mine - set(self.partitions)):
             state = self.partitions[partition] = PartitionState()
             state.tasks.add(asyncio.ensure_future(self._recover(partition, state)))
+        self.assignment_settled.set()
 
     async def on_revoked(self, revoked: set[Any]) -> None:
         """Stop the groups of partitions we lost: their new owner resumes them from the log.
@@ -123,6 +133,7 @@ class SessionWorker:
         is durable before any worker (this one included) scans the log again: otherwise
         their last turns would land after the scan and be sampled a second time.
         """
+        self.assignment_settled.clear()  # first: take() must not let a prompt go from here
         stopped: list[asyncio.Task[Any]] = []
         for tp in revoked:
             state = (
@@ -154,8 +165,8 @@ class SessionWorker:
             len(unfinished),
         )
         for group in unfinished:
-            await self._slots.acquire()
-            self._spawn(state, self._resume_group(group))
+            await self._acquire_slot(group.group.uid)
+            self._spawn(state, group.group.uid, self._resume_group(group))
         state.recovered.set()
 
     def _scan_turn_log(self, partition: int) -> TurnLogScan:
@@ -163,44 +174,78 @@ class SessionWorker:
 
     # -- prompts -----------------------------------------------------------------------
     async def take(self, event: Any) -> None:
-        """Write the group's ``group_started``, then run it in the background."""
+        """Write the group's ``group_started``, then run it in the background.
+
+        Returns (and so lets Faust acknowledge the prompt) only when the group is in the turn
+        log, the prompt was dead-lettered, or after a rebalance the partition is another
+        worker's. Never in between: Faust keeps an acknowledgement made while the partition
+        is revoked, and if the partition comes back to this worker it commits it, past a
+        prompt whose group never started; a later crash then lost that group for good.
+        """
         partition = event.message.partition
-        state = self.partitions.get(partition)
-        if state is None:  # the assignment signal has not come yet
-            self.on_assigned({event.message.tp})
-            state = self.partitions[partition]
-        await state.recovered.wait()
-        if self.partitions.get(partition) is not state:
-            return  # revoked meanwhile: its new owner gets the prompt (not committed here)
-        group = self._parse(event)
-        if group is None:
-            return
-        if group.uid in state.started_uids:
-            log.info("prompt group %s is already in the turn log; not started again", group.uid)
-            return
-        await self._slots.acquire()
+        group: PromptGroup | None = None
+        while (state := await self._owned_state(partition)) is not None:
+            await state.recovered.wait()
+            if self.partitions.get(partition) is not state:
+                continue  # revoked while it recovered: whose it is shows after the rebalance
+            group = group or self._parse(event)
+            if group is None:
+                return  # dead-lettered
+            if group.uid in state.started_uids:
+                log.info("prompt group %s is already in the turn log; not started again", group.uid)
+                return
+            if await self._start_on_a_slot(state, partition, group, event):
+                return
+        # another worker's after the rebalance: it reads the prompt from the committed offset
+
+    async def _owned_state(self, partition: int) -> PartitionState | None:
+        """This worker's state of ``partition`` once no rebalance is under way; None when the
+        partition is another worker's."""
+        await self.assignment_settled.wait()
+        return self.partitions.get(partition)
+
+    async def _start_on_a_slot(
+        self, state: PartitionState, partition: int, group: PromptGroup, event: Any
+    ) -> bool:
+        """Start the group on a free slot. True when the prompt is done with (the group
+        started, or dead-lettered); False when its partition was revoked first."""
+        await self._acquire_slot(group.uid)
+        outcome = "revoked"
+        try:
+            outcome = await self._start_group(state, partition, group, event)
+        finally:
+            if outcome != "started":  # however it ends short of a task, the slot goes back
+                self._slots.release()
+                self.stalls.forget_group(group.uid)
+        return outcome != "revoked"
+
+    async def _start_group(
+        self, state: PartitionState, partition: int, group: PromptGroup, event: Any
+    ) -> str:
+        """Log ``group_started`` and run the group on the slot taken for it: "started",
+        "dead_lettered" (too large to log) or "revoked" (not run)."""
         if self.partitions.get(partition) is not state:
             # revoked while every slot was busy (on_revoked cancels this partition's tasks,
             # but take() runs in Faust's agent): a group started now would run unowned
             # next to its new owner's and log turns after that owner's scan
-            self._slots.release()
-            return
+            return "revoked"
         started = group_started(group, self.cfg)
+        self.stalls.waiting(group.uid, group.uid, "the turn log (writing group_started)")
         try:
             await self.turn_log.emit(started)
         except RecordTooLargeError as exc:
-            self._slots.release()
             self.dlq.write(event.value, str(exc), source=_source(event))
-            return
+            return "dead_lettered"
         except BrokerError as exc:
             _exit_unwritable(exc)
         if self.partitions.get(partition) is not state:
             # revoked while group_started was written: on_revoked flushed it before the
-            # rebalance went on, so the new owner's scan finds the group and runs it
-            self._slots.release()
-            return
+            # rebalance went on, so the next scan of this partition (by whichever worker
+            # owns it then) finds the group and runs it; not here, under a revoked state
+            return "revoked"
         state.remember(group.uid)
-        self._spawn(state, self._run_group(group, started.attempt))
+        self._spawn(state, group.uid, self._run_group(group, started.attempt))
+        return "started"
 
     def _parse(self, event: Any) -> PromptGroup | None:
         if event.value is None:  # a tombstone: nothing to run, but never silently dropped
@@ -219,10 +264,36 @@ class SessionWorker:
             return None
 
     # -- running -----------------------------------------------------------------------
-    def _spawn(self, state: PartitionState, coro: Any) -> None:
+    async def _acquire_slot(self, uid: str) -> None:
+        """Wait for one of the ``sessions.concurrency`` group slots for group ``uid``."""
+        self.stalls.waiting(
+            uid, uid, f"a free group slot (sessions.concurrency={self.cfg.sessions.concurrency})"
+        )
+        try:
+            await self._slots.acquire()
+        except BaseException:  # cancelled (a revocation) while waiting: nothing was taken
+            self.stalls.forget_group(uid)
+            raise
+
+    def _spawn(self, state: PartitionState, uid: str, coro: Any) -> asyncio.Task[Any]:
+        """Run group ``uid`` as a task of its partition, on the slot its caller acquired.
+
+        The task owns the slot from here: a done callback gives it back. Not a ``finally``
+        in the coroutine: a task cancelled before its first step (on_revoked cancels every
+        task of a revoked partition, and _recover spawns several in one go) never runs its
+        coroutine at all, so a ``finally`` there would leak the slot, and with every slot
+        leaked the worker waits on ``_slots.acquire()`` forever.
+        """
         task = asyncio.ensure_future(coro)
         state.tasks.add(task)
-        task.add_done_callback(state.tasks.discard)
+        self.stalls.settled(uid, uid)  # from here its sessions report their own progress
+        task.add_done_callback(lambda done: self._group_ended(state, uid, done))
+        return task
+
+    def _group_ended(self, state: PartitionState, uid: str, task: asyncio.Task[Any]) -> None:
+        state.tasks.discard(task)
+        self._slots.release()
+        self.stalls.forget_group(uid)
 
     async def _run_group(self, group: PromptGroup, attempt: str) -> None:
         await self._run_logged(group, attempt, None)
@@ -242,11 +313,20 @@ class SessionWorker:
         except EmitError as exc:
             _exit_unwritable(exc)
         finally:
-            self._slots.release()
             self.metrics.count_recovery(before, _stats(self.ctx))
 
     async def _emit(self, event: BaseModel) -> None:
+        """Log a session's event; each one is progress for the stall watch."""
+        uid: str = event.uid  # type: ignore[attr-defined]  # every turn event has one
+        session_id = getattr(event, "session_id", None)
+        key = uid if session_id is None else session_key(uid, session_id)
+        kind = getattr(event, "type", "event")
+        self.stalls.waiting(uid, key, f"the turn log (writing its {kind})")
         await self.turn_log.emit(event)
+        if isinstance(event, SessionFinished | SessionFailed):
+            self.stalls.settled(uid, key)
+        else:
+            self.stalls.waiting(uid, key, waits_on(event))
 
 
 def _stats(ctx: SessionContext) -> dict[str, int]:
