@@ -33,15 +33,14 @@ from pathlib import Path
 import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT / "tests") not in sys.path:
-    sys.path.insert(0, str(ROOT / "tests"))  # synthetic events, free ports, the fault harness
-
-from helpers import free_port  # noqa: E402
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # the repository: synthetic events, free ports, the harness
 
 from rolloutbus.config import BrokerConfig, Config, KafkaConfig  # noqa: E402
 from rolloutbus.errors import BrokerError  # noqa: E402
 from rolloutbus.kafka.clients import admin_client, idempotent_producer  # noqa: E402
 from rolloutbus.topics import partition_for  # noqa: E402
+from tests.helpers import free_port  # noqa: E402
 
 PORT_RETRIES = 3  # a free port can be taken by another process before the JVM binds it
 ADMIN_DRAIN_S = 0.5  # seconds an admin client serves its queue after deleting topics

@@ -42,13 +42,13 @@ from bench_harness import (
     wait_assigned,
 )
 from confluent_kafka import Consumer, TopicPartition
-from pipeline import spawn, stop, write_config
-from synthetic import GEN_TOKENS, TURNS, N, make_events
 
 from rolloutbus.config import Config, KafkaConfig, ReplayBufferConfig
 from rolloutbus.consumers.client import TrainerClient
 from rolloutbus.kafka.admin import ensure_topics
 from rolloutbus.topics import Topics
+from tests.pipeline import spawn, stop, write_config
+from tests.synthetic import GEN_TOKENS, TURNS, N, make_events
 
 DONE_TIMEOUT_S = 900.0  # seconds for the log to be folded
 POLL_S = 0.2  # seconds between checks of the committed offsets

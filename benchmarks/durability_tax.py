@@ -11,7 +11,7 @@
 Two replicas: the embedded SmolLM2 replica decoding for real (``rolloutbus replica
 serve``), and an instant scripted one (a test double: fixed tokens at once, served by this
 script with ``--serve-instant``), which leaves only the bus's own overhead. The loop is the
-paced multi-turn loop of ``tests/fixtures/paced_loop.py`` (``--turns`` generations per
+paced multi-turn loop of ``tests/plugins/paced_loop.py`` (``--turns`` generations per
 session, a constant observation between them, no tool delay).
 
 Printed per replica: sessions/s both ways and their ratio (bus/in-process, goal >= 0.98
@@ -37,7 +37,6 @@ from typing import Any
 
 import yaml
 from bench_harness import ROOT, CpuMeter, add_common_args, broker, drop_topics, machine_line, median
-from helpers import free_port
 
 from rolloutbus.config import Config
 from rolloutbus.kafka.admin import ensure_topics
@@ -45,8 +44,9 @@ from rolloutbus.kafka.partition_reader import read_partition
 from rolloutbus.schemas.prompts import PromptGroup
 from rolloutbus.schemas.turns import TERMINAL_TYPES, SessionFailed, decode_turn_event
 from rolloutbus.topics import Topics
+from tests.helpers import free_port
 
-FIXTURES = ROOT / "tests" / "fixtures"
+FIXTURES = ROOT / "tests" / "plugins"
 LOOP_NAME, LOOP_TARGET = "benchpaced", "paced_loop.PacedToolLoop"
 WARMUP_GROUPS = 1  # groups through each path before the clock starts
 READY_TIMEOUT_S = 600.0  # seconds; the first SmolLM2 start dequantizes its GGUF
@@ -128,7 +128,7 @@ def serve_instant(port: int, tokens: int) -> None:
 
 
 def start_replica_process(kind: str, cfg: Config, config_path: Path, work: Path, args):
-    from pipeline import spawn, wait_http_ok
+    from tests.pipeline import spawn, wait_http_ok
 
     port = cfg.replica_server.port
     log = work / f"replica-{kind}.log"
@@ -219,7 +219,7 @@ async def run_in_process(
 
 
 def run_through_bus(cfg: Config, config_path: Path, work: Path, groups, warmup, replica) -> Way:
-    from pipeline import spawn, stop
+    from tests.pipeline import spawn, stop
 
     from rolloutbus.consumers.client import TrainerClient
     from rolloutbus.producers.publish import PromptPublisher
@@ -298,7 +298,7 @@ def _group_times(cfg: Config, uids: set[str]) -> tuple[dict[str, float], dict[st
 
 
 def run_replica(kind: str, bootstrap: str, args, work: Path) -> tuple[Way, Way]:
-    from pipeline import stop
+    from tests.pipeline import stop
 
     from rolloutbus.producers.publish import build_group
 

@@ -41,8 +41,6 @@ from bench_harness import (
     machine_line,
     quantile,
 )
-from pipeline import spawn, stop, write_config
-from synthetic import group_events
 
 from rolloutbus.config import Config, KafkaConfig
 from rolloutbus.consumers.client import TrainerClient
@@ -50,6 +48,8 @@ from rolloutbus.kafka.admin import ensure_topics
 from rolloutbus.kafka.clients import idempotent_producer
 from rolloutbus.schemas.turns import TERMINAL_TYPES, decode_turn_event, encode_turn_event
 from rolloutbus.topics import Topics, partition_for
+from tests.pipeline import spawn, stop, write_config
+from tests.synthetic import group_events
 
 WARMUP_GROUPS = 10  # groups through the pipeline before anything is measured
 READY_TIMEOUT_S = 180.0  # seconds for the replay buffer process to start and recover

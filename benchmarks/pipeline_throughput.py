@@ -44,8 +44,6 @@ from bench_harness import (
     produce_all,
     wait_assigned,
 )
-from pipeline import spawn, stop, write_config
-from synthetic import TURNS, N, make_events
 
 from rolloutbus.config import Config, KafkaConfig, ReplayBufferConfig
 from rolloutbus.consumers.client import TrainerClient
@@ -56,6 +54,8 @@ from rolloutbus.kafka.clients import (
     read_committed_consumer,
 )
 from rolloutbus.topics import Topics
+from tests.pipeline import spawn, stop, write_config
+from tests.synthetic import TURNS, N, make_events
 
 WARMUP_GROUPS = 20  # groups through each path before the clock starts
 READY_TIMEOUT_S = 120.0  # seconds for the warm-up (group joins on a busy machine)

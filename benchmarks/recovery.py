@@ -41,12 +41,12 @@ from pathlib import Path
 
 import httpx
 from bench_harness import add_common_args, broker, machine_line, median
-from faults_harness import Pipeline, Workload
 from prometheus_client.parser import text_string_to_metric_families
 from soak import Dispatcher
 
 from rolloutbus.kafka.partition_reader import read_partition
 from rolloutbus.schemas.turns import decode_turn_event
+from tests.faults_harness import Pipeline, Workload
 
 SETTLE_TIMEOUT_S = 600.0  # seconds for every published group to be released after the kills
 POLL_S = 1.0

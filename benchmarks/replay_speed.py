@@ -28,12 +28,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench_harness import add_common_args, broker, drop_topics, machine_line, median, produce_all
-from pipeline import write_config
-from synthetic import N, make_events
 
 from rolloutbus.config import Config, KafkaConfig
 from rolloutbus.kafka.admin import ensure_topics
 from rolloutbus.topics import Topics
+from tests.pipeline import write_config
+from tests.synthetic import N, make_events
 
 CHUNK_GROUPS = 500  # groups generated and written at a time (bounded memory)
 PARTITIONS = 2

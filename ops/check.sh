@@ -6,21 +6,28 @@ if [ -f .venv/bin/activate ]; then
   . .venv/bin/activate
 fi
 
-PATHS=(schemas streams producers consumers rolloutbus tests benchmarks ops examples)
+PATHS=(schemas streams producers consumers replica rolloutbus tests benchmarks ops examples)
 
 ruff format --check "${PATHS[@]}"
 ruff check "${PATHS[@]}"
 
-# `rolloutbus` spans five folders ([tool.setuptools.package-dir] in pyproject.toml); the
+# `rolloutbus` spans six folders ([tool.setuptools.package-dir] in pyproject.toml); the
 # editable install maps them with an import hook that mypy does not run. So mypy finds the
-# package through this link tree (mypy_path in [tool.mypy]): the package's __init__ and the
-# four mapped folders; the rest of `rolloutbus` is found in the repository root. The sed
-# turns the tree's paths in mypy's report back into the real files'.
+# whole package through this link tree (mypy_path in [tool.mypy]): every module and
+# subpackage of rolloutbus/ and the five mapped folders, rebuilt each run so a moved module
+# leaves no stale link. The sed turns the tree's paths in mypy's report back into the real
+# files'. Strictness per folder is set in pyproject.toml ([[tool.mypy.overrides]]).
 LINKS=.cache/mypy/path/rolloutbus
+rm -rf "$LINKS"
 mkdir -p "$LINKS"
-ln -sfn ../../../../rolloutbus/__init__.py "$LINKS/__init__.py"
-for folder in schemas streams producers consumers; do
+for module in rolloutbus/*.py; do
+  ln -sfn "../../../../$module" "$LINKS/$(basename "$module")"
+done
+for init in rolloutbus/*/__init__.py; do
+  folder=$(dirname "$init")
+  ln -sfn "../../../../$folder" "$LINKS/$(basename "$folder")"
+done
+for folder in schemas streams producers consumers replica; do
   ln -sfn "../../../../$folder" "$LINKS/$folder"
 done
-mypy -p rolloutbus.schemas -p rolloutbus.streams -p rolloutbus.producers -p rolloutbus.consumers \
-  | sed -e 's#^\.cache/mypy/path/rolloutbus/##'
+mypy -p rolloutbus | sed -e 's#^\.cache/mypy/path/rolloutbus/##'

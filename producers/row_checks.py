@@ -144,7 +144,7 @@ class RowChecker:
     def tokenizer(self) -> Any:
         if self._tokenizer is not None:
             return self._tokenizer
-        from rolloutbus.replica.models import load_tokenizer
+        from rolloutbus.models.tokenizers import load_tokenizer
 
         return load_tokenizer(self.cfg.model)
 

@@ -664,8 +664,10 @@ def key_tree(model: type[BaseModel] = Config) -> KeyTree:
     tree: dict[str, Any] = {}
     for name, info in model.model_fields.items():
         kind = info.annotation
-        is_section = isinstance(kind, type) and issubclass(kind, BaseModel)
-        tree[name] = key_tree(kind) if is_section else None
+        if isinstance(kind, type) and issubclass(kind, BaseModel):
+            tree[name] = key_tree(kind)
+        else:
+            tree[name] = None
     return tree
 
 
@@ -732,7 +734,7 @@ def _brace_keys(keys: list[str]) -> str:
     for key in keys:
         parent, _, leaf = key.rpartition(".")
         by_parent.setdefault(parent, []).append(leaf)
-    parts = []
+    parts: list[str] = []
     for parent, leaves in by_parent.items():
         prefix = f"{parent}." if parent else ""
         if len(leaves) == 1 or not parent:

@@ -27,12 +27,16 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 import yaml
 
 from rolloutbus.config import Config, with_overrides
 from rolloutbus.errors import ReplicaError, RolloutBusError
+
+if TYPE_CHECKING:  # imported lazily at run time: `rolloutbus --help` stays fast
+    from rolloutbus.consumers.groups import TrajectoryGroup
 
 REPLICA_READY_TIMEOUT_S = 300.0  # seconds; the first run dequantizes SmolLM2 (~15 s) on 2 cores
 DEMO_SUFFIX = "-demo"  # added to the topic prefix and to the workers' group ids
@@ -42,7 +46,7 @@ QUIET_LEVEL = "WARNING"  # the log level of the demo and its workers without -v
 
 def run_demo(cfg: Config, *, rows: int, out: Path, timeout_s: float, verbose: bool = False) -> int:
     from rolloutbus.kafka.admin import ensure_topics
-    from rolloutbus.replica.models import load_tokenizer
+    from rolloutbus.models.tokenizers import load_tokenizer
 
     cfg = demo_config(cfg)
     if not verbose:  # the [demo] lines tell the story; warnings and errors still show
@@ -208,7 +212,7 @@ def _receive(cfg: Config, uids: set[str], out: Path, timeout_s: float, tokenizer
     from rolloutbus.consumers.client import TrainerClient
     from rolloutbus.consumers.report import print_table, throwaway_group_id, write_arrow
 
-    received = []
+    received: list[TrajectoryGroup] = []
     deadline = time.monotonic() + timeout_s
     # a group of its own that never commits: the demo only looks (see consumers.report)
     with TrainerClient(cfg.kafka, throwaway_group_id("demo")) as client:

@@ -203,6 +203,11 @@ class GatewayMetrics(PerRegistry):
 
 class ReplayBufferMetrics(PerRegistry):
     def _init(self, registry: CollectorRegistry) -> None:
+        self._init_fold(registry)
+        self._init_recovery(registry)
+
+    def _init_fold(self, registry: CollectorRegistry) -> None:
+        """What the fold of the turn log counts: events, groups, trajectories."""
         self.events = Counter(
             "rolloutbus_replay_buffer_events_total",
             "Turn events consumed, by type; events",
@@ -243,6 +248,22 @@ class ReplayBufferMetrics(PerRegistry):
             ["kind"],
             registry=registry,
         )
+        self.oldest_open_group = Gauge(
+            "rolloutbus_replay_buffer_oldest_open_group_timestamp_seconds",
+            "Log timestamp of the first event of the oldest group still open (0: none open); "
+            "seconds since the epoch",
+            registry=registry,
+        )
+        self.group_deadline = Gauge(
+            "rolloutbus_replay_buffer_group_deadline_seconds",
+            "deadlines.group_s: log time a group may stay open before its unsettled sessions "
+            "are released as failed; seconds",
+            registry=registry,
+        )
+
+    def _init_recovery(self, registry: CollectorRegistry) -> None:
+        """What makes a release exactly once: released uids remembered, partitions
+        recovered, transactions aborted and producers replaced."""
         self.released_uids = Gauge(
             "rolloutbus_replay_buffer_released_uids",
             "Released uids remembered (read back from the released topic on assignment); uids",
@@ -257,18 +278,6 @@ class ReplayBufferMetrics(PerRegistry):
             "rolloutbus_replay_buffer_partition_recoveries_total",
             "Partitions (re)loaded from committed offsets and the released "
             "topic: on assignment and after an aborted transaction; partitions",
-            registry=registry,
-        )
-        self.oldest_open_group = Gauge(
-            "rolloutbus_replay_buffer_oldest_open_group_timestamp_seconds",
-            "Log timestamp of the first event of the oldest group still open (0: none open); "
-            "seconds since the epoch",
-            registry=registry,
-        )
-        self.group_deadline = Gauge(
-            "rolloutbus_replay_buffer_group_deadline_seconds",
-            "deadlines.group_s: log time a group may stay open before its unsettled sessions "
-            "are released as failed; seconds",
             registry=registry,
         )
         self.transaction_aborts = Counter(
@@ -533,6 +542,15 @@ class RolloutMetrics(PerRegistry):
     verl's names in the help texts."""
 
     def _init(self, registry: CollectorRegistry) -> None:
+        self._init_windows(registry)
+        self._init_per_trajectory(registry)
+        self._init_agent_loop(registry)
+        self._extra: dict[str, Histogram] = {}
+        self._registry = registry
+
+    def _init_windows(self, registry: CollectorRegistry) -> None:
+        """Gauges over the last trajectories released of each data source."""
+
         def window(name: str, doc: str, unit: str) -> Gauge:
             return Gauge(
                 f"rolloutbus_rollout_{name}",
@@ -572,6 +590,9 @@ class RolloutMetrics(PerRegistry):
             "Share of responses cut at rollout.response_length (verl: response_length/clip_ratio)",
             "ratio 0-1",
         )
+
+    def _init_per_trajectory(self, registry: CollectorRegistry) -> None:
+        """Counters and histograms every released trajectory adds to."""
         self.trajectories = Counter(
             "rolloutbus_rollout_trajectories_total",
             "Trajectories released, by data source and status (completed, truncated, failed); "
@@ -614,6 +635,9 @@ class RolloutMetrics(PerRegistry):
             buckets=GROUP_SECONDS_BUCKETS,
             registry=registry,
         )
+
+    def _init_agent_loop(self, registry: CollectorRegistry) -> None:
+        """verl's agent_loop/* figures, per trajectory as the loop reports them."""
         self.agent_loop = {
             name: Histogram(
                 f"rolloutbus_agent_loop_{name}_seconds",
@@ -631,8 +655,6 @@ class RolloutMetrics(PerRegistry):
             buckets=PREEMPTED_BUCKETS,
             registry=registry,
         )
-        self._extra: dict[str, Histogram] = {}
-        self._registry = registry
 
     def agent_loop_extra(self, name: str) -> Histogram:
         """A histogram for an agent-loop metric this code does not name (a newer loop's):

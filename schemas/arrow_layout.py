@@ -186,9 +186,10 @@ def _plain_cell(column: Column, dumped: dict[str, Any], record: Any) -> Any:
 
 
 def _is_numeric_list(arrow_type: pa.DataType) -> bool:
-    return pa.types.is_large_list(arrow_type) and (
-        pa.types.is_integer(arrow_type.value_type) or pa.types.is_floating(arrow_type.value_type)
-    )
+    if not pa.types.is_large_list(arrow_type):
+        return False
+    item = arrow_type.value_type
+    return bool(pa.types.is_integer(item) or pa.types.is_floating(item))
 
 
 def numeric_list_column(values: list[Any], arrow_type: pa.LargeListType) -> pa.Array:

@@ -1,7 +1,7 @@
 """The inference engines' wire formats: one vocabulary for both ends of the HTTP call.
 
 The LLM client (``streams/inference/backends.py``) builds requests and reads responses
-with these models; the embedded replica (``rolloutbus/replica/server.py``) reads the same
+with these models; the embedded replica (``replica/server.py``) reads the same
 requests and writes the same responses. They describe the subset of each API that Rollout
 Bus speaks, token ids in and token ids out:
 
@@ -207,7 +207,8 @@ class VllmCompletionRequest(VllmSamplingFields):
         bad = [p for p in prompt if not isinstance(p, int) or isinstance(p, bool)]
         if bad:
             raise ValueError(f"token ids must be integers, got {bad[:3]!r}")
-        return prompt
+        token_ids: list[int] = prompt  # every item checked above
+        return token_ids
 
 
 class VllmCompletionLogprobs(WireModel):

@@ -81,4 +81,5 @@ class RoutedExperts(BaseModel):
 
     def to_lists(self) -> list[list[list[int]]]:
         """Nested lists ``[token][layer][k]``: the trajectory column's row."""
-        return self.to_numpy().astype(np.int64).tolist()
+        rows: list[list[list[int]]] = self.to_numpy().astype(np.int64).tolist()
+        return rows

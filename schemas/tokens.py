@@ -15,6 +15,7 @@ the check could not fail; it was most of the cost of reading a generation event.
 from __future__ import annotations
 
 import base64
+from collections.abc import Callable
 from typing import Annotated, Any
 
 import numpy as np
@@ -33,14 +34,14 @@ Int32 = Annotated[int, Field(ge=-(2**31), le=INT32_MAX)]
 Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 
 
-def _encoder(dtype: np.dtype):
+def _encoder(dtype: np.dtype[Any]) -> Callable[[list[Any]], str]:
     def encode(values: list[Any]) -> str:
         return base64.b64encode(np.asarray(values, dtype=dtype).tobytes()).decode("ascii")
 
     return encode
 
 
-def _decoder(dtype: np.dtype, kind: type):
+def _decoder(dtype: np.dtype[Any], kind: type) -> Callable[[Any], Any]:
     def decode(value: Any) -> Any:
         if isinstance(value, str):
             raw = base64.b64decode(value.encode("ascii"), validate=True)

@@ -208,7 +208,7 @@ def encode_turn_event(event: BaseModel) -> bytes:
     return event.model_dump_json(by_alias=True).encode("utf-8")
 
 
-def decode_turn_event(data: bytes):
+def decode_turn_event(data: bytes) -> TurnEvent:
     """Raises pydantic's ValidationError for a record that is not a turn event, SchemaError
     for one of a schema version this reader cannot read (``schemas/evolution.py``)."""
     return decode_json_record(_TURN_EVENT, data, "turn_event")

@@ -8,6 +8,23 @@
 * ``token_stream`` — the token stream that both the recorder and the fold build.
 """
 
-from rolloutbus.streams.inference import LLMClient, LoadBalancer, per_turn_max_tokens
+from __future__ import annotations
+
+import importlib
+import typing
+
+if typing.TYPE_CHECKING:
+    from rolloutbus.streams.inference import LLMClient, LoadBalancer, per_turn_max_tokens
 
 __all__ = ["LLMClient", "LoadBalancer", "per_turn_max_tokens"]
+
+# Imported on first use: importing a room (the pure fold in ``assembly``, say) must not load
+# the inference client and httpx.
+_LAZY = {name: "rolloutbus.streams.inference" for name in __all__}
+
+
+def __getattr__(name: str) -> typing.Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'rolloutbus.streams' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

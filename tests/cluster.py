@@ -15,13 +15,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from conftest import _watch_for_killed_session
-from helpers import free_port
-
 from rolloutbus.config import BrokerConfig, Config, KafkaConfig
 from rolloutbus.errors import BrokerError
 from rolloutbus.kafka.broker import broker_status, start_broker, stop_broker
 from rolloutbus.kafka.broker_properties import PORT_STRIDE
+from tests.helpers import free_port
+from tests.session_broker import watch_for_killed_session
 
 NODES = 3
 HEAP = "256m"  # per node: a dev cluster's metadata and a few thousand small records
@@ -79,7 +78,7 @@ def local_cluster(data_root: Path, nodes: int = NODES, **broker: Any) -> Iterato
                 raise
     assert cfg is not None
     for pid in broker_status(cfg).node_pids:
-        _watch_for_killed_session(pid)
+        watch_for_killed_session(pid)
     try:
         yield cfg
     finally:

@@ -7,6 +7,7 @@
 - ``embedded_broker`` (session): the embedded broker's Config, or None when external.
 - ``kafka_config``: a KafkaConfig with a unique topic prefix, partitions=2, and the five
   rollout topics created (deleted again after the test).
+- ``tok`` (session): the real Qwen3 tokenizer, for tests that render prompts or count tokens.
 - ``make_producer`` / ``make_consumer``: confluent-kafka client factories, cleaned up at
   teardown; each consumer gets a unique group.id and reads from the earliest offset.
 """
@@ -14,24 +15,26 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 from confluent_kafka import Consumer, Producer
-from helpers import free_port, unique_name
 
-from rolloutbus.config import BrokerConfig, Config, KafkaConfig
-from rolloutbus.errors import BrokerError
+from rolloutbus.config import Config, KafkaConfig
 from rolloutbus.kafka.admin import delete_topics, ensure_topics
-from rolloutbus.kafka.broker import broker_status, start_broker, stop_broker
+from rolloutbus.kafka.broker import broker_status, stop_broker
 from rolloutbus.topics import Topics
+from tests.helpers import unique_name
+from tests.session_broker import (
+    reap_watchdogs,
+    start_on_free_ports,
+    watch_for_killed_session,
+)
 
 BOOTSTRAP_ENV = "ROLLOUTBUS_TEST_BOOTSTRAP"
 TEST_PARTITIONS = 2  # enough to catch partitioning bugs, cheap to create per test
-PORT_RETRIES = 3  # a free port can be taken by another process before the JVM binds it
 PRODUCER_FLUSH_S = 10.0  # seconds a producer may take to deliver at teardown
 BROKER_FIXTURES = frozenset({"embedded_broker", "kafka_bootstrap"})  # every Kafka fixture needs one
 
@@ -51,78 +54,13 @@ def embedded_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Config
     if os.environ.get(BOOTSTRAP_ENV):
         yield None
         return
-    cfg = _start_on_free_ports(tmp_path_factory)
-    _watch_for_killed_session(broker_status(cfg).pid)
+    cfg = start_on_free_ports(tmp_path_factory)
+    watch_for_killed_session(broker_status(cfg).pid)
     try:
         yield cfg
     finally:
         stop_broker(cfg)
-
-
-def _start_on_free_ports(tmp_path_factory: pytest.TempPathFactory) -> Config:
-    # A free port can be taken by another process before the JVM binds it: retry then,
-    # with fresh ports and a fresh data dir (KRaft storage records the controller port).
-    for _ in range(PORT_RETRIES - 1):
-        cfg = _embedded_config(tmp_path_factory)
-        try:
-            start_broker(cfg)
-        except BrokerError as exc:
-            if "already in use" not in str(exc):
-                raise
-            continue
-        return cfg
-    cfg = _embedded_config(tmp_path_factory)
-    start_broker(cfg)
-    return cfg
-
-
-def _embedded_config(tmp_path_factory: pytest.TempPathFactory) -> Config:
-    port = controller_port = free_port()
-    while controller_port == port:  # the OS may hand out a just-released port again
-        controller_port = free_port()
-    broker = BrokerConfig(
-        data_dir=tmp_path_factory.mktemp("kafka"),
-        port=port,
-        controller_port=controller_port,
-        start_timeout_s=120.0,  # seconds; two cores shared with other test sessions
-    )
-    return Config(broker=broker, kafka=KafkaConfig(bootstrap_servers=f"127.0.0.1:{port}"))
-
-
-# The broker runs detached, so a test session killed with SIGKILL (a CI timeout, the OOM
-# killer) would leave it behind. This watchdog, a detached Python process of its own,
-# sends it SIGTERM once the session's pid is gone; it exits when the broker does.
-_WATCHDOG = """
-import os, signal, sys, time
-session, jvm = int(sys.argv[1]), int(sys.argv[2])
-def alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-while alive(jvm):
-    if not alive(session):
-        os.kill(jvm, signal.SIGTERM)
-        break
-    time.sleep(1.0)
-"""
-
-
-_watchdogs: list[subprocess.Popen[bytes]] = []  # referenced, so never collected while running
-
-
-def _watch_for_killed_session(jvm_pid: int | None) -> None:
-    if jvm_pid is None:
-        return
-    watchdog = subprocess.Popen(
-        [sys.executable, "-c", _WATCHDOG, str(os.getpid()), str(jvm_pid)],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    _watchdogs.append(watchdog)
+        reap_watchdogs()
 
 
 @pytest.fixture(scope="session")
@@ -140,6 +78,15 @@ def kafka_config(kafka_bootstrap: str) -> Iterator[KafkaConfig]:
     ensure_topics(kafka)
     yield kafka
     delete_topics(kafka, Topics.from_config(kafka).all())
+
+
+@pytest.fixture(scope="session")
+def tok() -> Any:
+    """The real Qwen3 tokenizer with its chat template (``tiny-qwen3``'s), loaded once: the
+    agent-loop, gateway, reward and Continuous Token tests render and count with it."""
+    from tests.scripted_server import qwen3_tokenizer
+
+    return qwen3_tokenizer()
 
 
 @pytest.fixture
@@ -199,9 +146,9 @@ def make_consumer(kafka_bootstrap: str) -> Iterator[Callable[..., Consumer]]:
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
-    """The fault-injection table (the harness package tests/faults/, also imported as
-    ``faults_harness``), when fault scenarios ran."""
-    harness = sys.modules.get("faults")
+    """The fault-injection table (the harness package tests/faults/, re-exported by
+    ``tests.faults_harness``), when fault scenarios ran."""
+    harness = sys.modules.get("tests.faults")
     rows = getattr(harness, "ROWS", None)
     if not rows:
         return

@@ -6,8 +6,8 @@ re-exports it, so ``from faults_harness import Workload, run_fault_scenario, ...
 working in every ``tests/test_faults*.py``.
 """
 
-from faults import (
-    FIXTURES,
+from tests.faults import (
+    PLUGINS,
     ROWS,
     WORKER_ENV,
     FaultContext,
@@ -31,7 +31,7 @@ from faults import (
 )
 
 __all__ = [
-    "FIXTURES",
+    "PLUGINS",
     "ROWS",
     "WORKER_ENV",
     "FaultContext",

@@ -17,12 +17,10 @@ from typing import Any
 import pyarrow as pa
 from hypothesis import strategies as st
 
-from rolloutbus.schemas.agent_loop import AgentLoopMetrics
 from rolloutbus.schemas.prompts import GroupSamplingParams, PromptGroup
-from rolloutbus.schemas.trajectories import Trajectory, TrajectoryStatus, encode_trajectory
+from rolloutbus.schemas.trajectories import encode_trajectory
 from rolloutbus.schemas.turns import (
     Generation,
-    GroupStarted,
     Observation,
     OutputSummary,
     SegmentStarted,
@@ -31,6 +29,7 @@ from rolloutbus.schemas.turns import (
     SessionStarted,
     encode_turn_event,
 )
+from tests.builders import make_group_started, make_trajectory
 
 UID = "0123456789abcdef0123456789abcdef"  # a publisher-style uid (32 hex, no "_")
 ROW = {
@@ -53,7 +52,7 @@ def prompt_group_template() -> dict[str, Any]:
 def turn_event_templates() -> list[dict[str, Any]]:
     ids = {"uid": UID, "session_id": 0, "attempt": "a0", "ts": 0.0}
     events = [
-        GroupStarted(uid=UID, attempt="a0", n=2, row=ROW, ts=0.0),
+        make_group_started(UID, 2, attempt="a0", row=ROW, ts=0.0),
         SessionStarted(**ids, agent_name="single_turn_agent"),
         SegmentStarted(**ids, segment=0, prompt_ids=[1, 2, 3]),
         Generation(
@@ -81,20 +80,7 @@ def turn_event_templates() -> list[dict[str, Any]]:
 
 def trajectory_template() -> bytes:
     return encode_trajectory(
-        Trajectory(
-            key=f"{UID}_0_0",
-            uid=UID,
-            session_id=0,
-            output_index=0,
-            num_outputs=1,
-            group_size=1,
-            status=TrajectoryStatus.COMPLETED,
-            prompts=[1, 2, 3],
-            responses=[4, 5],
-            response_mask=[1, 1],
-            rollout_log_probs=[-0.5, -0.25],
-            metrics=AgentLoopMetrics(),
-        )
+        make_trajectory(UID, prompts=[1, 2, 3], responses=[4, 5], rollout_log_probs=[-0.5, -0.25])
     )
 
 

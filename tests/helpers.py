@@ -1,4 +1,4 @@
-"""Small helpers that tests import directly (``from helpers import free_port``)."""
+"""Small helpers that tests import directly (``from tests.helpers import free_port``)."""
 
 from __future__ import annotations
 
@@ -41,3 +41,20 @@ def verl_side_env() -> Path | str:
     if built.returncode != 0:
         return f"the verl side environment did not build: {built.stderr[-2000:]}"
     return Path(built.stdout.strip().splitlines()[-1])
+
+
+CLI_TIMEOUT_S = 60.0  # seconds; a command's start imports torch on two shared cores
+
+
+def run_cli(
+    *argv: str, timeout: float = CLI_TIMEOUT_S, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``rolloutbus ARGV`` in a fresh process, as a user runs it: its exit code, stdout and
+    stderr (``env`` added to this process's environment)."""
+    return subprocess.run(
+        [sys.executable, "-m", "rolloutbus.cli", *argv],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )

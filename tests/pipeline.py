@@ -45,13 +45,13 @@ def spawn(
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if python_path:
         env["PYTHONPATH"] = os.pathsep.join([*map(str, python_path), env.get("PYTHONPATH", "")])
-    log = log_path.open("wb")
-    return subprocess.Popen(
-        [sys.executable, "-m", "rolloutbus.cli", *argv, "--config", str(config_path)],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env=env,
-    )
+    with log_path.open("wb") as log:  # the child writes through its own copy of the file
+        return subprocess.Popen(
+            [sys.executable, "-m", "rolloutbus.cli", *argv, "--config", str(config_path)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
 
 
 def wait_http_ok(url: str, proc: subprocess.Popen, log_path: Path) -> None:

@@ -1,23 +1,13 @@
 """AgentLoopBase, the registry / routing, single_turn_agent and the public API."""
 
-import sys
 from pathlib import Path
 
 import pytest
 
-TESTS = Path(__file__).parent
-sys.path.insert(0, str(TESTS))
-from fixtures.scripted_server import (  # noqa: E402
-    ScriptedServerManager,
-    make_config,
-    qwen3_tokenizer,
-    scripted_turn,
-)
-
-import rolloutbus.streams.agent_loop as agent_loop  # noqa: E402
-from rolloutbus.errors import AgentLoopError, PromptTooLongError, UnknownAgentLoopError  # noqa: E402
-from rolloutbus.schemas.agent_loop import AgentLoopMetrics, AgentLoopOutput, TokenOutput  # noqa: E402
-from rolloutbus.streams.agent_loop import (  # noqa: E402
+import rolloutbus.streams.agent_loop as agent_loop
+from rolloutbus.errors import AgentLoopError, PromptTooLongError, UnknownAgentLoopError
+from rolloutbus.schemas.agent_loop import AgentLoopMetrics, AgentLoopOutput, TokenOutput
+from rolloutbus.streams.agent_loop import (
     AgentLoopBase,
     DictConfigWrap,
     SingleTurnAgentLoop,
@@ -28,13 +18,14 @@ from rolloutbus.streams.agent_loop import (  # noqa: E402
     resolve_agent_name,
     simple_timer,
 )
+from tests.scripted_server import (
+    ScriptedServerManager,
+    make_config,
+    scripted_turn,
+)
 
+TESTS = Path(__file__).parent
 ROW = {"prompt": [{"role": "user", "content": "计算 18 * 7"}], "data_source": "my/math"}
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return qwen3_tokenizer()
 
 
 def loop_kwargs(tok, server, **rollout):
@@ -98,7 +89,9 @@ def test_schema_fields_and_defaults():
     ]
 
 
-def test_base_constructor_shape(tok):
+async def test_base_constructor_shape(tok):
+    # async: a loop is built inside the session's coroutine (its self.loop is the running
+    # loop); built outside any loop it would make a loop of its own that nobody closes
     loop = EchoLoop(
         **loop_kwargs(tok, "client"), dataset_cls=dict, data_config={"x": 1}, hf_model_type="qwen3"
     )
@@ -197,7 +190,7 @@ def test_resolve_agent_name_default_only_when_absent():
 
 
 @pytest.mark.parametrize("name", [None, "no_such_agent"])
-def test_null_or_unknown_agent_name_fails_naming_it(tok, name):
+async def test_null_or_unknown_agent_name_fails_naming_it(tok, name):
     with pytest.raises(UnknownAgentLoopError) as err:
         create_agent_loop(
             resolve_agent_name({"agent_name": name}, "single_turn_agent"), **loop_kwargs(tok, None)
@@ -206,16 +199,16 @@ def test_null_or_unknown_agent_name_fails_naming_it(tok, name):
     assert named in str(err.value) and "single_turn_agent" in str(err.value)
 
 
-def test_fresh_instance_per_trajectory(tok):
+async def test_fresh_instance_per_trajectory(tok):
     a = create_agent_loop("single_turn_agent", **loop_kwargs(tok, None))
     b = create_agent_loop("single_turn_agent", **loop_kwargs(tok, None))
     assert isinstance(a, SingleTurnAgentLoop) and a is not b
 
 
-def test_yaml_registration_of_the_seed_loop(tok, tmp_path, monkeypatch):
-    """A custom loop written for verl's API (fixtures/my_agent_loop.py), registered from YAML
+async def test_yaml_registration_of_the_seed_loop(tok, tmp_path, monkeypatch):
+    """A custom loop written for verl's API (plugins/my_agent_loop.py), registered from YAML
     by a relative path."""
-    monkeypatch.syspath_prepend(str(TESTS / "fixtures"))
+    monkeypatch.syspath_prepend(str(TESTS / "plugins"))
     (tmp_path / "my_agent_loops.yaml").write_text(
         "- name: my_single_turn\n  _target_: my_agent_loop.MySingleTurnLoop\n"
     )
@@ -226,7 +219,7 @@ def test_yaml_registration_of_the_seed_loop(tok, tmp_path, monkeypatch):
 
 
 async def test_seed_loop_runs_and_meets_the_output_contract(tok, monkeypatch):
-    monkeypatch.syspath_prepend(str(TESTS / "fixtures"))
+    monkeypatch.syspath_prepend(str(TESTS / "plugins"))
     from my_agent_loop import MySingleTurnLoop
 
     server = ScriptedServerManager([TokenOutput(token_ids=[1, 2, 3, 4], log_probs=[-0.1] * 4)])
@@ -236,7 +229,7 @@ async def test_seed_loop_runs_and_meets_the_output_contract(tok, monkeypatch):
     assert out.metrics.num_preempted == -1 and out.metrics.generate_sequences >= 0
 
 
-def test_yaml_extra_keys_become_constructor_kwargs(tok, tmp_path):
+async def test_yaml_extra_keys_become_constructor_kwargs(tok, tmp_path):
     path = tmp_path / "loops.yaml"
     path.write_text(
         f"- name: echo_with_kwargs\n  _target_: {__name__}.EchoLoop\n  "
@@ -256,7 +249,7 @@ def test_bad_yaml_config_is_an_error(tmp_path, content):
         load_agent_loop_config(path)
 
 
-def test_unimportable_target_is_an_error(tok, tmp_path):
+async def test_unimportable_target_is_an_error(tok, tmp_path):
     path = tmp_path / "loops.yaml"
     path.write_text("- name: ghost\n  _target_: no_such_pkg.Ghost\n")
     load_agent_loop_config(path)

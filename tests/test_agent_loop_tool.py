@@ -2,45 +2,36 @@
 
 import asyncio
 import json
-import sys
 import warnings
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from fixtures.scripted_server import (  # noqa: E402
-    ScriptedServerManager,
-    make_config,
-    qwen3_tokenizer,
-    scripted_turn,
-)
-
-from rolloutbus.schemas.agent_loop import TokenOutput  # noqa: E402
-from rolloutbus.streams.agent_loop import (  # noqa: E402
+from rolloutbus.schemas.agent_loop import TokenOutput
+from rolloutbus.streams.agent_loop import (
     DictConfigWrap,
     ToolAgentLoop,
     create_agent_loop,
-    tool_agent,  # noqa: E402
+    tool_agent,
 )
-from rolloutbus.streams.agent_loop.tool_agent import (  # noqa: E402
+from rolloutbus.streams.agent_loop.tool_agent import (
     TRUNCATED_HEAD,
     TRUNCATED_MIDDLE,
     TRUNCATED_TAIL,
 )
-from rolloutbus.streams.agent_loop.tool_parser import (  # noqa: E402
+from rolloutbus.streams.agent_loop.tool_parser import (
     FunctionCall,
     HermesToolParser,
     ToolParser,
 )
-from rolloutbus.streams.agent_loop.tools import BaseTool, CalculatorTool, FunctionTool, ToolResponse  # noqa: E402
+from rolloutbus.streams.agent_loop.tools import BaseTool, CalculatorTool, FunctionTool, ToolResponse
+from tests.scripted_server import (
+    ScriptedServerManager,
+    make_config,
+    scripted_turn,
+)
 
 PROMPT = [{"role": "user", "content": "计算 18 * 7"}]
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return qwen3_tokenizer()
 
 
 def call_text(name="calculator", arguments=None):
@@ -565,13 +556,12 @@ async def test_assistant_logprobs_must_match_the_tokens(tok):
 
 
 def _ported_loop_class(tmp_path):
-    """tests/fixtures/verl_style_tool_loop.py, written against verl 0.9.1, with its imports
+    """tests/plugins/verl_style_tool_loop.py, written against verl 0.9.1, with its imports
     pointed at Rollout Bus and nothing else changed."""
-    from fixtures.verl_port import port_file
-
     from rolloutbus.streams.plugins import import_object
+    from tests.verl_port import port_file
 
-    ported = port_file(Path(__file__).parent / "fixtures" / "verl_style_tool_loop.py", tmp_path)
+    ported = port_file(Path(__file__).parent / "plugins" / "verl_style_tool_loop.py", tmp_path)
     return import_object(f"{ported}:AuditedToolLoop", what="test loop", kind="class")
 
 

@@ -4,15 +4,12 @@ from __future__ import annotations
 
 import shutil
 import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 from confluent_kafka import Consumer, TopicPartition
 from confluent_kafka.admin import AdminClient, ConfigResource
-from helpers import free_port, unique_name
 
 from rolloutbus.config import BrokerConfig, Config, KafkaConfig
 from rolloutbus.errors import BrokerError
@@ -26,9 +23,11 @@ from rolloutbus.kafka.broker import (
     stop_broker,
 )
 from rolloutbus.topics import Topics
+from tests.helpers import free_port, run_cli, unique_name
 
 LARGE_RECORD_BYTES = 2 * 1024 * 1024  # over every 1 MB Kafka/librdkafka default
 POLL_TIMEOUT_S = 30.0  # seconds to wait for a record that was just produced
+BROKER_CLI_S = 300.0  # seconds for `rolloutbus broker start` of three nodes on two cores
 
 
 def _describe_topic_configs(kafka: KafkaConfig, name: str) -> dict[str, str]:
@@ -338,15 +337,6 @@ def test_replication_follows_the_cluster_size() -> None:
     assert topic_configs(pinned, None, 2)["min.insync.replicas"] == "1"
 
 
-def _cli(*argv: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "rolloutbus.cli", *argv],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-
-
 def _replicas(kafka: KafkaConfig, topic: str) -> dict[int, tuple[int, list[int], list[int]]]:
     meta = AdminClient(kafka.client_settings()).list_topics(topic, timeout=10).topics[topic]
     return {p: (m.leader, list(m.replicas), list(m.isrs)) for p, m in meta.partitions.items()}
@@ -360,7 +350,7 @@ def test_a_three_node_cluster_replicates_and_survives_its_leader(
     """`rolloutbus broker start --nodes 3`: three nodes, rollout topics with three replicas
     and min.insync.replicas 2, internal topics alike; an acks=all write goes on after the
     leader of its partition is SIGKILLed, and the node comes back with `start`."""
-    from cluster import cluster_config
+    from tests.cluster import cluster_config
 
     cfg = cluster_config(tmp_path / "kafka")
     config_path = tmp_path / "config.yaml"
@@ -370,10 +360,12 @@ def test_a_three_node_cluster_replicates_and_survives_its_leader(
     config_path.write_text(yaml.safe_dump(raw))
     kafka = cfg.kafka.model_copy(update={"topic_prefix": "c3"})
     try:
-        started = _cli("broker", "start", "--nodes", "3", "--config", str(config_path))
+        started = run_cli(
+            "broker", "start", "--nodes", "3", "--config", str(config_path), timeout=BROKER_CLI_S
+        )
         assert started.returncode == 0, started.stderr[-3000:]
         assert "3 nodes" in started.stdout and "topics ready (6 created)" in started.stdout
-        status = _cli("broker", "status", "--config", str(config_path))
+        status = run_cli("broker", "status", "--config", str(config_path), timeout=BROKER_CLI_S)
         assert status.returncode == 0 and cfg.kafka.bootstrap_servers in status.stdout
 
         turns = Topics.from_config(kafka).turns
@@ -409,6 +401,6 @@ def test_a_three_node_cluster_replicates_and_survives_its_leader(
         finally:
             reader.close()
     finally:
-        stopped = _cli("broker", "stop", "--config", str(config_path))
+        stopped = run_cli("broker", "stop", "--config", str(config_path), timeout=BROKER_CLI_S)
     assert stopped.returncode == 0 and "broker stopped" in stopped.stdout, stopped.stderr
     assert not any(broker_status(cfg).node_pids)

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -13,13 +10,13 @@ import pyarrow as pa
 import pytest
 import yaml
 from confluent_kafka.admin import AdminClient
-from helpers import free_port, unique_name
-from pipeline import write_config
 
 from rolloutbus.cli import build_parser
 from rolloutbus.cli.data import log_time
 from rolloutbus.config import Config
 from rolloutbus.config_loading import split_overrides
+from tests.helpers import free_port, run_cli, unique_name
+from tests.pipeline import write_config
 
 SUBCOMMANDS = [
     "broker",
@@ -43,18 +40,6 @@ SUBCOMMANDS = [
 ]
 
 
-def _cli(
-    *argv: str, timeout: float = 60, env: dict[str, str] | None = None
-) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "rolloutbus.cli", *argv],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, **(env or {})},
-    )
-
-
 def test_every_subcommand_is_listed_and_has_help():
     parser = build_parser()
     listed = parser._subparsers._group_actions[0].choices  # noqa: SLF001
@@ -68,7 +53,7 @@ def test_every_subcommand_is_listed_and_has_help():
 def test_unknown_config_key_exits_2_naming_the_key(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("rollout:\n  n: 2\n  respone_length: 10\n")
-    result = _cli("topics", "--config", str(bad))
+    result = run_cli("topics", "--config", str(bad))
     assert result.returncode == 2
     assert "unknown config key 'rollout.respone_length'" in result.stderr
     assert result.stdout == ""
@@ -77,16 +62,16 @@ def test_unknown_config_key_exits_2_naming_the_key(tmp_path):
 def test_config_prints_the_resolved_config_with_key_value_overrides_anywhere(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("actor_rollout_ref:\n  rollout: {n: 2, response_length: 64}\n")
-    result = _cli("config", "rollout.response_length=32", "-c", str(path), "kafka.partitions=2")
+    result = run_cli("config", "rollout.response_length=32", "-c", str(path), "kafka.partitions=2")
     assert result.returncode == 0, result.stderr
     printed = yaml.safe_load(result.stdout)
     assert (printed["rollout"]["n"], printed["rollout"]["response_length"]) == (2, 32)
     assert printed["kafka"]["partitions"] == 2
     # verl's names too, and the command line wins over the environment
     env = {"ROLLOUTBUS__ROLLOUT__N": "4"}
-    result = _cli("config", "-c", str(path), "actor_rollout_ref.rollout.n=8", env=env)
+    result = run_cli("config", "-c", str(path), "actor_rollout_ref.rollout.n=8", env=env)
     assert yaml.safe_load(result.stdout)["rollout"]["n"] == 8
-    assert yaml.safe_load(_cli("config", "-c", str(path), env=env).stdout)["rollout"]["n"] == 4
+    assert yaml.safe_load(run_cli("config", "-c", str(path), env=env).stdout)["rollout"]["n"] == 4
 
 
 def test_an_override_never_lands_in_a_positional_and_other_tokens_are_usage_errors():
@@ -96,9 +81,9 @@ def test_an_override_never_lands_in_a_positional_and_other_tokens_are_usage_erro
     assert overrides == ["rollout.n=8", "+trainer.logger=[file]"]
     args = build_parser().parse_args(rest[:-2])
     assert args.dataset == Path("rows.jsonl")
-    unknown = _cli("config", "rollout.n=8", "bogus")
+    unknown = run_cli("config", "rollout.n=8", "bogus")
     assert unknown.returncode == 2 and "unrecognized arguments: bogus" in unknown.stderr
-    typo = _cli("config", "rollout.nn=8")
+    typo = run_cli("config", "rollout.nn=8")
     assert typo.returncode == 2 and "did you mean `n`?" in typo.stderr and typo.stdout == ""
 
 
@@ -110,13 +95,13 @@ def test_replay_times_are_epoch_seconds_iso_or_ago_and_anything_else_is_a_usage_
     assert log_time("-30m") < log_time("-30s")
     with pytest.raises(argparse.ArgumentTypeError, match="not a time"):
         log_time("yesterday")
-    bad = _cli("replay", "--since", "yesterday")
+    bad = run_cli("replay", "--since", "yesterday")
     assert bad.returncode == 2 and "not a time" in bad.stderr
 
 
 def test_dataset_command_writes_verl_rows(tmp_path):
     out = tmp_path / "rows.jsonl"
-    result = _cli("dataset", str(out), "--count", "4", "--tool-fraction", "1.0")
+    result = run_cli("dataset", str(out), "--count", "4", "--tool-fraction", "1.0")
     assert result.returncode == 0 and result.stdout.strip() == str(out)
     lines = out.read_text().splitlines()
     assert len(lines) == 4 and all('"agent_name": "tool_agent"' in line for line in lines)
@@ -141,7 +126,7 @@ def test_demo_main_job_prints_trajectories_and_writes_arrow(kafka_bootstrap, tmp
         }
     )
     out = tmp_path / "traj.arrow"
-    result = _cli(
+    result = run_cli(
         "demo",
         "--rows",
         "2",
@@ -171,14 +156,14 @@ def test_demo_main_job_prints_trajectories_and_writes_arrow(kafka_bootstrap, tmp
 
 
 def test_missing_dataset_and_unreachable_broker_are_clear_errors(tmp_path):
-    result = _cli("publish", str(tmp_path / "nope.jsonl"))
+    result = run_cli("publish", str(tmp_path / "nope.jsonl"))
     assert result.returncode == 2 and "dataset not found" in result.stderr
     assert "Traceback" not in result.stderr
     rows = tmp_path / "rows.jsonl"
     rows.write_text('{"prompt": [{"role": "user", "content": "hi"}]}\n')
     cfg = tmp_path / "c.yaml"
     cfg.write_text(f"kafka: {{bootstrap_servers: '127.0.0.1:{free_port()}'}}\n")
-    result = _cli("publish", str(rows), "--config", str(cfg), timeout=60)
+    result = run_cli("publish", str(rows), "--config", str(cfg), timeout=60)
     assert result.returncode == 1 and "cannot reach Kafka" in result.stderr
     assert "rolloutbus broker start" in result.stderr and "Traceback" not in result.stderr
 
@@ -191,10 +176,10 @@ def test_publish_without_a_dataset_reads_data_train_files(kafka_bootstrap, tmp_p
     )
     cfg = tmp_path / "c.yaml"
     cfg.write_text("data: {train_files: []}\n")
-    result = _cli("publish", "--config", str(cfg))
+    result = run_cli("publish", "--config", str(cfg))
     assert result.returncode == 2 and "give a DATASET or set data.train_files" in result.stderr
     cfg.write_text(f"data: {{train_files: [{rows}, {tmp_path / 'missing.jsonl'}]}}\n")
-    result = _cli("publish", "--config", str(cfg))
+    result = run_cli("publish", "--config", str(cfg))
     assert (
         result.returncode == 2 and "dataset not found" in result.stderr
     )  # checked before publishing
@@ -209,8 +194,8 @@ def test_publish_without_a_dataset_reads_data_train_files(kafka_bootstrap, tmp_p
         }
     )
     path = write_config(config, tmp_path / "real.yaml")
-    assert _cli("topics", "--config", str(path)).returncode == 0
-    result = _cli("publish", "-q", "--config", str(path))
+    assert run_cli("topics", "--config", str(path)).returncode == 0
+    result = run_cli("publish", "-q", "--config", str(path))
     assert result.returncode == 0, result.stderr[-2000:]
     assert len(result.stdout.split()) == 2  # one uid per row of the configured file
     assert f"{rows}: read 2 rows: 2 published" in result.stderr
@@ -232,9 +217,9 @@ def test_publish_again_prints_the_same_uids_and_a_new_epoch_new_ones(kafka_boots
         }
     )
     path = write_config(config, tmp_path / "c.yaml")
-    assert _cli("topics", "--config", str(path)).returncode == 0
+    assert run_cli("topics", "--config", str(path)).returncode == 0
     runs = [
-        _cli("publish", str(rows), "-q", *extra, "--config", str(path))
+        run_cli("publish", str(rows), "-q", *extra, "--config", str(path))
         for extra in ([], [], ["--epoch", "1"])
     ]
     assert all(run.returncode == 0 for run in runs), runs[-1].stderr[-2000:]

@@ -19,25 +19,16 @@ import threading
 import time
 
 import pytest
-from helpers import free_port
 
 from rolloutbus import __version__
 from rolloutbus.cli import build_parser
 from rolloutbus.cli.console import QUIET_LIBRARIES, graceful_stop_handler
 from rolloutbus.config import KafkaConfig
 from rolloutbus.kafka.clients import LIBRDKAFKA_LOGGER, idempotent_producer
+from tests.helpers import free_port, run_cli
 
 LOG_POLL_S = 0.2  # seconds per producer poll while waiting for librdkafka's first log line
 LOG_WAIT_S = 30.0  # seconds; a refused connection is logged within a second or two
-
-
-def _cli(*argv: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "rolloutbus.cli", *argv],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
 
 
 def _python(code: str, **kwargs) -> subprocess.CompletedProcess:
@@ -65,14 +56,14 @@ def test_every_option_of_every_subcommand_has_help_text():
 
 
 def test_version():
-    result = _cli("--version")
+    result = run_cli("--version")
     assert result.returncode == 0 and result.stdout.strip() == f"rolloutbus {__version__}"
 
 
 def test_broker_status_says_not_running_rather_than_pid_none(tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text(f"broker: {{port: {free_port()}, data_dir: '{tmp_path / 'kafka'}'}}\n")
-    result = _cli("broker", "status", "--config", str(cfg))
+    result = run_cli("broker", "status", "--config", str(cfg))
     assert result.returncode == 3, result.stderr
     assert result.stdout.startswith("broker not running (bootstrap 127.0.0.1:")
     assert "None" not in result.stdout
@@ -210,9 +201,8 @@ TRAIN_READY_S = 300.0  # seconds until the trainer waits for groups (torch, mode
 
 def test_train_on_sigterm_says_it_stops_after_the_step_and_exits_cleanly(kafka_config, tmp_path):
     """The real command: the first SIGTERM is answered with the line and a clean stop."""
-    from pipeline import write_config
-
     from rolloutbus.config import Config, ModelConfig, TrainerConfig
+    from tests.pipeline import write_config
 
     cfg = Config(
         kafka=kafka_config,
@@ -221,7 +211,7 @@ def test_train_on_sigterm_says_it_stops_after_the_step_and_exits_cleanly(kafka_c
             group_id=f"trainer-{time.monotonic_ns()}", default_local_dir=tmp_path
         ),
     )
-    train = subprocess.Popen(
+    with subprocess.Popen(  # on leaving: its pipe closed, the process waited for
         [
             sys.executable,
             "-m",
@@ -233,22 +223,22 @@ def test_train_on_sigterm_says_it_stops_after_the_step_and_exits_cleanly(kafka_c
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
-    )
-    lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(train.stderr or []), daemon=True)
-    reader.start()
-    try:
-        deadline = time.monotonic() + TRAIN_READY_S
-        # the trainer client logs its partitions once it waits for groups
-        while not any("assigned" in line for line in lines):
-            assert train.poll() is None and time.monotonic() < deadline, "".join(lines)[-3000:]
-            time.sleep(0.5)
-        train.send_signal(signal.SIGTERM)
-        train.wait(timeout=120)
-        reader.join(timeout=30)
-    finally:
-        if train.poll() is None:
-            train.kill()
+    ) as train:
+        lines: list[str] = []
+        reader = threading.Thread(target=lambda: lines.extend(train.stderr or []), daemon=True)
+        reader.start()
+        try:
+            deadline = time.monotonic() + TRAIN_READY_S
+            # the trainer client logs its partitions once it waits for groups
+            while not any("assigned" in line for line in lines):
+                assert train.poll() is None and time.monotonic() < deadline, "".join(lines)[-3000:]
+                time.sleep(0.5)
+            train.send_signal(signal.SIGTERM)
+            train.wait(timeout=120)
+            reader.join(timeout=30)
+        finally:
+            if train.poll() is None:
+                train.kill()
     output = "".join(lines)
     assert train.returncode == 0, output[-3000:]
     assert "stopping after this step (Ctrl-C again to abort)" in output

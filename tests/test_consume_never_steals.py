@@ -11,14 +11,14 @@ from pathlib import Path
 
 from confluent_kafka import Consumer, TopicPartition
 from confluent_kafka.admin import AdminClient
-from helpers import unique_name
-from pipeline import write_config
 
 from rolloutbus.config import Config, KafkaConfig, TrainerConfig
 from rolloutbus.consumers.client import TrainerClient
 from rolloutbus.kafka.clients import idempotent_producer
-from rolloutbus.schemas.trajectories import Trajectory, TrajectoryStatus, encode_trajectories
-from rolloutbus.topics import Topics, partition_for, trajectory_key
+from rolloutbus.topics import Topics
+from tests.builders import make_group, produce_trajectories
+from tests.helpers import unique_name
+from tests.pipeline import write_config
 
 GROUP_SIZE = 2
 GROUPS = 6
@@ -29,31 +29,9 @@ IDLE_S = "8"  # seconds without a new group before `consume` stops
 
 def _publish_trajectory_groups(kafka: KafkaConfig, count: int) -> list[str]:
     """``count`` complete groups on the trajectory topic, as the replay buffer writes them."""
-    producer = idempotent_producer(kafka)
-    topic = Topics.from_config(kafka).trajectories
     uids = [uuid.uuid4().hex for _ in range(count)]
-    for uid in uids:
-        trajectories = [
-            Trajectory(
-                key=trajectory_key(uid, s, 0),
-                uid=uid,
-                session_id=s,
-                output_index=0,
-                num_outputs=1,
-                group_size=GROUP_SIZE,
-                status=TrajectoryStatus.COMPLETED,
-                prompts=[1, 2],
-                responses=[3],
-                response_mask=[1],
-                rollout_log_probs=[-0.5],
-            )
-            for s in range(GROUP_SIZE)
-        ]
-        for t, value in zip(trajectories, encode_trajectories(trajectories), strict=True):
-            producer.produce(
-                topic, key=t.key, value=value, partition=partition_for(uid, kafka.partitions)
-            )
-    assert producer.flush(30) == 0
+    groups = [make_group(uid, GROUP_SIZE, rollout_log_probs=[-0.5]) for uid in uids]
+    produce_trajectories(idempotent_producer(kafka), kafka, [t for g in groups for t in g])
     return uids
 
 

@@ -1,15 +1,9 @@
 """Continuous Token with the real Qwen3 tokenizer: the incremental stream vs a full render."""
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from fixtures.scripted_server import qwen3_tokenizer  # noqa: E402
-
-from rolloutbus.errors import AgentLoopError  # noqa: E402
-from rolloutbus.streams.agent_loop.continuous_token import ContinuousTokenBuilder, render_ids  # noqa: E402
+from rolloutbus.errors import AgentLoopError
+from rolloutbus.streams.agent_loop.continuous_token import ContinuousTokenBuilder, render_ids
 
 CALL_TEXT = (
     '<tool_call>\n{"name": "calculator", "arguments": {"expression": "18 * 7"}}\n</tool_call>'
@@ -27,11 +21,6 @@ TOOLS = [
         },
     }
 ]
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return qwen3_tokenizer()
 
 
 @pytest.fixture(scope="module")

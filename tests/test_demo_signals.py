@@ -12,11 +12,11 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import free_port, unique_name
-from pipeline import write_config
 
 from rolloutbus.config import BrokerConfig, Config, KafkaConfig
 from rolloutbus.kafka.broker import broker_status, stop_broker
+from tests.helpers import free_port, unique_name
+from tests.pipeline import write_config
 
 # the demo starts a broker JVM of its own (not the session's), then a replica and workers
 pytestmark = [pytest.mark.slow, pytest.mark.kafka]
@@ -98,42 +98,42 @@ def test_sigterm_of_the_demo_leaves_no_process_and_no_broker_behind(tmp_path):
     config = write_config(cfg, tmp_path / "c.yaml")
     scratch = tmp_path / "tmp"  # the demo's temporary folder (its workers' config) lies here
     scratch.mkdir()
-    demo = subprocess.Popen(
+    with subprocess.Popen(  # on leaving: its pipe closed, the process waited for
         [sys.executable, "-m", "rolloutbus.cli", "demo", "--rows", "2", "--n", "1"]
         + ["--out", str(tmp_path / "t.arrow"), "--config", str(config)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
         env={**os.environ, "TMPDIR": str(scratch)},
-    )
-    lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(demo.stderr or []), daemon=True)
-    reader.start()
-    started: set[int] = set()
-    broker_pid = None
-    try:
-        deadline = time.monotonic() + UP_TIMEOUT_S
-        while not any(READY_LINE in line for line in lines):
-            assert demo.poll() is None, "".join(lines)[-3000:]
-            assert time.monotonic() < deadline, "".join(lines)[-3000:]
-            time.sleep(0.5)
-        broker_pid = broker_status(cfg).pid
-        started = _children(demo.pid)
-        assert broker_pid is not None and len(started) >= 3  # broker, replica, two workers
+    ) as demo:
+        lines: list[str] = []
+        reader = threading.Thread(target=lambda: lines.extend(demo.stderr or []), daemon=True)
+        reader.start()
+        started: set[int] = set()
+        broker_pid = None
+        try:
+            deadline = time.monotonic() + UP_TIMEOUT_S
+            while not any(READY_LINE in line for line in lines):
+                assert demo.poll() is None, "".join(lines)[-3000:]
+                assert time.monotonic() < deadline, "".join(lines)[-3000:]
+                time.sleep(0.5)
+            broker_pid = broker_status(cfg).pid
+            started = _children(demo.pid)
+            assert broker_pid is not None and len(started) >= 3  # broker, replica, two workers
 
-        demo.send_signal(signal.SIGTERM)
-        demo.wait(timeout=EXIT_TIMEOUT_S)
-        reader.join(timeout=30)
-        output = "".join(lines)
-        assert demo.returncode == 130, output[-3000:]
-        assert "[demo] broker stopped" in output and "rolloutbus: interrupted" in output
-        assert not [pid for pid in started | {broker_pid} if _alive(pid)], output[-3000:]
-        assert not broker_status(cfg).running
-        assert not _processes_mentioning(str(tmp_path))
-    finally:
-        for pid in started:  # only if the test failed: leave nothing behind on this machine
-            if _alive(pid):
-                os.kill(pid, signal.SIGKILL)
-        if demo.poll() is None:
-            demo.kill()
-        stop_broker(cfg)
+            demo.send_signal(signal.SIGTERM)
+            demo.wait(timeout=EXIT_TIMEOUT_S)
+            reader.join(timeout=30)
+            output = "".join(lines)
+            assert demo.returncode == 130, output[-3000:]
+            assert "[demo] broker stopped" in output and "rolloutbus: interrupted" in output
+            assert not [pid for pid in started | {broker_pid} if _alive(pid)], output[-3000:]
+            assert not broker_status(cfg).running
+            assert not _processes_mentioning(str(tmp_path))
+        finally:
+            for pid in started:  # only if the test failed: leave nothing behind on this machine
+                if _alive(pid):
+                    os.kill(pid, signal.SIGKILL)
+            if demo.poll() is None:
+                demo.kill()
+            stop_broker(cfg)

@@ -12,8 +12,6 @@ import threading
 import time
 from collections import Counter
 
-from pipeline import read_topic, write_config
-
 from rolloutbus.config import Config, with_overrides
 from rolloutbus.consumers.position import end_offsets
 from rolloutbus.kafka.control import TrainerControlWriter, publish_policy_version
@@ -21,6 +19,7 @@ from rolloutbus.producers.datasets import make_arithmetic_rows, write_jsonl
 from rolloutbus.producers.dispatch import Dispatcher, DispatchReport
 from rolloutbus.schemas.control import PolicyVersionPublished
 from rolloutbus.topics import Topics
+from tests.pipeline import read_topic, write_config
 
 WAIT_S = 30.0  # seconds; each step takes well under a second on the test broker
 ROWS = 3
@@ -135,25 +134,25 @@ def test_the_command_stops_cleanly_on_sigterm_and_says_where_it_stands(kafka_con
     )
     assert missing.returncode == 2 and "dataset not found" in missing.stderr
 
-    proc = subprocess.Popen(
+    with subprocess.Popen(  # on leaving: its pipe closed, the process waited for
         [sys.executable, "-m", "rolloutbus.cli", "dispatch", str(path), "-c", str(config_path)],
         stderr=subprocess.PIPE,
         text=True,
-    )
-    try:
-        assert proc.stderr is not None
-        lines = []
-        deadline = time.monotonic() + WAIT_S
-        while time.monotonic() < deadline:  # forever (no --epochs) until the bound holds it
-            lines.append(proc.stderr.readline())
-            if "waiting" in lines[-1]:
-                break
-        assert "4 groups started at version 0 (bound 4); waiting" in lines[-1], lines
-        proc.send_signal(signal.SIGTERM)
-        rest = proc.communicate(timeout=WAIT_S)[1]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    ) as proc:
+        try:
+            assert proc.stderr is not None
+            lines = []
+            deadline = time.monotonic() + WAIT_S
+            while time.monotonic() < deadline:  # forever (no --epochs) until the bound holds it
+                lines.append(proc.stderr.readline())
+                if "waiting" in lines[-1]:
+                    break
+            assert "4 groups started at version 0 (bound 4); waiting" in lines[-1], lines
+            proc.send_signal(signal.SIGTERM)
+            rest = proc.communicate(timeout=WAIT_S)[1]
+        finally:
+            if proc.poll() is None:
+                proc.kill()
     assert proc.returncode == 0, rest
     assert "4 groups started (4 now, 0 found on the topic)" in rest
     assert "stopped before the last epoch" in rest

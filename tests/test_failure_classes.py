@@ -14,7 +14,6 @@ import pyarrow as pa
 from rolloutbus.config import RolloutConfig
 from rolloutbus.schemas.trajectories import (
     TRAJECTORY_SCHEMA,
-    Trajectory,
     TrajectoryStatus,
     batch_to_trajectories,
     decode_trajectory_batch,
@@ -22,34 +21,38 @@ from rolloutbus.schemas.trajectories import (
     trajectory_row,
 )
 from rolloutbus.schemas.turns import (
-    GroupStarted,
-    SessionFailed,
-    SessionStarted,
     decode_turn_event,
     encode_turn_event,
 )
 from rolloutbus.streams.assembly.partition_fold import FoldLimits, PartitionFold
 from rolloutbus.streams.assembly.trajectories import finalize_group
-
-ROW = {"prompt": [{"role": "user", "content": "hi"}]}
+from tests.builders import (
+    make_group_started,
+    make_session_failed,
+    make_session_started,
+    make_trajectory,
+    numbered,
+)
 
 
 def _failed(sid: int, failure_class: str | None) -> list:
-    return [
-        SessionStarted(uid="g", session_id=sid, attempt=f"a{sid}", agent_name="x", seq=0),
-        SessionFailed(
-            uid="g",
-            session_id=sid,
-            attempt=f"a{sid}",
-            error="no replica could take the turn",
-            failure_class=failure_class,
-            seq=1,
-        ),
-    ]
+    attempt = f"a{sid}"
+    return numbered(
+        [
+            make_session_started("g", sid, attempt=attempt),
+            make_session_failed(
+                "g",
+                sid,
+                attempt=attempt,
+                error="no replica could take the turn",
+                failure_class=failure_class,
+            ),
+        ]
+    )
 
 
 def test_a_failed_record_carries_the_class_its_session_logged():
-    events = [GroupStarted(uid="g", attempt="g0", n=3, row=ROW)]
+    events = [make_group_started("g", 3, attempt="g0")]
     events += _failed(0, "infrastructure") + _failed(1, "reward") + _failed(2, None)
     fold = PartitionFold(0)
     [released] = [r for i, e in enumerate(events) if (r := fold.apply(i, e)) is not None]
@@ -61,8 +64,8 @@ def test_a_failed_record_carries_the_class_its_session_logged():
 
 def test_an_early_release_is_an_infrastructure_failure():
     fold = PartitionFold(0, limits=FoldLimits(max_open_groups=1))
-    fold.apply(0, GroupStarted(uid="a", attempt="a0", n=1, row=ROW))
-    [released] = fold.fold(1, GroupStarted(uid="b", attempt="b0", n=1, row=ROW))
+    fold.apply(0, make_group_started("a", attempt="a0"))
+    [released] = fold.fold(1, make_group_started("b", attempt="b0"))
     [t] = finalize_group(released, RolloutConfig()).trajectories
     assert t.status == TrajectoryStatus.FAILED and t.failure_class == "infrastructure"
 
@@ -76,17 +79,7 @@ def test_a_session_failed_logged_before_classes_existed_decodes():
 
 def test_a_trajectory_record_written_before_the_column_existed_decodes():
     """An old record: today's schema without the columns added since (failure_class)."""
-    t = Trajectory(
-        key="u_0_0",
-        uid="u",
-        session_id=0,
-        output_index=0,
-        num_outputs=1,
-        group_size=1,
-        status=TrajectoryStatus.FAILED,
-        error="boom",
-        failure_class="loop",
-    )
+    t = make_trajectory(status=TrajectoryStatus.FAILED, error="boom", failure_class="loop")
     old_schema = pa.schema(
         [f for f in TRAJECTORY_SCHEMA if f.name != "failure_class"],
         metadata=TRAJECTORY_SCHEMA.metadata,

@@ -15,8 +15,11 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
-from faults_harness import (
-    FIXTURES,
+
+from rolloutbus.schemas.turns import Generation, GroupStarted, SessionStarted
+from rolloutbus.streams.assembly.released import ReleasedRecord
+from tests.faults_harness import (
+    PLUGINS,
     FaultContext,
     FaultRow,
     FaultRun,
@@ -30,9 +33,6 @@ from faults_harness import (
     sigkill_spread,
     turn_log_counts,
 )
-
-from rolloutbus.schemas.turns import Generation, GroupStarted, SessionStarted
-from rolloutbus.streams.assembly.released import ReleasedRecord
 
 fault_scenario = pytest.mark.slow  # and kafka, added by conftest: every scenario needs the broker
 
@@ -281,7 +281,7 @@ def test_turn_log_counts_tell_a_resume_cut_short_from_one_that_resampled():
 
 
 def test_turn_seeds_are_stable_and_distinct(monkeypatch):
-    monkeypatch.syspath_prepend(str(FIXTURES))  # as the workers' PYTHONPATH has it
+    monkeypatch.syspath_prepend(str(PLUGINS))  # as the workers' PYTHONPATH has it
     loop = importlib.import_module("seeded_paced_loop")
     turn_seed = loop.turn_seed
     assert turn_seed("fault00001", 0, 0) == turn_seed("fault00001", 0, 0)

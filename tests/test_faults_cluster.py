@@ -25,20 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cluster import local_cluster
 from confluent_kafka import Consumer, TopicPartition
-from faults_harness import (
-    ROWS,
-    FaultContext,
-    FaultRow,
-    Pipeline,
-    Service,
-    Workload,
-    run_fault_scenario,
-    turn_log_counts,
-)
-from helpers import unique_name
-from pipeline import dead_letters, read_topic
 
 from rolloutbus.config import Config
 from rolloutbus.consumers.client import TrainerClient
@@ -49,6 +36,19 @@ from rolloutbus.kafka.control import latest_policy_version
 from rolloutbus.schemas.trajectories import decode_trajectory_batch
 from rolloutbus.schemas.turns import decode_turn_event
 from rolloutbus.streams.assembly.released import ReleasedRecord
+from tests.cluster import local_cluster
+from tests.faults_harness import (
+    ROWS,
+    FaultContext,
+    FaultRow,
+    Pipeline,
+    Service,
+    Workload,
+    run_fault_scenario,
+    turn_log_counts,
+)
+from tests.helpers import unique_name
+from tests.pipeline import dead_letters, read_topic
 
 fault_scenario = pytest.mark.slow  # and kafka: every row needs a broker
 

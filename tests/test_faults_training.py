@@ -24,11 +24,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import faults_harness
 import pytest
 import yaml
-from faults_harness import (
-    FIXTURES,
+
+import tests.faults_harness as faults_harness
+from rolloutbus.config import Config
+from rolloutbus.consumers.training.checkpoint import latest_checkpoint, load_state
+from rolloutbus.kafka.control import read_control_log
+from rolloutbus.topics import uid_of_key
+from tests.faults_harness import (
+    PLUGINS,
     FaultContext,
     FaultRun,
     ScenarioTimeout,
@@ -37,11 +42,6 @@ from faults_harness import (
     run_fault_scenario,
 )
 
-from rolloutbus.config import Config
-from rolloutbus.consumers.training.checkpoint import latest_checkpoint, load_state
-from rolloutbus.kafka.control import read_control_log
-from rolloutbus.topics import uid_of_key
-
 pytestmark = pytest.mark.slow  # and kafka, added by conftest
 
 
@@ -49,7 +49,7 @@ pytestmark = pytest.mark.slow  # and kafka, added by conftest
 class ScoredWorkload(Workload):
     """The harness's workload, with rows the session workers score (GRPO needs a reward):
     ``reward_model`` set, and the workers' ``custom_reward_function`` pointed at
-    ``tests/fixtures/text_digest_reward.py`` (``REWARD_ENV``)."""
+    ``tests/plugins/text_digest_reward.py`` (``REWARD_ENV``)."""
 
     def rows(self) -> list[dict[str, Any]]:
         return [
@@ -58,7 +58,7 @@ class ScoredWorkload(Workload):
 
 
 REWARD_ENV = {
-    "ROLLOUTBUS__CUSTOM_REWARD_FUNCTION__PATH": str(FIXTURES / "text_digest_reward.py"),
+    "ROLLOUTBUS__CUSTOM_REWARD_FUNCTION__PATH": str(PLUGINS / "text_digest_reward.py"),
     "ROLLOUTBUS__CUSTOM_REWARD_FUNCTION__NAME": "compute_score",
 }
 # 8 groups x 2 sessions, 2 groups per train step: 4 steps. The rows are about the trainer:

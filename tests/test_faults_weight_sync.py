@@ -22,12 +22,12 @@ from pathlib import Path
 
 import httpx
 import pytest
-from faults_harness import FaultContext, Service, Workload, run_fault_scenario
 
 from rolloutbus.config import ModelConfig
 from rolloutbus.kafka.control import publish_policy_version
 from rolloutbus.replica.weights import load_causal_lm
 from rolloutbus.schemas.control import PolicyVersionPublished
+from tests.faults_harness import FaultContext, Service, Workload, run_fault_scenario
 
 # 16 groups x 4 sessions: long enough for the kill, the lease and the restart to land mid-run
 # (at 24 groups the restarted weight sync was done with 64 of 96 sessions left)

@@ -13,8 +13,6 @@ from rolloutbus.schemas.trajectories import (
     encode_trajectory,
 )
 from rolloutbus.schemas.turns import (
-    GroupStarted,
-    SessionFailed,
     SessionFinished,
     decode_turn_event,
     encode_turn_event,
@@ -23,6 +21,7 @@ from rolloutbus.streams.assembly.partition_fold import PartitionFold
 from rolloutbus.streams.assembly.session_fold import SessionFold
 from rolloutbus.streams.assembly.trajectories import build_group_trajectories
 from rolloutbus.streams.sessions.recorder import RecordingLLMClient
+from tests.builders import make_group_started, make_session_failed, make_trajectory, session_ids
 
 
 class ScriptedClient:
@@ -85,12 +84,9 @@ async def test_fold_equals_run_output_with_section_11_layout():
     fold = SessionFold(0, "a", agent_name="tool_agent")
     for e in events:
         fold.apply(e)
-    fold.apply(SessionFinished(uid="u1", session_id=0, attempt="a", outputs=[summary]))
-    group = GroupStarted(
-        uid="u1",
-        attempt="a",
-        n=1,
-        row={"prompt": [{"role": "user", "content": "x"}], "data_source": "d"},
+    fold.apply(SessionFinished(**session_ids("u1"), outputs=[summary]))
+    group = make_group_started(
+        "u1", row={"prompt": [{"role": "user", "content": "x"}], "data_source": "d"}
     )
     [t] = build_group_trajectories(group, [fold], response_length=100)
     assert t.prompts == out.prompt_ids
@@ -125,14 +121,8 @@ async def test_mask_one_on_observation_is_rejected():
 
 
 def _group_events(uid: str, n: int, attempt: str = "a"):
-    events = [
-        GroupStarted(
-            uid=uid, attempt=attempt, n=n, row={"prompt": [{"role": "user", "content": "q"}]}
-        )
-    ]
-    for s in range(n):
-        events.append(SessionFailed(uid=uid, session_id=s, attempt=attempt, error="boom"))
-    return events
+    failed = [make_session_failed(uid, s, attempt=attempt, error="boom") for s in range(n)]
+    return [make_group_started(uid, n, attempt=attempt), *failed]
 
 
 def test_partition_fold_releases_once_and_tracks_watermark():
@@ -157,14 +147,11 @@ def test_partition_fold_releases_once_and_tracks_watermark():
 
 def test_first_terminal_attempt_wins():
     fold = PartitionFold(0, 0)
-    started = GroupStarted(uid="g", attempt="a", n=1, row={"prompt": []})
-    fold.apply(0, started)
-    fold.apply(
-        1, SessionFailed(uid="g", session_id=0, attempt="b", error="second attempt finished first")
-    )
+    fold.apply(0, make_group_started("g"))
+    fold.apply(1, make_session_failed(attempt="b", error="second attempt finished first"))
     # released on the first terminal; the older attempt's late events are ignored
     assert fold.open == {}
-    assert fold.apply(2, SessionFailed(uid="g", session_id=0, attempt="a", error="late")) is None
+    assert fold.apply(2, make_session_failed(error="late")) is None
 
 
 def test_failed_session_is_an_explicit_record():
@@ -181,22 +168,11 @@ def test_failed_session_is_an_explicit_record():
 
 def test_invariant_violations_are_named():
     from rolloutbus.config import RolloutConfig
-    from rolloutbus.schemas.trajectories import Trajectory
     from rolloutbus.streams.assembly.trajectories import as_failed, violations
 
     rollout = RolloutConfig(prompt_length=4, response_length=3)
-    good = Trajectory(
-        key="u_0_0",
-        uid="u",
-        session_id=0,
-        output_index=0,
-        num_outputs=1,
-        group_size=1,
-        status="completed",
-        prompts=[1, 2],
-        responses=[3, 4, 5],
-        response_mask=[1, 0, 1],
-        rollout_log_probs=[-0.5, 0.0, -0.1],
+    good = make_trajectory(
+        responses=[3, 4, 5], response_mask=[1, 0, 1], rollout_log_probs=[-0.5, 0.0, -0.1]
     )
     assert violations(good, rollout) == []
     bad = good.model_copy(

@@ -26,21 +26,8 @@ from typing import Any
 
 import pyarrow as pa
 import pytest
-from fixtures.scripted_server import qwen3_tokenizer
-from fuzz_records import (
-    PROMPT_GROUP,
-    TRAJECTORY,
-    TURN_EVENTS,
-    bad_prompt_record,
-    bad_trajectory_record,
-    bad_turn_record,
-    not_utf8,
-    truncated,
-)
-from helpers import unique_name
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
-from pipeline import dead_letters, read_topic, receive_groups, running, spawn, write_config
 from pydantic import BaseModel, ValidationError
 
 from rolloutbus.config import Config, KafkaConfig, with_overrides
@@ -56,12 +43,25 @@ from rolloutbus.schemas.trajectories import TRAJECTORY_SCHEMA, decode_trajectory
 from rolloutbus.schemas.turns import (
     Generation,
     GroupStarted,
-    SessionFailed,
     SessionFinished,
     decode_turn_event,
     encode_turn_event,
 )
 from rolloutbus.topics import Topics, partition_for, trajectory_key, uid_of_key
+from tests.builders import make_group_started, make_session_failed
+from tests.fuzz_records import (
+    PROMPT_GROUP,
+    TRAJECTORY,
+    TURN_EVENTS,
+    bad_prompt_record,
+    bad_trajectory_record,
+    bad_turn_record,
+    not_utf8,
+    truncated,
+)
+from tests.helpers import unique_name
+from tests.pipeline import dead_letters, read_topic, receive_groups, running, spawn, write_config
+from tests.scripted_server import qwen3_tokenizer
 
 HANDLED = (ValidationError, RolloutBusError)  # what the workers catch around a decoder
 # derandomize: the same examples on every run and machine (a CI failure reproduces);
@@ -472,8 +472,8 @@ def _orphan_generation(uid: str) -> list[BaseModel]:
 def _group_with_a_string_prompt(uid: str) -> list[BaseModel]:
     # GroupStarted.row is any dict: on release, Trajectory(raw_prompt=list("...")) fails
     return [
-        GroupStarted(uid=uid, attempt="a", n=1, row={"prompt": "a string prompt"}),
-        SessionFailed(uid=uid, session_id=0, attempt="a", error="no prompt"),
+        make_group_started(uid, row={"prompt": "a string prompt"}),
+        make_session_failed(uid, error="no prompt"),
     ]
 
 
@@ -490,10 +490,8 @@ def test_replay_buffer_survives_schema_valid_events_it_cannot_fold(
     topics = Topics.from_config(cfg.kafka)
     bad_uid, good_uid = "badbadbad", "goodgoodgood"
     good = [
-        GroupStarted(
-            uid=good_uid, attempt="a", n=1, row={"prompt": [{"role": "user", "content": "q"}]}
-        ),
-        SessionFailed(uid=good_uid, session_id=0, attempt="a", error="no replica"),
+        make_group_started(good_uid),
+        make_session_failed(good_uid, error="no replica"),
     ]
     _produce(
         cfg,
@@ -534,9 +532,8 @@ def test_the_trainer_client_dead_letters_junk_on_the_trajectory_topic(
     """Only the replay buffer writes trajectories, but a record another writer put there (or
     one corrupted on the way) must not end the trainer: each bad record is dead-lettered
     by the trainer client, once, and the good group around them is yielded whole."""
-    from fuzz_records import UID
-
     from rolloutbus.consumers.client import TrainerClient
+    from tests.fuzz_records import UID
 
     cfg = Config(kafka=kafka_config)
     topic = Topics.from_config(kafka_config).trajectories

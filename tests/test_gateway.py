@@ -29,9 +29,6 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from fixtures.scripted_server import qwen3_tokenizer
-from helpers import free_port, unique_name
-from pipeline import read_topic, receive_groups, running, spawn, stop, wait_http_ok, write_config
 
 from rolloutbus.config import Config
 from rolloutbus.consumers.log_replay import replay_turns
@@ -42,6 +39,16 @@ from rolloutbus.schemas.turns import decode_turn_event
 from rolloutbus.streams.agent_loop.continuous_token import get_builder
 from rolloutbus.streams.gateway import gateway_in_thread
 from rolloutbus.topics import Topics
+from tests.helpers import free_port, unique_name
+from tests.pipeline import (
+    read_topic,
+    receive_groups,
+    running,
+    spawn,
+    stop,
+    wait_http_ok,
+    write_config,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import openai_agent  # noqa: E402
@@ -56,11 +63,6 @@ ROW = {
     "prompt": [{"role": "user", "content": QUESTION}],
     "reward_model": {"ground_truth": "126"},
 }
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return qwen3_tokenizer()
 
 
 def _ids(tok, text: str) -> list[int]:

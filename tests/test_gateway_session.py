@@ -17,52 +17,42 @@ from their wire bytes, as the fold would read them. The checks:
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from fixtures.scripted_server import (  # noqa: E402
-    ScriptedServerManager,
-    qwen3_tokenizer,
-    scripted_turn,
-)
-
-from rolloutbus.config import Config  # noqa: E402
-from rolloutbus.errors import TokenDriftError  # noqa: E402
-from rolloutbus.schemas.turns import (  # noqa: E402
-    GroupStarted,
+from rolloutbus.config import Config
+from rolloutbus.errors import TokenDriftError
+from rolloutbus.schemas.turns import (
     SessionFinished,
     SessionStarted,
     decode_turn_event,
     encode_turn_event,
 )
-from rolloutbus.streams.agent_loop import DictConfigWrap, ToolAgentLoop  # noqa: E402
-from rolloutbus.streams.agent_loop.continuous_token import get_builder  # noqa: E402
-from rolloutbus.streams.agent_loop.tool_parser import ToolParser, rendered_tool_schema  # noqa: E402
-from rolloutbus.streams.agent_loop.tools import CalculatorTool  # noqa: E402
-from rolloutbus.streams.assembly.session_fold import SessionFold  # noqa: E402
-from rolloutbus.streams.assembly.trajectories import build_group_trajectories  # noqa: E402
-from rolloutbus.streams.gateway.messages import BadMessagesError  # noqa: E402
-from rolloutbus.streams.gateway.session import (  # noqa: E402
+from rolloutbus.streams.agent_loop import DictConfigWrap, ToolAgentLoop
+from rolloutbus.streams.agent_loop.continuous_token import get_builder
+from rolloutbus.streams.agent_loop.tool_parser import ToolParser, rendered_tool_schema
+from rolloutbus.streams.agent_loop.tools import CalculatorTool
+from rolloutbus.streams.assembly.session_fold import SessionFold
+from rolloutbus.streams.assembly.trajectories import build_group_trajectories
+from rolloutbus.streams.gateway.messages import BadMessagesError
+from rolloutbus.streams.gateway.session import (
     GatewayContext,
     GatewaySession,
     SessionClosedError,
 )
-from rolloutbus.streams.gateway.wire import ChatCompletionRequest  # noqa: E402
-from rolloutbus.streams.reward import default_compute_score  # noqa: E402
-from rolloutbus.streams.sessions.recovery import LoggedAttempt  # noqa: E402
+from rolloutbus.streams.gateway.wire import ChatCompletionRequest
+from rolloutbus.streams.reward import default_compute_score
+from rolloutbus.streams.sessions.recovery import LoggedAttempt
+from tests.builders import make_group_started
+from tests.scripted_server import (
+    ScriptedServerManager,
+    scripted_turn,
+)
 
 CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "18 * 7"}}\n</tool_call>'
 ANSWER = "The answer is 126."
 LP_CALL, LP_ANSWER = -0.25, -0.75
 QUESTION = [{"role": "user", "content": "计算 18 * 7"}]
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return qwen3_tokenizer()
 
 
 @pytest.fixture(scope="module")
@@ -101,8 +91,8 @@ def make_session(tok, outputs, log, *, row=None, partitions=4, **rollout):
         parser=ToolParser.get_tool_parser("hermes", tok),
         scorer=default_compute_score,
     )
-    group = GroupStarted(
-        uid="g1", attempt="ga", n=1, row=row or {}, sampling_params={}, driven_by="gateway"
+    group = make_group_started(
+        "g1", attempt="ga", row=row or {}, sampling_params={}, driven_by="gateway"
     )
     return GatewaySession(ctx, group, 0), server
 
@@ -137,7 +127,7 @@ def trajectory(log, attempt, response_length=512):
     fold = SessionFold(0, attempt)
     for event in log.of(attempt):
         fold.apply(event)
-    started = GroupStarted(uid="g1", attempt="ga", n=1, row={}, driven_by="gateway")
+    started = make_group_started("g1", attempt="ga", row={}, driven_by="gateway")
     [t] = build_group_trajectories(started, [fold], response_length)
     return t
 

@@ -20,8 +20,6 @@ import time
 
 import pytest
 from confluent_kafka import Consumer, KafkaException, TopicPartition
-from helpers import unique_name
-from pipeline import read_topic
 
 from rolloutbus.config import Config, KafkaConfig
 from rolloutbus.errors import BrokerError
@@ -38,6 +36,8 @@ from rolloutbus.kafka.transactions import (
     TransactionSettings,
 )
 from rolloutbus.topics import Topics
+from tests.helpers import unique_name
+from tests.pipeline import read_topic
 
 FAST_RETRY = TransactionSettings(retry_backoff_s=0.1, call_timeout_s=20.0)
 

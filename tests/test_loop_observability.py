@@ -5,45 +5,36 @@
 from __future__ import annotations
 
 import random
-import sys
-from pathlib import Path
 
 import pyarrow as pa
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from fixtures.scripted_server import (  # noqa: E402
-    ScriptedServerManager,
-    make_config,
-    qwen3_tokenizer,
-    scripted_turn,
-)
-
-from rolloutbus.config import load_config  # noqa: E402
-from rolloutbus.errors import ConfigError  # noqa: E402
-from rolloutbus.schemas.agent_loop import AgentLoopMetrics  # noqa: E402
-from rolloutbus.schemas.trajectories import Trajectory, trajectories_to_batch  # noqa: E402
-from rolloutbus.streams.agent_loop import DictConfigWrap, ToolAgentLoop  # noqa: E402
-from rolloutbus.streams.agent_loop.metrics import (  # noqa: E402
+from rolloutbus.config import load_config
+from rolloutbus.errors import ConfigError
+from rolloutbus.schemas.agent_loop import AgentLoopMetrics
+from rolloutbus.schemas.trajectories import trajectories_to_batch
+from rolloutbus.streams.agent_loop import DictConfigWrap, ToolAgentLoop
+from rolloutbus.streams.agent_loop.metrics import (
     agent_loop_step_metrics,
     step_metrics_of_batch,
 )
-from rolloutbus.streams.agent_loop.tools import CalculatorTool  # noqa: E402
-from rolloutbus.streams.agent_loop.tracing import (  # noqa: E402
+from rolloutbus.streams.agent_loop.tools import CalculatorTool
+from rolloutbus.streams.agent_loop.tracing import (
     collect_spans,
     export_to_opentelemetry,
     opentelemetry_available,
     rollout_trace_op,
     trace_span,
 )
-from rolloutbus.streams.inference.routing import LoadBalancer, load_balancer  # noqa: E402
+from rolloutbus.streams.inference.routing import LoadBalancer, load_balancer
+from tests.builders import make_trajectory
+from tests.scripted_server import (
+    ScriptedServerManager,
+    make_config,
+    scripted_turn,
+)
 
 CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "18 * 7"}}\n</tool_call>'
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return qwen3_tokenizer()
 
 
 def _turn(tok, text):
@@ -146,17 +137,13 @@ def test_step_metrics_have_verls_names_and_pick_the_slowest():
 
 def test_step_metrics_of_a_trajectory_batch_leave_failed_records_out():
     def trajectory(i, status, generate):
-        return Trajectory(
-            key=f"u_{i}_0",
-            uid="u",
-            session_id=i,
-            output_index=0,
-            num_outputs=1,
+        return make_trajectory(
+            "u",
+            i,
             group_size=2,
             status=status,
             prompts=[1] * (i + 2),
             responses=[2] * (i + 1),
-            response_mask=[1] * (i + 1),
             metrics=AgentLoopMetrics(generate_sequences=generate, num_preempted=0),
         )
 
@@ -216,7 +203,7 @@ def test_a_bad_router_config_is_a_config_error_naming_it(tmp_path, text, message
 # ---- the data keys a loop renders with ---------------------------------------------------
 
 
-def test_verls_template_and_processor_kwargs_are_read_not_dropped(tmp_path, tok):
+async def test_verls_template_and_processor_kwargs_are_read_not_dropped(tmp_path, tok):
     path = tmp_path / "verl.yaml"
     path.write_text(
         "data:\n"

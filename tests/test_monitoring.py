@@ -37,11 +37,11 @@ from rolloutbus.producers.dispatch import DispatchReport
 from rolloutbus.replica.scripted import ScriptedEngine
 from rolloutbus.replica.server import REGISTRY_KEY, build_app
 from rolloutbus.schemas.trajectories import Trajectory, TrajectoryStatus
-from rolloutbus.schemas.turns import GroupStarted
 from rolloutbus.streams.agent_loop.tool_metrics import call_outcome
 from rolloutbus.streams.assembly.partition_fold import ReleasedGroup
 from rolloutbus.streams.assembly.release_metrics import ReleaseObserver
 from rolloutbus.streams.inference.llm_client import ClientMetrics
+from tests.builders import make_group_started, make_trajectory
 
 ROOT = Path(__file__).resolve().parents[1]
 OPS = ROOT / "ops"
@@ -164,16 +164,10 @@ def test_trainer_figures_are_named_gauges_not_a_label():
 
 
 def _trajectory(i: int, source: str, reward: float | None, length: int, **kw) -> Trajectory:
-    return Trajectory(
-        key=f"u{i}_0_0",
-        uid=f"u{i}",
-        session_id=0,
-        output_index=0,
-        num_outputs=1,
-        group_size=1,
-        status=kw.pop("status", TrajectoryStatus.COMPLETED),
+    return make_trajectory(
+        f"u{i}",
+        prompts=[],
         responses=[1] * length,
-        response_mask=[1] * length,
         reward_score=reward,
         data_source=source,
         num_turns=kw.pop("num_turns", 2),
@@ -184,7 +178,7 @@ def _trajectory(i: int, source: str, reward: float | None, length: int, **kw) ->
 def test_release_figures_per_data_source():
     registry = CollectorRegistry()
     observer = ReleaseObserver(RolloutMetrics(registry), response_length=8, window=4)
-    group = GroupStarted(uid="g", attempt="a", n=1, row={}, ts=1000.0)
+    group = make_group_started(ts=1000.0)
     released = ReleasedGroup(group=group, sessions=[])
     batch = [
         _trajectory(0, "gsm8k", 0.0, 3, min_global_steps=1, max_global_steps=1),
@@ -221,7 +215,7 @@ def test_a_failure_class_on_the_record_is_its_label():
     observer = ReleaseObserver(RolloutMetrics(registry), response_length=8)
     failed = _trajectory(0, "s", None, 0, status=TrajectoryStatus.FAILED, error="x")
     object.__setattr__(failed, "failure_class", "reward")  # the field helper a2 adds
-    group = GroupStarted(uid="g", attempt="a", n=1, row={})
+    group = make_group_started()
     observer.observe(ReleasedGroup(group=group, sessions=[]), [failed])
     labels = {"failure_class": "reward"}
     assert registry.get_sample_value("rolloutbus_rollout_failed_trajectories_total", labels) == 1

@@ -27,14 +27,14 @@ import httpx
 import pytest
 import yaml
 from confluent_kafka import Consumer, TopicPartition
-from helpers import free_port, unique_name
-from pipeline import read_topic, running, spawn, stop, wait_http_ok, write_config
 
 from rolloutbus.config import Config
 from rolloutbus.kafka.admin import ensure_topics
 from rolloutbus.producers.datasets import make_arithmetic_rows, write_jsonl
 from rolloutbus.producers.publish import PromptPublisher
 from rolloutbus.topics import Topics
+from tests.helpers import free_port, unique_name
+from tests.pipeline import read_topic, running, spawn, stop, wait_http_ok, write_config
 
 ROOT = Path(__file__).resolve().parents[1]
 OPS = ROOT / "ops"
@@ -168,17 +168,18 @@ def _prometheus_config(cfg: Config, path: Path) -> Path:
 class Prometheus:
     def __init__(self, config: Path, data: Path, log: Path):
         self.url = f"http://127.0.0.1:{free_port()}"
-        self.proc = subprocess.Popen(
-            [
-                PROMETHEUS,
-                f"--config.file={config}",
-                f"--storage.tsdb.path={data}",
-                f"--web.listen-address={self.url.removeprefix('http://')}",
-                "--storage.tsdb.retention.time=1h",
-            ],
-            stdout=log.open("wb"),
-            stderr=subprocess.STDOUT,
-        )
+        with log.open("wb") as out:  # Prometheus writes through its own copy of the file
+            self.proc = subprocess.Popen(
+                [
+                    PROMETHEUS,
+                    f"--config.file={config}",
+                    f"--storage.tsdb.path={data}",
+                    f"--web.listen-address={self.url.removeprefix('http://')}",
+                    "--storage.tsdb.retention.time=1h",
+                ],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
         self.log = log
 
     def query_range(self, expr: str, start: float, end: float) -> list[dict]:

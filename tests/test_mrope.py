@@ -16,6 +16,7 @@ from rolloutbus.consumers.tensors import to_padded
 from rolloutbus.schemas.mrope import MROPE_INPUTS_KEY, MropeInputs
 from rolloutbus.schemas.trajectories import Trajectory, trajectories_to_batch
 from rolloutbus.streams.agent_loop.base import mrope_inputs
+from tests.builders import make_trajectory
 
 IMAGE, START, END, PAD = 151655, 151652, 151653, 151643
 WIDTHS = {"prompt_length": 24, "response_length": 6, "pad_token_id": PAD}
@@ -32,18 +33,8 @@ def _qwen2_vl_processor() -> SimpleNamespace:
 
 
 def _traj(i: int, prompt: list[int], response: list[int], extra: dict) -> Trajectory:
-    return Trajectory(
-        key=f"u_{i}_0",
-        uid="u",
-        session_id=i,
-        output_index=0,
-        num_outputs=1,
-        group_size=3,
-        status="completed",
-        prompts=prompt,
-        responses=response,
-        response_mask=[1] * len(response),
-        extra_fields=extra,
+    return make_trajectory(
+        "u", i, group_size=3, prompts=prompt, responses=response, extra_fields=extra
     )
 
 

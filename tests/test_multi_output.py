@@ -3,12 +3,9 @@
 
 from __future__ import annotations
 
-from fixtures.scripted_server import ScriptedServerManager, qwen3_tokenizer, scripted_turn
-
 from rolloutbus.config import Config
 from rolloutbus.schemas.prompts import GroupSamplingParams, PromptGroup
 from rolloutbus.schemas.turns import (
-    GroupStarted,
     SessionFinished,
     decode_turn_event,
     encode_turn_event,
@@ -17,6 +14,8 @@ from rolloutbus.streams.agent_loop import AgentLoopBase, AgentLoopMetrics, Agent
 from rolloutbus.streams.assembly.session_fold import SessionFold
 from rolloutbus.streams.assembly.trajectories import build_group_trajectories
 from rolloutbus.streams.sessions.runner import SessionContext, run_session
+from tests.builders import make_group_started
+from tests.scripted_server import ScriptedServerManager, qwen3_tokenizer, scripted_turn
 
 
 @register("two_drafts_test")
@@ -78,9 +77,7 @@ async def test_multi_output_keys_and_copied_reward():
     fold = SessionFold(0, "a1")
     for e in events:
         fold.apply(e)
-    draft, final = build_group_trajectories(
-        GroupStarted(uid="m1", attempt="a1", n=1, row=row), [fold]
-    )
+    draft, final = build_group_trajectories(make_group_started("m1", attempt="a1", row=row), [fold])
     assert (draft.key, final.key) == ("m1_0_0", "m1_0_1")
     assert draft.group_size == final.group_size == 2 and draft.num_outputs == 2
     assert draft.responses == wrong and final.responses[: len(wrong)] == wrong

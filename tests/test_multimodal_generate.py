@@ -69,12 +69,15 @@ class RecordingVllm:
     async def start(self) -> RecordingVllm:
         app = web.Application()
         app.router.add_post("/inference/v1/generate", self._generate)
-        app.router.add_get("/health", lambda _: web.Response())
+        app.router.add_get("/health", self._health)
         self._runner = web.AppRunner(app, shutdown_timeout=0.1)
         await self._runner.setup()
         await web.TCPSite(self._runner, "127.0.0.1", 0).start()
         self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
         return self
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response()
 
     async def stop(self) -> None:
         if self._runner is not None:

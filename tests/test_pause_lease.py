@@ -16,16 +16,16 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from helpers import free_port
 
 from rolloutbus.config import Config, ModelConfig, ReplicasConfig, ReplicaServerConfig
+from rolloutbus.models.causal_lm import load_causal_lm
 from rolloutbus.replica.pause_gate import PauseGate
 from rolloutbus.replica.server import replica_in_thread
-from rolloutbus.replica.weights import load_causal_lm
 from rolloutbus.schemas.control import PolicyVersionPublished
 from rolloutbus.schemas.inference import TurnSamplingParams
 from rolloutbus.streams.inference.backends import EngineCall, VllmCompletionsBackend
 from rolloutbus.streams.inference.weight_sync import WeightSync
+from tests.helpers import free_port
 
 PROMPT = [151644, 872, 198, 3838, 374, 220, 17, 10, 17, 30, 151645, 198, 151644, 77091, 198]
 WAIT_S = 60.0  # seconds; generous deadline for what a test waits on

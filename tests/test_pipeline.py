@@ -14,8 +14,22 @@ import httpx
 import pyarrow as pa
 import pytest
 from confluent_kafka import Producer
-from helpers import free_port, unique_name
-from pipeline import (
+
+from rolloutbus.config import Config, with_overrides
+from rolloutbus.consumers.log_replay import replay_turns
+from rolloutbus.kafka.admin import ensure_topics
+from rolloutbus.models.tokenizers import load_tokenizer
+from rolloutbus.producers.datasets import make_arithmetic_rows, write_jsonl
+from rolloutbus.producers.publish import PromptPublisher, build_group
+from rolloutbus.schemas.trajectories import (
+    TrajectoryStatus,
+    batch_to_trajectories,
+    decode_trajectory_batch,
+)
+from rolloutbus.schemas.turns import GroupSettings, decode_turn_event
+from rolloutbus.topics import Topics, uid_of_key
+from tests.helpers import free_port, unique_name
+from tests.pipeline import (
     dead_letters,
     read_topic,
     receive_groups,
@@ -25,23 +39,9 @@ from pipeline import (
     write_config,
 )
 
-from rolloutbus.config import Config, with_overrides
-from rolloutbus.consumers.log_replay import replay_turns
-from rolloutbus.kafka.admin import ensure_topics
-from rolloutbus.producers.datasets import make_arithmetic_rows, write_jsonl
-from rolloutbus.producers.publish import PromptPublisher, build_group
-from rolloutbus.replica.models import load_tokenizer
-from rolloutbus.schemas.trajectories import (
-    TrajectoryStatus,
-    batch_to_trajectories,
-    decode_trajectory_batch,
-)
-from rolloutbus.schemas.turns import GroupSettings, decode_turn_event
-from rolloutbus.topics import Topics, uid_of_key
-
 pytestmark = pytest.mark.kafka  # worker processes on the test broker
 
-FIXTURES = Path(__file__).parent / "fixtures"
+PLUGINS = Path(__file__).parent / "plugins"  # agent loops and the like, by module name
 N = 2
 
 
@@ -89,7 +89,7 @@ def pipeline(kafka_bootstrap: str, tmp_path_factory: pytest.TempPathFactory):
     with running([replica]):
         wait_http_ok(f"http://127.0.0.1:{replica_port}/health", replica, logs["replica"])
         workers = [
-            spawn(["sessions", "run"], config_path, logs["sessions"], python_path=[FIXTURES]),
+            spawn(["sessions", "run"], config_path, logs["sessions"], python_path=[PLUGINS]),
             spawn(["replay-buffer", "run"], config_path, logs["replay"]),
         ]
         with running(workers):

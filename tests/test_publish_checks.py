@@ -5,12 +5,9 @@ checks with nothing running and says, per reason, what it would refuse."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from helpers import free_port, unique_name
 
 from rolloutbus.config import Config
 from rolloutbus.errors import ConfigError
@@ -25,15 +22,9 @@ from rolloutbus.producers.row_checks import (
     RowProblem,
 )
 from rolloutbus.streams.reward import register_reward
+from tests.helpers import free_port, run_cli, unique_name
 
-
-def _cli(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "rolloutbus.cli", *argv],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+PUBLISH_CLI_S = 120.0  # seconds; the dry run loads the tokenizer for the prompt-length check
 
 
 def _row(**extra):
@@ -66,8 +57,13 @@ def test_dry_run_catches_an_unscored_data_source_with_no_broker_running(tmp_path
         _scored("openai/gsm8k", agent_name="no_such_loop"),
     ]
     dataset = _write(rows, tmp_path / "rows.jsonl")
-    result = _cli(
-        "publish", str(dataset), "--dry-run", "--config", str(_no_broker_config(tmp_path))
+    result = run_cli(
+        "publish",
+        str(dataset),
+        "--dry-run",
+        "--config",
+        str(_no_broker_config(tmp_path)),
+        timeout=PUBLISH_CLI_S,
     )
     assert result.returncode == 1, result.stderr[-2000:]
     assert f"{dataset}: 6 rows: 3 would be published, 3 refused" in result.stdout
@@ -79,7 +75,14 @@ def test_dry_run_catches_an_unscored_data_source_with_no_broker_running(tmp_path
     assert "cannot reach Kafka" not in result.stderr and "Traceback" not in result.stderr
 
     clean = _write([*good, _row(data_source="my/unscored_source")], tmp_path / "clean.jsonl")
-    result = _cli("publish", str(clean), "--dry-run", "--config", str(_no_broker_config(tmp_path)))
+    result = run_cli(
+        "publish",
+        str(clean),
+        "--dry-run",
+        "--config",
+        str(_no_broker_config(tmp_path)),
+        timeout=PUBLISH_CLI_S,
+    )
     assert result.returncode == 0, result.stdout + result.stderr[-2000:]
     assert "3 would be published, 0 refused" in result.stdout
 
@@ -89,8 +92,8 @@ def test_validate_is_a_deprecated_alias_of_val(tmp_path):
     val = _write([_row(), _row()], tmp_path / "val.jsonl")
     extra = f"data: {{train_files: ['{train}'], val_files: ['{val}']}}\n"
     cfg = _no_broker_config(tmp_path, extra)
-    new = _cli("publish", "--val", "--dry-run", "--config", str(cfg))
-    old = _cli("publish", "--validate", "--dry-run", "--config", str(cfg))
+    new = run_cli("publish", "--val", "--dry-run", "--config", str(cfg), timeout=PUBLISH_CLI_S)
+    old = run_cli("publish", "--validate", "--dry-run", "--config", str(cfg), timeout=PUBLISH_CLI_S)
     assert new.returncode == old.returncode == 0, old.stderr[-2000:]
     assert new.stdout == old.stdout and f"{val}: 2 rows" in new.stdout
     assert "--validate is deprecated: use --val" in old.stderr

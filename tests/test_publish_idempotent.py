@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import json
 
-from pipeline import dead_letters, read_topic
-
 from rolloutbus.config import Config, with_overrides
 from rolloutbus.producers.datasets import make_arithmetic_rows, write_jsonl
 from rolloutbus.producers.publish import PromptPublisher
 from rolloutbus.topics import Topics, partition_for
+from tests.pipeline import dead_letters, read_topic
 
 
 def test_the_same_file_publishes_the_same_uids_and_a_new_epoch_new_ones(kafka_config, tmp_path):

@@ -11,12 +11,12 @@ from collections import Counter
 
 import pytest
 from confluent_kafka import Producer
-from helpers import unique_name
-from pipeline import read_topic, spawn, stop, write_config
-from synthetic import N, group_events, make_events
 
 from rolloutbus.config import Config, KafkaConfig, ReplayBufferConfig
 from rolloutbus.topics import Topics, partition_for, uid_of_key
+from tests.helpers import unique_name
+from tests.pipeline import read_topic, spawn, stop, write_config
+from tests.synthetic import N, group_events, make_events
 
 pytestmark = pytest.mark.kafka  # replay-buffer processes on the test broker
 

@@ -17,9 +17,6 @@ from pathlib import Path
 
 import pytest
 from confluent_kafka.admin import NewTopic
-from helpers import free_port, unique_name
-from pipeline import dead_letters, read_topic, running, spawn, write_config
-from synthetic import N, group_events
 
 from rolloutbus.config import BrokerConfig, Config, KafkaConfig, with_overrides
 from rolloutbus.errors import BrokerError, ConfigError
@@ -29,9 +26,7 @@ from rolloutbus.kafka.clients import admin_client, idempotent_producer
 from rolloutbus.schemas.trajectories import batch_to_trajectories, decode_trajectory_batch
 from rolloutbus.schemas.turns import (
     Generation,
-    GroupStarted,
     OutputSummary,
-    SessionFailed,
     SessionFinished,
     decode_turn_event,
     encode_turn_event,
@@ -39,6 +34,10 @@ from rolloutbus.schemas.turns import (
 from rolloutbus.streams.assembly.released import Claim, ReleasedClaims, ReleasedRecord
 from rolloutbus.streams.assembly.replay_buffer import ReplayBuffer
 from rolloutbus.topics import Topics, partition_for
+from tests.builders import make_group_started, make_session_failed
+from tests.helpers import free_port, unique_name
+from tests.pipeline import dead_letters, read_topic, running, spawn, write_config
+from tests.synthetic import N, group_events
 
 ROW = {"prompt": [{"role": "user", "content": "q"}]}
 WAIT_S = 120.0  # seconds for a buffer to release what was produced (two busy cores)
@@ -385,9 +384,9 @@ def test_poison_groups_become_failed_records_and_the_process_goes_on(
     string_prompt, orphan = f"p{uuid.uuid4().hex[:10]}", f"o{uuid.uuid4().hex[:10]}"
     ids = {"uid": orphan, "session_id": 0, "attempt": "a"}
     poison = _raw(
-        GroupStarted(uid=string_prompt, attempt="a", n=1, row={"prompt": "a string prompt"}),
-        SessionFailed(uid=string_prompt, session_id=0, attempt="a", error="no prompt", seq=1),
-        GroupStarted(uid=orphan, attempt="a", n=1, row=ROW),
+        make_group_started(string_prompt, row={"prompt": "a string prompt"}),
+        make_session_failed(string_prompt, error="no prompt", seq=1),
+        make_group_started(orphan, row=ROW),
         # the head of the session is missing: a generation and a finish, seq 1 and 2
         Generation(**ids, segment=0, turn=0, token_ids=[1], seq=1),
         SessionFinished(

@@ -20,10 +20,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
-from helpers import unique_name
-from pipeline import read_topic, running, spawn, write_config
 from prometheus_client import CollectorRegistry
-from synthetic import N, group_events
 
 from rolloutbus.config import Config, KafkaConfig, with_overrides
 from rolloutbus.kafka.clients import (
@@ -38,6 +35,9 @@ from rolloutbus.streams.assembly.replay_buffer import (
     transactional_id_of,
 )
 from rolloutbus.topics import Topics, partition_for
+from tests.helpers import unique_name
+from tests.pipeline import read_topic, running, spawn, write_config
+from tests.synthetic import N, group_events
 
 WAIT_S = 120.0  # seconds for a buffer to release what was produced (two busy cores)
 # seconds of replay_buffer.session_timeout_s in the takeover test: far longer than a

@@ -13,8 +13,8 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from rolloutbus.config import Config, ModelConfig, ReplicaServerConfig
+from rolloutbus.models.causal_lm import load_causal_lm
 from rolloutbus.replica.server import replica_in_thread
-from rolloutbus.replica.weights import load_causal_lm
 
 MAX_MODEL_LEN = 256
 EOS = 151645  # <|im_end|>
@@ -372,7 +372,7 @@ def test_two_replicas_in_one_process_have_separate_metrics(replica, client):
 
 @pytest.mark.slow
 def test_smollm2_answers_a_chat_prompt_sensibly():
-    from rolloutbus.replica.models import load_tokenizer
+    from rolloutbus.models.tokenizers import load_tokenizer
 
     cfg = Config(
         model=ModelConfig(name="smollm2-135m"),
@@ -414,24 +414,24 @@ def test_serve_replica_logs_ready_and_stops_on_sigterm(tmp_path):
         "serve_replica(Config(model=ModelConfig(name='tiny-qwen3'), "
         "replica_server=ReplicaServerConfig(port=0, torch_threads=1)))\n"
     )
-    proc = subprocess.Popen(
+    with subprocess.Popen(  # on leaving: its stderr pipe closed, the process waited for
         [sys.executable, "-c", script],
         stderr=subprocess.PIPE,
         text=True,
         env={**os.environ, "HF_HUB_OFFLINE": "1"},
-    )
-    try:
-        url = None
-        for line in proc.stderr:
-            match = re.search(r"replica ready on (http://\S+)", line)
-            if match:
-                url = match.group(1)
-                break
-        assert url, "no ready line"
-        assert httpx.get(f"{url}/health").status_code == 200
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    ) as proc:
+        try:
+            url = None
+            assert proc.stderr is not None
+            for line in proc.stderr:
+                match = re.search(r"replica ready on (http://\S+)", line)
+                if match:
+                    url = match.group(1)
+                    break
+            assert url, "no ready line"
+            assert httpx.get(f"{url}/health").status_code == 200
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=30) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()

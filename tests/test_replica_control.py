@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from rolloutbus.config import Config, ModelConfig, ReplicaServerConfig
+from rolloutbus.models.causal_lm import load_causal_lm
 from rolloutbus.replica.server import replica_in_thread
-from rolloutbus.replica.weights import load_causal_lm
 
 PROMPT = [151644, 872, 198, 3838, 374, 220, 17, 10, 17, 30, 151645, 198, 151644, 77091, 198]
 MAX_MODEL_LEN = 512

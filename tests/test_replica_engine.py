@@ -9,13 +9,14 @@ import pytest
 import torch
 
 from rolloutbus.config import Config, ModelConfig, ReplicaServerConfig
-from rolloutbus.replica.engine import DecodeEngine, sample_tokens
+from rolloutbus.replica.engine import DecodeEngine
 from rolloutbus.replica.generation import (
     EngineSampling,
     GenerationRequest,
     RequestRejectedError,
     version_spans,
 )
+from rolloutbus.replica.sampling import sample_tokens
 
 
 def _request(
@@ -156,7 +157,7 @@ async def test_eos_as_first_token_finishes_at_prefill(engine):
 
 
 def test_same_seed_gives_identical_weights_across_loads():
-    from rolloutbus.replica.weights import load_causal_lm
+    from rolloutbus.models.causal_lm import load_causal_lm
 
     a, _ = load_causal_lm(ModelConfig(name="tiny-qwen3", seed=3))
     b, _ = load_causal_lm(ModelConfig(name="tiny-qwen3", seed=3))

@@ -20,8 +20,6 @@ from typing import Any
 
 import httpx
 import pytest
-from helpers import free_port, unique_name
-from pipeline import spawn, stop, write_config
 from prometheus_client import CollectorRegistry
 
 from rolloutbus.config import (
@@ -34,7 +32,7 @@ from rolloutbus.config import (
 )
 from rolloutbus.errors import NoReplicaAvailableError
 from rolloutbus.kafka.admin import ensure_topics
-from rolloutbus.replica.models import load_tokenizer
+from rolloutbus.models.tokenizers import load_tokenizer
 from rolloutbus.replica.scripted import ScriptedEngine
 from rolloutbus.replica.server import start_replica
 from rolloutbus.schemas.agent_loop import AgentLoopMetrics, AgentLoopOutput
@@ -42,6 +40,8 @@ from rolloutbus.schemas.prompts import GroupSamplingParams, PromptGroup
 from rolloutbus.streams.agent_loop import AgentLoopBase, register
 from rolloutbus.streams.inference.llm_client import LLMClient
 from rolloutbus.streams.sessions.runner import SessionContext, run_group
+from tests.helpers import free_port, unique_name
+from tests.pipeline import spawn, stop, write_config
 
 SAMPLING = {"temperature": 1.0, "logprobs": True}
 WAIT_S = 30.0  # seconds; generous deadline for conditions a test waits on

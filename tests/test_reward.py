@@ -1,16 +1,10 @@
 """Reward: verl's default_compute_score table, the arithmetic scorer, custom reward
 functions (path/name, keyword calls, async), and score_outputs (verl V1 semantics)."""
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from fixtures.scripted_server import qwen3_tokenizer  # noqa: E402
-
-from rolloutbus.schemas.agent_loop import AgentLoopMetrics, AgentLoopOutput  # noqa: E402
-from rolloutbus.streams.reward import (  # noqa: E402
+from rolloutbus.schemas.agent_loop import AgentLoopMetrics, AgentLoopOutput
+from rolloutbus.streams.reward import (
     ARITHMETIC_SOURCE,
     arithmetic_score,
     default_compute_score,
@@ -26,11 +20,6 @@ ROW = {
     "reward_model": {"style": "rule", "ground_truth": "126"},
     "extra_info": {"index": 42},
 }
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return qwen3_tokenizer()
 
 
 def output(tok, text, **fields):

@@ -13,7 +13,6 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 import pytest
-from fixtures.scripted_server import qwen3_tokenizer
 
 from rolloutbus.config import Config, with_overrides
 from rolloutbus.consumers.tensors import to_padded
@@ -24,7 +23,6 @@ from rolloutbus.schemas.prompts import GroupSamplingParams, PromptGroup
 from rolloutbus.schemas.routed_experts import RoutedExperts
 from rolloutbus.schemas.trajectories import (
     TRAJECTORY_SCHEMA,
-    Trajectory,
     batch_to_trajectories,
     decode_trajectory_batch,
     encode_trajectory,
@@ -32,7 +30,6 @@ from rolloutbus.schemas.trajectories import (
 )
 from rolloutbus.schemas.turns import (
     Generation,
-    GroupStarted,
     SessionFinished,
     decode_turn_event,
     encode_turn_event,
@@ -42,14 +39,10 @@ from rolloutbus.streams.assembly.trajectories import build_group_trajectories
 from rolloutbus.streams.inference.llm_client import LLMClient
 from rolloutbus.streams.sessions.recorder import RecordingLLMClient
 from rolloutbus.streams.sessions.runner import SessionContext, run_session
+from tests.builders import make_group_started, make_trajectory
 
 LAYERS, TOP_K = 3, 2
 CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "18 * 7"}}\n</tool_call>'
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return qwen3_tokenizer()
 
 
 def expected_rows(tokens: list[int]) -> list[list[list[int]]]:
@@ -99,7 +92,7 @@ async def _run_tool_session(tok, tmp_path, *, routing_replay: bool):
             ctx = SessionContext(config=cfg, tokenizer=tok, llm_client=client)
             terminal = await run_session(ctx, group, 0, "att", emit)
     assert isinstance(terminal, SessionFinished), terminal
-    started = GroupStarted(uid="moe1", attempt="g", n=1, row=row)
+    started = make_group_started("moe1", attempt="g", row=row)
     fold = SessionFold(0, "att")
     for event in events:
         fold.apply(event)
@@ -240,18 +233,7 @@ def test_routed_experts_encode_compactly_and_check_their_shape():
 
 def test_a_record_written_before_the_column_existed_decodes_with_none():
     """An add-only column: a record of the first release's schema still decodes."""
-    t = Trajectory(
-        key="u_0_0",
-        uid="u",
-        session_id=0,
-        output_index=0,
-        num_outputs=1,
-        group_size=1,
-        status="completed",
-        prompts=[1, 2],
-        responses=[3],
-        response_mask=[1],
-    )
+    t = make_trajectory()
     batch = trajectories_to_batch([t])
     old_fields = [f for f in TRAJECTORY_SCHEMA if f.name != "routed_experts"]
     old_schema = pa.schema(old_fields, metadata=TRAJECTORY_SCHEMA.metadata)

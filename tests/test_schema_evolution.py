@@ -21,7 +21,6 @@ from typing import Annotated, Any, Literal, Union, get_args
 
 import pyarrow as pa
 import pytest
-from helpers import unique_name
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from rolloutbus.config import KafkaConfig
@@ -53,6 +52,7 @@ from rolloutbus.schemas.turns import (
 from rolloutbus.streams.assembly.partition_fold import FoldLimits, PartitionFold
 from rolloutbus.streams.assembly.trajectories import finalize_group, max_record_bytes
 from rolloutbus.topics import Topics, partition_for, session_key, uid_of_key
+from tests.helpers import unique_name
 
 DATA = Path(__file__).parent / "data"
 FORMATS = DATA / "formats"

@@ -20,9 +20,6 @@ from typing import Any
 
 import pytest
 from confluent_kafka import KafkaError, KafkaException, Producer
-from conftest import _embedded_config, _watch_for_killed_session
-from helpers import unique_name
-from pipeline import read_topic
 
 from rolloutbus.config import LOOPBACK, BrokerConfig, Config, KafkaConfig, with_overrides
 from rolloutbus.errors import BrokerError, ConfigError
@@ -35,6 +32,9 @@ from rolloutbus.producers.datasets import make_arithmetic_rows
 from rolloutbus.producers.publish import PromptPublisher, build_group
 from rolloutbus.schemas.prompts import PromptGroup
 from rolloutbus.topics import Topics
+from tests.helpers import unique_name
+from tests.pipeline import read_topic
+from tests.session_broker import embedded_config, watch_for_killed_session
 
 ADMIN = "rolloutbus-admin"
 # the admin first (the broker's own identity, the only super user), then one login per role
@@ -202,7 +202,7 @@ def sasl_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Config]:
     cfg = None
     for attempt in range(PORT_RETRIES):
         cfg = with_overrides(
-            _embedded_config(tmp_path_factory),
+            embedded_config(tmp_path_factory),
             {"broker.sasl_users": USERS, "broker.acls": True, "broker.heap": "256m"},
         )
         try:
@@ -212,7 +212,7 @@ def sasl_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Config]:
             if "already in use" not in str(exc) or attempt == PORT_RETRIES - 1:
                 raise
     assert cfg is not None
-    _watch_for_killed_session(broker_status(cfg).pid)
+    watch_for_killed_session(broker_status(cfg).pid)
     try:
         yield cfg
     finally:
@@ -378,11 +378,10 @@ def test_the_workers_run_end_to_end_with_a_login_per_role(
     with its own role's login, against the SASL broker with ACLs; the publisher and the
     trainer client with theirs; a scripted replica (test double) answers. The ACLs of
     rolloutbus/kafka/acls.py are enough for each role to do its whole job."""
-    from fixtures.scripted_server import qwen3_tokenizer
-    from pipeline import running, spawn, write_config
-
     from rolloutbus.replica.scripted import ScriptedEngine, ScriptedTurn
     from rolloutbus.replica.server import replica_in_thread
+    from tests.pipeline import running, spawn, write_config
+    from tests.scripted_server import qwen3_tokenizer
 
     tok = qwen3_tokenizer()
     end = tok.convert_tokens_to_ids("<|im_end|>")

@@ -4,21 +4,16 @@ from __future__ import annotations
 
 from rolloutbus.schemas.turns import (
     Generation,
-    GroupStarted,
     SegmentStarted,
-    SessionFailed,
     SessionFinished,
-    SessionStarted,
 )
 from rolloutbus.streams.sessions.recovery import TurnLogScan
-
-
-def _group(uid: str, n: int = 2) -> GroupStarted:
-    return GroupStarted(uid=uid, attempt="a0", n=n, row={"prompt": []})
-
-
-def _ids(uid: str, sid: int, attempt: str = "a0") -> dict:
-    return {"uid": uid, "session_id": sid, "attempt": attempt}
+from tests.builders import (
+    make_group_started,
+    make_session_failed,
+    make_session_started,
+    session_ids,
+)
 
 
 def _scan(events) -> TurnLogScan:
@@ -30,15 +25,15 @@ def _scan(events) -> TurnLogScan:
 
 def test_finished_groups_are_dropped_and_unfinished_sessions_listed():
     events = [
-        _group("g1"),
-        _group("g2"),
-        SessionStarted(**_ids("g1", 0), agent_name="a", seq=0),
-        SessionFinished(**_ids("g1", 0), outputs=[], seq=1),
-        SessionStarted(**_ids("g1", 1), agent_name="a", seq=0),
-        SessionFailed(**_ids("g1", 1), error="x", seq=1),
-        SessionStarted(**_ids("g2", 0), agent_name="a", seq=0),
-        SegmentStarted(**_ids("g2", 0), segment=0, prompt_ids=[1, 2], seq=1),
-        Generation(**_ids("g2", 0), segment=0, turn=0, token_ids=[3], seq=2),
+        make_group_started("g1", 2),
+        make_group_started("g2", 2),
+        make_session_started("g1", 0, agent_name="a"),
+        SessionFinished(**session_ids("g1", 0), outputs=[], seq=1),
+        make_session_started("g1", 1, agent_name="a"),
+        make_session_failed("g1", 1, seq=1),
+        make_session_started("g2", 0, agent_name="a"),
+        SegmentStarted(**session_ids("g2", 0), segment=0, prompt_ids=[1, 2], seq=1),
+        Generation(**session_ids("g2", 0), segment=0, turn=0, token_ids=[3], seq=2),
     ]
     scan = _scan(events)
     [unfinished] = scan.unfinished()
@@ -53,11 +48,11 @@ def test_finished_groups_are_dropped_and_unfinished_sessions_listed():
 
 
 def test_duplicate_writes_are_folded_once():
-    gen = Generation(**_ids("g", 0), segment=0, turn=0, token_ids=[3], seq=2)
+    gen = Generation(**session_ids("g", 0), segment=0, turn=0, token_ids=[3], seq=2)
     events = [
-        _group("g", n=1),
-        SessionStarted(**_ids("g", 0), agent_name="a", seq=0),
-        SegmentStarted(**_ids("g", 0), segment=0, prompt_ids=[1], seq=1),
+        make_group_started("g", 1),
+        make_session_started("g", 0, agent_name="a"),
+        SegmentStarted(**session_ids("g", 0), segment=0, prompt_ids=[1], seq=1),
         gen,
         gen,  # a producer retry wrote the generation twice
     ]
@@ -68,12 +63,12 @@ def test_duplicate_writes_are_folded_once():
 
 def test_the_latest_started_attempt_is_the_one_to_resume():
     events = [
-        _group("g", n=1),
-        SessionStarted(**_ids("g", 0, "old"), agent_name="a", seq=0),
-        SegmentStarted(**_ids("g", 0, "old"), segment=0, prompt_ids=[1], seq=1),
-        SessionStarted(**_ids("g", 0, "new"), agent_name="a", seq=0),  # superseded "old"
-        SegmentStarted(**_ids("g", 0, "new"), segment=0, prompt_ids=[1], seq=1),
-        Generation(**_ids("g", 0, "old"), segment=0, turn=0, token_ids=[9], seq=2),  # zombie
+        make_group_started("g", 1),
+        make_session_started("g", 0, attempt="old", agent_name="a"),
+        SegmentStarted(**session_ids("g", 0, "old"), segment=0, prompt_ids=[1], seq=1),
+        make_session_started("g", 0, attempt="new", agent_name="a"),  # superseded "old"
+        SegmentStarted(**session_ids("g", 0, "new"), segment=0, prompt_ids=[1], seq=1),
+        Generation(**session_ids("g", 0, "old"), segment=0, turn=0, token_ids=[9], seq=2),  # zombie
     ]
     [unfinished] = _scan(events).unfinished()
     attempt = unfinished.sessions[0]
@@ -82,5 +77,5 @@ def test_the_latest_started_attempt_is_the_one_to_resume():
 
 
 def test_events_of_a_group_started_before_the_scan_are_not_a_group():
-    events = [SessionStarted(**_ids("early", 0), agent_name="a", seq=0)]
+    events = [make_session_started("early", 0, agent_name="a")]
     assert _scan(events).unfinished() == []

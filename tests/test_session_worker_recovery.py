@@ -6,7 +6,7 @@ Before the turn log became the source of truth this lost the slow group for good
 faust-streaming committed the prompts offset past it once a later group finished (its
 ``Consumer._new_offset`` holds a commit back only for a gap of more than one message).
 Real processes throughout: broker, embedded replica (tiny-qwen3), session worker, replay
-buffer; the agent loop is ``tests/fixtures/paced_loop.py`` (a slow, constant "tool").
+buffer; the agent loop is ``tests/plugins/paced_loop.py`` (a slow, constant "tool").
 """
 
 from __future__ import annotations
@@ -18,8 +18,6 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from helpers import free_port, unique_name
-from pipeline import read_topic, receive_groups, running, spawn, stop, wait_http_ok, write_config
 
 from rolloutbus.config import Config
 from rolloutbus.kafka.admin import ensure_topics
@@ -27,10 +25,20 @@ from rolloutbus.producers.datasets import write_jsonl
 from rolloutbus.producers.publish import PromptPublisher
 from rolloutbus.schemas.turns import decode_turn_event
 from rolloutbus.topics import Topics
+from tests.helpers import free_port, unique_name
+from tests.pipeline import (
+    read_topic,
+    receive_groups,
+    running,
+    spawn,
+    stop,
+    wait_http_ok,
+    write_config,
+)
 
 pytestmark = pytest.mark.kafka
 
-FIXTURES = Path(__file__).parent / "fixtures"
+PLUGINS = Path(__file__).parent / "plugins"  # agent loops and the like, by module name
 N = 2
 SLOW_TURNS, FAST_GROUPS = 6, 3
 
@@ -87,7 +95,7 @@ def test_sigkill_with_a_slow_group_behind_finished_ones_resumes_it(kafka_bootstr
             )
             slow_uid, fast_uids = report.uids[0], set(report.uids[1:])
             worker = spawn(
-                ["sessions", "run"], config_path, tmp_path / "sessions1.log", python_path=[FIXTURES]
+                ["sessions", "run"], config_path, tmp_path / "sessions1.log", python_path=[PLUGINS]
             )
             receive_groups(cfg, fast_uids, timeout_s=240)  # the later groups are released
             _wait_for(
@@ -98,7 +106,7 @@ def test_sigkill_with_a_slow_group_behind_finished_ones_resumes_it(kafka_bootstr
             os.kill(worker.pid, signal.SIGKILL)
             worker.wait()
             worker = spawn(
-                ["sessions", "run"], config_path, tmp_path / "sessions2.log", python_path=[FIXTURES]
+                ["sessions", "run"], config_path, tmp_path / "sessions2.log", python_path=[PLUGINS]
             )
             try:
                 groups = receive_groups(cfg, {slow_uid}, timeout_s=300)

@@ -19,11 +19,11 @@ from rolloutbus.kafka.control import publish_policy_version
 from rolloutbus.schemas.control import PolicyVersionPublished, RunStarted
 from rolloutbus.schemas.trajectories import (
     Trajectory,
-    TrajectoryStatus,
     encode_trajectories,
     trajectories_to_batch,
 )
-from rolloutbus.topics import Topics, partition_for, trajectory_key
+from rolloutbus.topics import Topics, partition_for
+from tests.builders import make_trajectory
 
 GROUP_SIZE = 2
 TAKE_TIMEOUT_S = 60.0  # seconds; a group join on two busy cores takes a few
@@ -31,17 +31,10 @@ TAKE_TIMEOUT_S = 60.0  # seconds; a group join on two busy cores takes a few
 
 def _trajectories(uid: str, versions: list[tuple[int | None, int | None]]) -> list[Trajectory]:
     return [
-        Trajectory(
-            key=trajectory_key(uid, s, 0),
-            uid=uid,
-            session_id=s,
-            output_index=0,
-            num_outputs=1,
+        make_trajectory(
+            uid,
+            s,
             group_size=len(versions),
-            status=TrajectoryStatus.COMPLETED,
-            prompts=[1, 2],
-            responses=[3],
-            response_mask=[1],
             rollout_log_probs=[-0.5],
             min_global_steps=low,
             max_global_steps=high,

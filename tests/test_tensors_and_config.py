@@ -12,19 +12,16 @@ from rolloutbus.config import VERL_KEYS_ACCEPTED_NOT_USED, load_config, with_ove
 from rolloutbus.consumers.tensors import PaddedBuffers, to_jagged, to_padded
 from rolloutbus.errors import ConfigError
 from rolloutbus.schemas.trajectories import Trajectory, trajectories_to_batch
+from tests.builders import make_trajectory
 
 PAD = 0
 
 
 def _traj(i: int, prompt: list[int], response: list[int], mask: list[int], lp=None) -> Trajectory:
-    return Trajectory(
-        key=f"u_{i}_0",
-        uid="u",
-        session_id=i,
-        output_index=0,
-        num_outputs=1,
+    return make_trajectory(
+        "u",
+        i,
         group_size=2,
-        status="completed",
         prompts=prompt,
         responses=response,
         response_mask=mask,

@@ -7,15 +7,11 @@ from __future__ import annotations
 
 import json
 
-import pytest
-from fixtures.scripted_server import qwen3_tokenizer
-
 from rolloutbus.config import Config, with_overrides
 from rolloutbus.replica.scripted import ScriptedEngine, ScriptedTurn
 from rolloutbus.replica.server import replica_in_thread
 from rolloutbus.schemas.prompts import GroupSamplingParams, PromptGroup
 from rolloutbus.schemas.turns import (
-    GroupStarted,
     SessionFinished,
     decode_turn_event,
     encode_turn_event,
@@ -24,15 +20,11 @@ from rolloutbus.streams.assembly.session_fold import SessionFold
 from rolloutbus.streams.assembly.trajectories import build_group_trajectories
 from rolloutbus.streams.inference.llm_client import LLMClient
 from rolloutbus.streams.sessions.runner import SessionContext, run_session
+from tests.builders import make_group_started
 
 CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "18 * 7"}}\n</tool_call>'
 ANSWER = "The answer is 126."
 LP1, LP2 = -0.25, -0.75
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return qwen3_tokenizer()
 
 
 def _turn(tok, text: str, logprob: float) -> ScriptedTurn:
@@ -100,7 +92,7 @@ async def test_tool_agent_section_11_layout_over_http_and_through_the_fold(tok, 
     fold = SessionFold(0, "att")
     for e in events:
         fold.apply(e)
-    started = GroupStarted(uid="u42", attempt="att", n=1, row=row)
+    started = make_group_started("u42", attempt="att", row=row)
     [t] = build_group_trajectories(started, [fold], cfg.rollout.response_length)
     assert t.prompts == first.prompt_ids
     assert t.responses == a1 + obs + a2

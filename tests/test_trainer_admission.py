@@ -12,38 +12,26 @@ from prometheus_client import CollectorRegistry
 from rolloutbus.config import KafkaConfig, TrainerConfig
 from rolloutbus.consumers import TrainerClient, TrajectoryGroup
 from rolloutbus.kafka.clients import idempotent_producer
-from rolloutbus.schemas.trajectories import Trajectory, TrajectoryStatus, encode_trajectories
-from rolloutbus.topics import Topics, partition_for, trajectory_key
+from rolloutbus.schemas.trajectories import TrajectoryStatus
+from tests.builders import make_trajectory, produce_trajectories
 
 TAKE_TIMEOUT_S = 60.0  # seconds; a group join on two busy cores takes a few
 OK, CUT, FAILED = TrajectoryStatus.COMPLETED, TrajectoryStatus.TRUNCATED, TrajectoryStatus.FAILED
 
 
 def _publish(kafka: KafkaConfig, groups: dict[str, list[TrajectoryStatus]]) -> None:
-    producer = idempotent_producer(kafka)
-    topic = Topics.from_config(kafka).trajectories
-    for uid, statuses in groups.items():
-        ts = [
-            Trajectory(
-                key=trajectory_key(uid, s, 0),
-                uid=uid,
-                session_id=s,
-                output_index=0,
-                num_outputs=1,
-                group_size=len(statuses),
-                status=status,
-                error="replica timed out" if status is FAILED else None,
-                prompts=[1, 2],
-                responses=[] if status is FAILED else [3],
-                response_mask=[] if status is FAILED else [1],
-            )
-            for s, status in enumerate(statuses)
-        ]
-        for t, value in zip(ts, encode_trajectories(ts), strict=True):
-            producer.produce(
-                topic, key=t.key, value=value, partition=partition_for(uid, kafka.partitions)
-            )
-    assert producer.flush(30) == 0
+    trajectories = [
+        make_trajectory(
+            uid,
+            s,
+            group_size=len(statuses),
+            status=status,
+            error="replica timed out" if status is FAILED else None,
+        )
+        for uid, statuses in groups.items()
+        for s, status in enumerate(statuses)
+    ]
+    produce_trajectories(idempotent_producer(kafka), kafka, trajectories)
 
 
 def _take_all(client: TrainerClient, settle_s: float = 3.0) -> list[TrajectoryGroup]:

@@ -18,8 +18,6 @@ from pathlib import Path
 
 import pytest
 from confluent_kafka import KafkaException, TopicPartition
-from helpers import unique_name
-from pipeline import write_config
 
 from rolloutbus.config import Config, KafkaConfig, TrainerConfig
 from rolloutbus.consumers.client import TrainerClient
@@ -27,37 +25,26 @@ from rolloutbus.consumers.groups import TrajectoryGroup
 from rolloutbus.consumers.position import PartitionPosition
 from rolloutbus.errors import BrokerError
 from rolloutbus.kafka.clients import idempotent_producer, read_committed_consumer
-from rolloutbus.schemas.trajectories import Trajectory, TrajectoryStatus, encode_trajectories
-from rolloutbus.topics import Topics, partition_for, trajectory_key
+from rolloutbus.topics import Topics, partition_for
+from tests.builders import make_group, trajectory_records
+from tests.helpers import unique_name
+from tests.pipeline import write_config
 
 GROUP_SIZE = 3
 SAFETY_NET_OFF = TrainerConfig(dedupe_window_keys=0)
 TAKE_TIMEOUT_S = 90.0  # seconds; a group join on two busy cores takes a few
 SETTLE_S = 3.0  # seconds to wait for a duplicate that should not come
-FIXTURES = Path(__file__).parent / "fixtures"
+PROGRAMS = Path(__file__).parent / "programs"
 
 
 # -- trajectories on the topic -----------------------------------------------------------
 
 
 def _records(uid: str) -> list[tuple[str, bytes]]:
-    ts = [
-        Trajectory(
-            key=trajectory_key(uid, s, 0),
-            uid=uid,
-            session_id=s,
-            output_index=0,
-            num_outputs=1,
-            group_size=GROUP_SIZE,
-            status=TrajectoryStatus.COMPLETED,
-            prompts=[1, 2, 3],
-            responses=[4, 5],
-            response_mask=[1, 1],
-            rollout_log_probs=[-0.1, -0.2],
-        )
-        for s in range(GROUP_SIZE)
-    ]
-    return list(zip([t.key for t in ts], encode_trajectories(ts), strict=True))
+    group = make_group(
+        uid, GROUP_SIZE, prompts=[1, 2, 3], responses=[4, 5], rollout_log_probs=[-0.1, -0.2]
+    )
+    return trajectory_records(group)
 
 
 def _interleaved(uids: list[str]) -> list[tuple[str, bytes]]:
@@ -287,7 +274,7 @@ def _run_trainer(
 ) -> int:
     argv = [
         sys.executable,
-        str(FIXTURES / "checkpointing_trainer.py"),
+        str(PROGRAMS / "checkpointing_trainer.py"),
         str(config_path),
         group_id,
         str(checkpoint),

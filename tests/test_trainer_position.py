@@ -17,31 +17,14 @@ from rolloutbus.consumers.position import (
     later_position,
 )
 from rolloutbus.errors import SchemaError
-from rolloutbus.schemas.trajectories import Trajectory, TrajectoryStatus, encode_trajectories
-from rolloutbus.topics import trajectory_key
+from tests.builders import make_group, trajectory_records
 
 GROUP_SIZE = 2
 
 
 def records(uid: str, size: int = GROUP_SIZE) -> list[tuple[str, bytes]]:
     """(key, value) of every trajectory of one group, as the replay buffer writes them."""
-    ts = [
-        Trajectory(
-            key=trajectory_key(uid, s, 0),
-            uid=uid,
-            session_id=s,
-            output_index=0,
-            num_outputs=1,
-            group_size=size,
-            status=TrajectoryStatus.COMPLETED,
-            prompts=[1, 2],
-            responses=[3],
-            response_mask=[1],
-            rollout_log_probs=[-0.5],
-        )
-        for s in range(size)
-    ]
-    return list(zip([t.key for t in ts], encode_trajectories(ts), strict=True))
+    return trajectory_records(make_group(uid, size, rollout_log_probs=[-0.5]))
 
 
 def feed(

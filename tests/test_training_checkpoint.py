@@ -30,20 +30,18 @@ from rolloutbus.consumers.training.checkpoint import (
 from rolloutbus.consumers.training.policy import load_policy, response_log_probs
 from rolloutbus.errors import SchemaError
 from rolloutbus.schemas.trajectories import Trajectory, trajectories_to_batch
+from tests.builders import make_trajectory
 
 
 def _traj(uid, i, prompt, response, *, mask=None, lp=None, reward=1.0, status="completed"):
-    return Trajectory(
-        key=f"{uid}_{i}_0",
-        uid=uid,
-        session_id=i,
-        output_index=0,
-        num_outputs=1,
+    return make_trajectory(
+        uid,
+        i,
         group_size=2,
         status=status,
         prompts=prompt,
         responses=response,
-        response_mask=mask if mask is not None else [1] * len(response),
+        response_mask=mask,
         rollout_log_probs=lp,
         reward_score=reward,
         data_source="even",

@@ -5,7 +5,7 @@ Everything is real and runs as the README starts it, one process per command on 
 broker: the embedded replica (tiny random Qwen3), a session worker, the replay buffer, the
 weight sync, the dispatcher and ``rolloutbus train``. Fixed seeds (model, trainer,
 dataset). The task is a dense reward a random model can improve in a few steps: the share
-of sampled token ids that are even (tests/fixtures/even_token_loop.py). A low sampling
+of sampled token ids that are even (tests/plugins/even_token_loop.py). A low sampling
 temperature (the trainer divides its logits by the same one) keeps the random model's
 near-uniform distribution over 152k tokens from drowning every update.
 """
@@ -18,18 +18,18 @@ from pathlib import Path
 from statistics import fmean
 
 import pytest
-from helpers import free_port, unique_name
-from pipeline import read_topic, running, spawn, stop, wait_http_ok, write_config
 
 from rolloutbus.config import Config
 from rolloutbus.kafka.admin import ensure_topics
 from rolloutbus.producers.datasets import write_jsonl
 from rolloutbus.schemas.trajectories import batch_to_trajectories, decode_trajectory_batch
 from rolloutbus.topics import Topics
+from tests.helpers import free_port, unique_name
+from tests.pipeline import read_topic, running, spawn, stop, wait_http_ok, write_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.kafka]
 
-FIXTURES = Path(__file__).parent / "fixtures"
+PLUGINS = Path(__file__).parent / "plugins"  # agent loops and the like, by module name
 STEPS = 16  # train steps
 STALENESS = 1  # async_training.staleness_threshold, in versions
 K = 3  # steps averaged at each end of the run
@@ -103,7 +103,7 @@ def test_reward_rises_through_the_closed_loop(loop_config: Config, tmp_path: Pat
     with running([replica]):
         wait_http_ok(f"{cfg.replicas.urls[0]}/health", replica, logs["replica"])
         workers = [
-            spawn(["sessions", "run"], config_path, logs["sessions"], python_path=[FIXTURES]),
+            spawn(["sessions", "run"], config_path, logs["sessions"], python_path=[PLUGINS]),
             spawn(["replay-buffer", "run"], config_path, logs["rb"]),
             spawn(["weight-sync"], config_path, logs["sync"]),
             spawn(["dispatch", str(dataset), "--epochs", "20"], config_path, logs["dispatch"]),

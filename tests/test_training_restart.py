@@ -24,13 +24,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 from confluent_kafka import Consumer, Producer, TopicPartition
-from pipeline import read_topic, spawn, write_config
 
 from rolloutbus.config import Config, KafkaConfig
 from rolloutbus.consumers.training.checkpoint import latest_checkpoint, load_state
 from rolloutbus.kafka.control import latest_policy_version, read_control_log
-from rolloutbus.schemas.trajectories import Trajectory, encode_trajectory
-from rolloutbus.topics import Topics, partition_for, trajectory_key, uid_of_key
+from rolloutbus.topics import Topics, uid_of_key
+from tests.builders import make_trajectory, produce_trajectories
+from tests.pipeline import read_topic, spawn, write_config
 
 pytestmark = pytest.mark.slow
 
@@ -41,36 +41,26 @@ WAIT_S = 240.0  # seconds for each run on two shared cores (torch import, model 
 
 def _write_groups(kafka: KafkaConfig, groups: int = GROUPS) -> list[str]:
     rng = np.random.default_rng(0)
-    topic = Topics.from_config(kafka).trajectories
-    producer = Producer({**kafka.client_settings(), "enable.idempotence": True})
     uids = [f"g{i:02d}" for i in range(groups)]
-    for uid in uids:
-        for s in range(N):
-            response = rng.integers(0, 151_000, 6).tolist()
-            t = Trajectory(
-                key=trajectory_key(uid, s, 0),
-                uid=uid,
-                session_id=s,
-                output_index=0,
-                num_outputs=1,
-                group_size=N,
-                status="completed",
-                prompts=rng.integers(0, 151_000, 5).tolist(),
-                responses=response,
-                response_mask=[1] * len(response),
-                rollout_log_probs=[-11.9] * len(response),  # ~ uniform over Qwen3's vocab
-                reward_score=float(rng.random()),
-                data_source="synthetic",
-                min_global_steps=0,
-                max_global_steps=0,
-            )
-            producer.produce(
-                topic,
-                key=t.key,
-                value=encode_trajectory(t),
-                partition=partition_for(uid, kafka.partitions),
-            )
-    assert producer.flush(30) == 0
+    trajectories = [
+        make_trajectory(
+            uid,
+            s,
+            group_size=N,
+            # drawn in this order, as the records were always drawn
+            responses=rng.integers(0, 151_000, 6).tolist(),
+            prompts=rng.integers(0, 151_000, 5).tolist(),
+            rollout_log_probs=[-11.9] * 6,  # ~ uniform over Qwen3's vocab
+            reward_score=float(rng.random()),
+            data_source="synthetic",
+            min_global_steps=0,
+            max_global_steps=0,
+        )
+        for uid in uids
+        for s in range(N)
+    ]
+    producer = Producer({**kafka.client_settings(), "enable.idempotence": True})
+    produce_trajectories(producer, kafka, trajectories)
     return uids
 
 

@@ -18,29 +18,27 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import verl_side_env
 
 from rolloutbus.config import VERL_KEYS_IGNORED, VERL_KEYS_READ, Config, key_tree, load_config
 from rolloutbus.consumers.training.grpo import GRPOTrainer
 from rolloutbus.errors import ConfigError
 from rolloutbus.producers.publish import build_group
 from rolloutbus.schemas.trajectories import (
-    Trajectory,
-    TrajectoryStatus,
     batch_to_trajectories,
     decode_trajectory_batch,
     encode_trajectory,
 )
-from rolloutbus.schemas.turns import GroupStarted, SessionFailed
 from rolloutbus.streams.assembly.partition_fold import PartitionFold
 from rolloutbus.streams.assembly.trajectories import build_group_trajectories
+from tests.builders import make_group_started, make_session_failed, make_trajectory
+from tests.helpers import verl_side_env
 
-FIXTURES = Path(__file__).parent / "fixtures"
-VERL_BLOCK = FIXTURES / "verl_0_9_1_rollout.yaml"
+VERL_DATA = Path(__file__).parent / "data" / "verl"  # verl's own config files
+VERL_BLOCK = VERL_DATA / "verl_0_9_1_rollout.yaml"
 # verl 0.9.1's verl/trainer/config/_generated_ppo_trainer.yaml, byte for byte (checked
 # against the installed verl by test_the_vendored_generated_config_is_verls)
-VERL_TRAINER = FIXTURES / "verl_0_9_1_generated_ppo_trainer.yaml"
-USER_GRPO = FIXTURES / "verl_grpo_user.yaml"
+VERL_TRAINER = VERL_DATA / "verl_0_9_1_generated_ppo_trainer.yaml"
+USER_GRPO = VERL_DATA / "verl_grpo_user.yaml"
 
 
 @pytest.fixture(scope="module")
@@ -414,10 +412,9 @@ def test_every_column_of_a_row_reaches_the_trajectory():
     )
     group = build_group(Config(), row)
     assert group.row["my_dataset_column"] == {"nested": [1, 2]}
-    started = GroupStarted(uid=group.uid, attempt="a", n=1, row=group.row)
     fold = PartitionFold(0, 0)
-    fold.apply(0, started)
-    released = fold.apply(1, SessionFailed(uid=group.uid, session_id=0, attempt="a", error="x"))
+    fold.apply(0, make_group_started(group.uid, row=group.row))
+    released = fold.apply(1, make_session_failed(group.uid))
     [t] = build_group_trajectories(released.group, released.sessions)
     assert t.extra_columns == {
         "index": 7,
@@ -431,16 +428,8 @@ def test_every_column_of_a_row_reaches_the_trajectory():
 
 
 def test_reward_extra_info_round_trips_on_the_trajectory():
-    t = Trajectory(
-        key="u_0_0",
-        uid="u",
-        session_id=0,
-        output_index=0,
-        num_outputs=1,
-        group_size=1,
-        status=TrajectoryStatus.COMPLETED,
-        reward_score=1.0,
-        reward_extra_info={"score": 1.0, "acc": True, "pred": "42"},
+    t = make_trajectory(
+        reward_score=1.0, reward_extra_info={"score": 1.0, "acc": True, "pred": "42"}
     )
     again = batch_to_trajectories(decode_trajectory_batch(encode_trajectory(t)))[0]
     assert again.reward_extra_info == {"score": 1.0, "acc": True, "pred": "42"}

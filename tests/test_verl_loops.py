@@ -8,7 +8,7 @@ transformers come from the project's venv). The side environment is found at
 ``$ROLLOUTBUS_VERL_SITE`` (``os.pathsep``-separated folders) or built by
 ``ops/contract/setup_verl_env.sh``; without either, or when the agent-loop modules do not
 import there, the tests skip and say why. The run happens in a subprocess
-(``tests/fixtures/verl_parity_run.py``) so nothing of verl enters this test process.
+(``tests/programs/verl_parity_run.py``) so nothing of verl enters this test process.
 """
 
 from __future__ import annotations
@@ -21,15 +21,15 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import unique_name
 
 from rolloutbus.config import KafkaConfig
 from rolloutbus.kafka.admin import delete_topics, ensure_topics
 from rolloutbus.topics import Topics
+from tests.helpers import unique_name
 
 ROOT = Path(__file__).resolve().parents[1]
 SETUP = ROOT / "ops" / "contract" / "setup_verl_env.sh"
-RUNNER = ROOT / "tests" / "fixtures" / "verl_parity_run.py"
+RUNNER = ROOT / "tests" / "programs" / "verl_parity_run.py"
 EXIT_VERL_DOES_NOT_IMPORT = 3  # verl_parity_run.py: the agent-loop modules do not import
 
 pytestmark = pytest.mark.verl
@@ -165,7 +165,7 @@ def test_routed_experts_reach_both_loops_trajectories_aligned(parity):
 
 
 def test_a_verl_style_subclass_runs_on_verls_loop_and_ours_alike(parity):
-    """tests/fixtures/verl_style_tool_loop.py overrides _build_assistant_message and
+    """tests/plugins/verl_style_tool_loop.py overrides _build_assistant_message and
     _call_tool(tool_call, tools_kwargs, agent_data): unchanged on verl 0.9.1's ToolAgentLoop,
     ported by its imports onto ours, the same trajectory."""
     [ours] = _sessions(parity, "a-ours")

@@ -4,7 +4,7 @@
 its rollout config keys against ours (read or listed as ignored), and its tool-response
 truncation against our tool agent's.
 
-verl runs in one subprocess (tests/fixtures/verl_parity_probe.py) with the side environment
+verl runs in one subprocess (tests/programs/verl_parity_probe.py) with the side environment
 from ops/contract/setup_verl_env.sh (or ``$ROLLOUTBUS_VERL_SITE``) on its PYTHONPATH, so
 nothing of verl enters this process. Without the environment the tests skip and say why.
 The tool parsers and verl's own loop classes are compared in tests/test_verl_loops.py.
@@ -32,7 +32,7 @@ from rolloutbus.verl_keys import ignored_reason, read_as, verl_sections
 
 ROOT = Path(__file__).resolve().parents[1]
 SETUP = ROOT / "ops" / "contract" / "setup_verl_env.sh"
-PROBE = ROOT / "tests" / "fixtures" / "verl_parity_probe.py"
+PROBE = ROOT / "tests" / "programs" / "verl_parity_probe.py"
 
 pytestmark = pytest.mark.verl
 
@@ -210,7 +210,7 @@ STEP_METRICS = {
 
 
 def _tokenizer():
-    from fixtures.scripted_server import qwen3_tokenizer
+    from tests.scripted_server import qwen3_tokenizer
 
     return qwen3_tokenizer()
 
@@ -366,7 +366,7 @@ def test_tool_response_truncation_matches_verls(verl):
 
 
 def test_as_dict_equals_verls_field_for_field(verl):
-    from fixtures.verl_parity_probe import plain
+    from tests.programs.verl_parity_probe import plain
 
     for case, theirs in zip(AS_DICT_CASES, verl["as_dict"], strict=True):
         output = AgentLoopOutput(**case["fields"])
@@ -382,7 +382,7 @@ def test_as_dict_equals_verls_field_for_field(verl):
     assert verl["as_dict"][2]["extra_fields"] == {"tool_rewards": [0.5]}
 
 
-def test_a_qwen3_prompt_with_enable_thinking_false_renders_as_verls(verl):
+async def test_a_qwen3_prompt_with_enable_thinking_false_renders_as_verls(verl):
     """data.apply_chat_template_kwargs through a loop's Continuous Token builder: the same
     prompt tokens as verl 0.9.1's Qwen3 builder, and the same stream after a tool turn."""
     from rolloutbus.streams.agent_loop import DictConfigWrap
@@ -406,9 +406,8 @@ def test_a_qwen3_prompt_with_enable_thinking_false_renders_as_verls(verl):
 
 
 def test_continuous_token_edge_cases_are_verls(verl):
-    from fixtures.verl_parity_probe import _error, _merge_view
-
     from rolloutbus.streams.agent_loop.continuous_token import ContinuousTokenBuilder, MergeResult
+    from tests.programs.verl_parity_probe import _error, _merge_view
 
     ct = ContinuousTokenBuilder(_tokenizer())
     sampled = _ct_case()["sampled"]

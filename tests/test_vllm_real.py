@@ -7,7 +7,7 @@ the real broker, with the worker processes started by the ``rolloutbus`` command
   replica's model (same weights, fp32) teacher-forced on the same tokens.
 - tiny Qwen3 (backend ``vllm_generate``, which reports weight versions):
   - the tool agent with the Qwen3 template makes a tool call, forced by a logit bias: a
-    vLLM logits processor (``tests/fixtures/vllm_forced_tool_call.py``, a test double
+    vLLM logits processor (``tests/plugins/vllm_forced_tool_call.py``, a test double
     inside the real server) biases every token but the scripted call's next one to -inf
     on first turns that offer tools; the tool runs, the second turn is vLLM's own;
   - a weight reload through the weight-sync path (pause, collective_rpc reload_weights,
@@ -42,15 +42,13 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from helpers import free_port, unique_name
-from pipeline import receive_groups, running, spawn, write_config
 
 from rolloutbus.config import Config, ModelConfig
 from rolloutbus.errors import ConfigError
 from rolloutbus.kafka.admin import ensure_topics
+from rolloutbus.models.tokenizers import load_tokenizer
 from rolloutbus.producers.datasets import make_arithmetic_rows, write_jsonl
 from rolloutbus.producers.publish import PromptPublisher
-from rolloutbus.replica.models import load_tokenizer
 from rolloutbus.replica.vllm_launcher import (
     VllmPython,
     VllmReplica,
@@ -73,10 +71,12 @@ from rolloutbus.streams.inference.multimodal import (
     VISION_START,
     vllm_token_prompt,
 )
+from tests.helpers import free_port, unique_name
+from tests.pipeline import receive_groups, running, spawn, write_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.kafka]
 
-FIXTURES = Path(__file__).parent / "fixtures"
+PLUGINS = Path(__file__).parent / "plugins"  # agent loops and the like, by module name
 N = 2
 SMOL_RESPONSE = 24  # tokens per SmolLM2 trajectory: enough to compare logprobs, ~1 s each
 TINY_RESPONSE = 512  # tokens per tiny-Qwen3 trajectory: a turn long enough to abort mid-way
@@ -227,7 +227,7 @@ def stack(vllm_python: VllmPython, kafka_bootstrap: str, tmp_path_factory):
             1,
             ports=[tiny_port],
             extra_args=["--logits-processors", "vllm_forced_tool_call:ForcedToolCall"],
-            extra_env={"PYTHONPATH": str(FIXTURES)},  # where vLLM imports the processor from
+            extra_env={"PYTHONPATH": str(PLUGINS)},  # where vLLM imports the processor from
         ),
         *(
             replica_specs(
@@ -304,7 +304,7 @@ def test_smollm2_groups_satisfy_invariants_and_logprobs_match_the_embedded_model
     found = _trajectories(stack, cfg, uids)
     assert len(found) == N * len(uids)
 
-    from rolloutbus.replica.weights import load_causal_lm
+    from rolloutbus.models.causal_lm import load_causal_lm
 
     lm, _ = load_causal_lm(ModelConfig(name="smollm2-135m", dtype="float32"))
     diffs = []
@@ -608,7 +608,7 @@ def test_the_vllm_prompt_has_each_image_run_unexpanded():
 
 def test_the_tiny_vl_processor_expands_an_image_as_its_grid_says():
     """The ``tiny-qwen2-vl`` processor (the one the session worker loads for that name)."""
-    from rolloutbus.replica.models import load_processor
+    from rolloutbus.models.tokenizers import load_processor
 
     processor = load_processor(ModelConfig(name="tiny-qwen2-vl"))
     assert processor.image_token_id == IMAGE_PAD

@@ -14,7 +14,6 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from helpers import free_port
 
 from rolloutbus.config import (
     AsyncTrainingConfig,
@@ -24,12 +23,13 @@ from rolloutbus.config import (
     ReplicaServerConfig,
 )
 from rolloutbus.kafka.control import publish_policy_version
+from rolloutbus.models.causal_lm import load_causal_lm
 from rolloutbus.replica.server import replica_in_thread
-from rolloutbus.replica.weights import load_causal_lm
 from rolloutbus.schemas.control import PolicyVersionPublished
 from rolloutbus.schemas.inference import TurnSamplingParams
 from rolloutbus.streams.inference.backends import EngineCall, VllmCompletionsBackend
 from rolloutbus.streams.inference.weight_sync import WeightSync, sync_steps
+from tests.helpers import free_port
 
 PROMPT = [151644, 872, 198, 3838, 374, 220, 17, 10, 17, 30, 151645, 198, 151644, 77091, 198]
 MAX_MODEL_LEN = 512

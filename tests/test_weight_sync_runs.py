@@ -25,16 +25,16 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from pipeline import read_topic
 
 from rolloutbus.config import Config, ModelConfig, ReplicasConfig, ReplicaServerConfig
 from rolloutbus.errors import TrainerFencedError
 from rolloutbus.kafka.control import PolicyVersionPublisher, TrainerControlWriter
+from rolloutbus.models.causal_lm import load_causal_lm
 from rolloutbus.replica.server import replica_in_thread
-from rolloutbus.replica.weights import load_causal_lm
 from rolloutbus.schemas.control import PolicyVersionPublished
 from rolloutbus.streams.inference.weight_sync import WeightSync
 from rolloutbus.topics import CONTROL_PARTITION, Topics
+from tests.pipeline import read_topic
 
 PROMPT = [151644, 872, 198, 3838, 374, 220, 17, 10, 17, 30, 151645, 198]
 TOKENS = 6  # greedy tokens compared: enough to tell the seeds apart

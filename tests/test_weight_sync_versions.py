@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from rolloutbus.schemas.agent_loop import AgentLoopMetrics, AgentLoopOutput, TokenOutput
 from rolloutbus.schemas.turns import (
-    GroupStarted,
     SessionFinished,
     decode_turn_event,
     encode_turn_event,
@@ -16,6 +15,7 @@ from rolloutbus.streams.assembly.session_fold import SessionFold
 from rolloutbus.streams.assembly.trajectories import build_group_trajectories
 from rolloutbus.streams.sessions.recorder import RecordingLLMClient
 from rolloutbus.streams.token_stream import SegmentStream, turn_version
+from tests.builders import make_group_started, session_ids
 
 
 class VersionedClient:
@@ -68,10 +68,8 @@ async def test_a_turn_spanning_versions_gives_the_trajectory_both_ends():
     fold = SessionFold(0, "a", agent_name="tool_agent")
     for e in events:
         fold.apply(e)
-    fold.apply(SessionFinished(uid="u1", session_id=0, attempt="a", outputs=[summary]))
-    group = GroupStarted(
-        uid="u1", attempt="a", n=1, row={"prompt": [{"role": "user", "content": "x"}]}
-    )
+    fold.apply(SessionFinished(**session_ids("u1"), outputs=[summary]))
+    group = make_group_started("u1")
     [t] = build_group_trajectories(group, [fold], response_length=100)
     assert (t.min_global_steps, t.max_global_steps) == (1, 2)
     # verl's extra_fields keys agree with the columns

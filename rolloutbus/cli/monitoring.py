@@ -51,7 +51,7 @@ def cmd_inspect(args: argparse.Namespace, cfg: Config) -> int:
     check_reachable(cfg.kafka)
     tokenizer = None
     if not args.no_decode:
-        from rolloutbus.replica.models import load_tokenizer
+        from rolloutbus.models.tokenizers import load_tokenizer
 
         tokenizer = load_tokenizer(cfg.model)
     view = inspect_key(cfg, args.key, tokenizer, start_offset=args.start_offset)

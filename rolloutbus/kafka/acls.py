@@ -73,7 +73,9 @@ class Grant:
 
 def role_user(kafka: KafkaConfig, role: str) -> str:
     """The SASL user of ``role``: kafka.role_users, else the role's own name."""
-    return kafka.role_users.get(role, role)  # type: ignore[call-overload]
+    # role_users is keyed by the AclRole literal; a role named on the command line is a str
+    users = {str(known): user for known, user in kafka.role_users.items()}
+    return users.get(role, role)
 
 
 def role_grants(cfg: Config, role: str) -> list[Grant]:
@@ -222,18 +224,22 @@ def _binding_key(binding: AclBinding) -> tuple[Any, ...]:
     )
 
 
-def _wait_until_in_force(client: AdminClient, admin: KafkaConfig, bindings: list[AclBinding]):
+def _wait_until_in_force(
+    client: AdminClient, admin: KafkaConfig, bindings: list[AclBinding]
+) -> None:
     """create_acls returns once the controller committed them; a broker authorizes with
     them once it has applied that metadata, a moment later (up to seconds on a busy host).
     Wait until the broker answering describe_acls lists them all, so the caller's next
     client is not refused."""
     wanted = {_binding_key(b) for b in bindings}
+    # confluent-kafka documents None as "any" for a filter's name, principal and host, but
+    # annotates them str
     everything = AclBindingFilter(
         ResourceType.ANY,
-        None,
+        None,  # type: ignore[arg-type]
         ResourcePatternType.ANY,
-        None,
-        None,
+        None,  # type: ignore[arg-type]
+        None,  # type: ignore[arg-type]
         AclOperation.ANY,
         AclPermissionType.ANY,
     )

@@ -12,7 +12,7 @@ import time
 from collections.abc import Iterable
 
 from confluent_kafka import KafkaError, KafkaException
-from confluent_kafka.admin import AdminClient, ClusterMetadata, NewTopic
+from confluent_kafka.admin import AdminClient, ClusterMetadata, NewTopic, TopicMetadata
 
 from rolloutbus.config import KafkaConfig
 from rolloutbus.errors import BrokerError, ConfigError
@@ -321,7 +321,7 @@ def _wait_until_visible(
             time.sleep(VISIBLE_POLL_S)
 
 
-def _has_leaders(meta, count: int) -> bool:
+def _has_leaders(meta: TopicMetadata | None, count: int) -> bool:
     if meta is None or meta.error is not None or len(meta.partitions) != count:
         return False
     return all(p.leader >= 0 and p.error is None for p in meta.partitions.values())

@@ -38,6 +38,7 @@ import socket
 import subprocess
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -187,7 +188,7 @@ def _run_maven_copy(mvn: str, libs: Path, quiet: bool) -> None:
 
 
 @contextlib.contextmanager
-def _file_lock(path: Path):
+def _file_lock(path: Path) -> Iterator[None]:
     with open(path, "w") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         try:
@@ -656,7 +657,9 @@ def _cluster_ready(cfg: Config, nodes: list[BrokerNode]) -> bool:
     return True
 
 
-def _stop_launched(nodes: list[BrokerNode], pids: dict[int, int | None], launched: list[int]):
+def _stop_launched(
+    nodes: list[BrokerNode], pids: dict[int, int | None], launched: list[int]
+) -> None:
     for node in nodes:
         pid = pids[node.node_id]
         if pid is not None and pid in launched and _pid_alive(pid):

@@ -20,7 +20,7 @@ import concurrent.futures
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TypeVar
 
 from confluent_kafka import Consumer, ConsumerGroupTopicPartitions, IsolationLevel, TopicPartition
 from confluent_kafka.admin import OffsetSpec
@@ -35,6 +35,9 @@ from rolloutbus.kafka.clients import (
     record_position,
     translate_kafka_errors,
 )
+
+K = TypeVar("K")
+V = TypeVar("V")
 
 __all__ = ["GroupLag", "LagReader", "PartitionLag"]
 
@@ -139,7 +142,7 @@ class LagReader:
             described = self._results(futures, "consumer group descriptions")
         return {group: len(d.members) for group, d in described.items()}
 
-    def _results(self, futures: Mapping[Any, concurrent.futures.Future], what: str) -> dict:
+    def _results(self, futures: Mapping[K, concurrent.futures.Future[V]], what: str) -> dict[K, V]:
         try:
             return {key: f.result(timeout=self.timeout_s) for key, f in futures.items()}
         except concurrent.futures.TimeoutError:
@@ -196,8 +199,9 @@ class LagReader:
         return found
 
     def _first_record_ts(self, topic: str, partition: int, offset: int) -> float | None:
-        where = dict(topic=topic, partition=partition, offset=offset)
-        with translate_kafka_errors("reading the first unconsumed record", **where):
+        with translate_kafka_errors(
+            "reading the first unconsumed record", topic=topic, partition=partition, offset=offset
+        ):
             self._consumer.assign([TopicPartition(topic, partition, offset)])
         deadline = time.monotonic() + self.timeout_s
         try:
@@ -209,7 +213,9 @@ class LagReader:
                     kind, ms = msg.timestamp()
                     return ms / 1000 if kind != 0 and ms > 0 else NO_TIMESTAMP
         finally:
-            with translate_kafka_errors("unassigning", **where):
+            with translate_kafka_errors(
+                "unassigning", topic=topic, partition=partition, offset=offset
+            ):
                 self._consumer.unassign()
         raise BrokerError(
             f"reading the first unconsumed record of {topic}[{partition}]@{offset}: "

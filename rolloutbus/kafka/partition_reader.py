@@ -128,7 +128,8 @@ def _high_watermark(kafka: KafkaConfig, tp: TopicPartition, timeout_s: float) ->
                 f"no answer for the high watermark of {tp.topic}[{tp.partition}] "
                 f"within {timeout_s:g} s"
             ) from None
-    return result.offset
+    offset: int = result.offset
+    return offset
 
 
 def _position(consumer: Consumer, tp: TopicPartition) -> int:

@@ -34,13 +34,13 @@ SAMPLE_EVERY_S = 1.0  # seconds between two scrapes of the demo's /metrics
 def with_metrics_on(cfg: Config) -> Config:
     """The config with the workers' metrics ports set: kept when the config sets them, the
     metrics-on port when it is free, else a free port of the OS's choosing."""
-    sections = {
-        "sessions.metrics_port": cfg.sessions,
-        "replay_buffer.metrics_port": cfg.replay_buffer,
+    configured = {
+        "sessions.metrics_port": cfg.sessions.metrics_port,
+        "replay_buffer.metrics_port": cfg.replay_buffer.metrics_port,
     }
-    overrides = {}
+    overrides: dict[str, int] = {}
     for key, wanted in METRICS_ON_PORTS.items():
-        if sections[key].metrics_port is None:
+        if configured[key] is None:
             overrides[key] = wanted if _free(wanted) else _any_free_port()
     return with_overrides(cfg, overrides) if overrides else cfg
 

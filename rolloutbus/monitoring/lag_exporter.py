@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -37,7 +37,9 @@ __all__ = ["LagCollector", "run_lag_exporter", "watched_groups"]
 log = logging.getLogger(__name__)
 
 
-def watched_groups(cfg: Config, extra_trainer_groups: list[str] = ()) -> dict[str, tuple[str, str]]:
+def watched_groups(
+    cfg: Config, extra_trainer_groups: Sequence[str] = ()
+) -> dict[str, tuple[str, str]]:
     """consumer group id → (stage, topic) for every stage of the pipeline."""
     topics = Topics.from_config(cfg.kafka)
     groups = {
@@ -114,7 +116,7 @@ class LagCollector:
 
 
 def run_lag_exporter(
-    cfg: Config, stop: threading.Event, extra_trainer_groups: list[str] = ()
+    cfg: Config, stop: threading.Event, extra_trainer_groups: Sequence[str] = ()
 ) -> None:
     """Serve the lag of every stage until ``stop`` is set."""
     collector = LagCollector(watched_groups(cfg, extra_trainer_groups))

@@ -5,13 +5,17 @@ Import direction: ``session_fold`` ← ``partition_fold`` ← ``trajectories`` �
 ← ``replay_buffer``.
 """
 
+from __future__ import annotations
+
+import importlib
+import typing
+
 from rolloutbus.streams.assembly.partition_fold import (
     FoldLimits,
     OpenGroup,
     PartitionFold,
     ReleasedGroup,
 )
-from rolloutbus.streams.assembly.released import ReleasedRecord
 from rolloutbus.streams.assembly.session_fold import SessionFold
 from rolloutbus.streams.assembly.trajectories import (
     FinalizedGroup,
@@ -36,3 +40,17 @@ __all__ = [
     "finalize_group",
     "violations",
 ]
+
+if typing.TYPE_CHECKING:
+    from rolloutbus.streams.assembly.released import ReleasedRecord
+
+# Imported on first use: ``released`` reads the turn log through Kafka, and importing the pure
+# folds must not load confluent-kafka.
+_LAZY = {"ReleasedRecord": "rolloutbus.streams.assembly.released"}
+
+
+def __getattr__(name: str) -> typing.Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'rolloutbus.streams.assembly' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

@@ -25,7 +25,7 @@ from rolloutbus.kafka.admin import check_partition_counts
 from rolloutbus.kafka.async_producer import AsyncProducer
 from rolloutbus.kafka.control import latest_policy_version
 from rolloutbus.metrics import SessionMetrics
-from rolloutbus.replica.models import load_tokenizer
+from rolloutbus.models.tokenizers import load_tokenizer
 from rolloutbus.streams.agent_loop.continuous_token import get_builder
 from rolloutbus.streams.agent_loop.tool_parser import ToolParser
 from rolloutbus.streams.gateway.server import build_app, expire_idle_forever

@@ -113,7 +113,7 @@ class SessionContext:
 
     def __post_init__(self) -> None:
         if self.processor is None:
-            from rolloutbus.replica.models import load_processor
+            from rolloutbus.models.tokenizers import load_processor
 
             self.processor = load_processor(self.config.model)
 

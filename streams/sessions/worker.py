@@ -46,7 +46,7 @@ from rolloutbus.kafka.async_producer import AsyncProducer
 from rolloutbus.kafka.clients import record_location
 from rolloutbus.kafka.dead_letters import DeadLetterWriter
 from rolloutbus.metrics import SessionMetrics, start_metrics_server
-from rolloutbus.replica.models import load_tokenizer
+from rolloutbus.models.tokenizers import load_tokenizer
 from rolloutbus.schemas.prompts import PromptGroup, decode_prompt_group
 from rolloutbus.schemas.turns import SessionFailed, SessionFinished
 from rolloutbus.streams.agent_loop import registry

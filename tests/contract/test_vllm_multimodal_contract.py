@@ -13,7 +13,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SETUP = ROOT / "ops" / "contract" / "setup_vllm_env.sh"
-CHECK = ROOT / "tests" / "fixtures" / "vllm_multimodal_check.py"
+CHECK = ROOT / "tests" / "programs" / "vllm_multimodal_check.py"
 
 pytestmark = pytest.mark.contract
 

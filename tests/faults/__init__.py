@@ -2,7 +2,7 @@
 
 A run starts, on its own topic prefix, one embedded replica (tiny-qwen3), M replay buffers
 and K session workers through the ``rolloutbus`` command line; publishes G prompt groups
-of ``tests/fixtures/seeded_paced_loop.py`` (n sessions each); hands the running processes
+of ``tests/plugins/seeded_paced_loop.py`` (n sessions each); hands the running processes
 and the broker to a *scenario* (a callable that kills, restarts, adds processes or stops
 the broker); waits until every trajectory key arrived on rollout.trajectories and the
 replay buffer has folded the whole turn log; stops everything and measures the row
@@ -36,23 +36,23 @@ compared except ``attempt``: attempt ids are random by design (a resumed or re-r
 session gets a fresh one, and so does every session of every run).
 """
 
-from faults.broker_control import dedicated_broker, kill_broker, restart_broker
-from faults.measure import explain_lost, release_stall, turn_log_counts
-from faults.processes import WORKER_ENV, Pipeline
-from faults.run import FaultRun, run_fault_scenario
-from faults.scenario import (
+from tests.faults.broker_control import dedicated_broker, kill_broker, restart_broker
+from tests.faults.measure import explain_lost, release_stall, turn_log_counts
+from tests.faults.processes import WORKER_ENV, Pipeline
+from tests.faults.run import FaultRun, run_fault_scenario
+from tests.faults.scenario import (
     FaultContext,
     Scenario,
     ScenarioTimeout,
     at_spread_moments,
     sigkill_spread,
 )
-from faults.services import Service
-from faults.table import ROWS, FaultRow, format_table
-from faults.workload import FIXTURES, Workload
+from tests.faults.services import Service
+from tests.faults.table import ROWS, FaultRow, format_table
+from tests.faults.workload import PLUGINS, Workload
 
 __all__ = [
-    "FIXTURES",
+    "PLUGINS",
     "ROWS",
     "WORKER_ENV",
     "FaultContext",

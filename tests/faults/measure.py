@@ -32,16 +32,15 @@ import statistics
 from collections import Counter, defaultdict
 from typing import Any
 
-from pipeline import read_topic
-
-from faults.processes import Pipeline
-from faults.scenario import FaultContext
-from faults.table import FaultRow
-from faults.workload import Workload
 from rolloutbus.schemas.trajectories import decode_trajectory_batch
 from rolloutbus.schemas.turns import decode_turn_event
 from rolloutbus.streams.assembly.released import ReleasedRecord
 from rolloutbus.topics import parse_trajectory_key
+from tests.faults.processes import Pipeline
+from tests.faults.scenario import FaultContext
+from tests.faults.table import FaultRow
+from tests.faults.workload import Workload
+from tests.pipeline import read_topic
 
 NOT_COMPARED = ("attempt",)  # random by design: see the package docstring
 ERROR_CHARS = 200  # characters of a failed trajectory's error kept in a row's notes

@@ -10,16 +10,16 @@ from typing import Any
 
 import yaml
 from confluent_kafka import Consumer, TopicPartition
-from helpers import free_port, unique_name
-from pipeline import wait_http_ok
 
-from faults.services import Service
-from faults.workload import LOOP_NAME, LOOP_TARGET, Workload
 from rolloutbus.config import Config, load_config
 from rolloutbus.kafka.admin import delete_topics, ensure_topics
 from rolloutbus.producers.datasets import write_jsonl
 from rolloutbus.producers.publish import PromptPublisher
 from rolloutbus.topics import Topics
+from tests.faults.services import Service
+from tests.faults.workload import LOOP_NAME, LOOP_TARGET, Workload
+from tests.helpers import free_port, unique_name
+from tests.pipeline import wait_http_ok
 
 # sessions.broker_session_timeout_s: how long a SIGKILLed worker's partitions stay
 # unassigned after every kill; 10 s is still over 3 heartbeats (3 s each)

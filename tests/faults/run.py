@@ -8,12 +8,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from faults.measure import measure_run
-from faults.processes import POLL_S, Pipeline, end_offsets
-from faults.scenario import FaultContext, Scenario, ScenarioTimeout
-from faults.table import ROWS, FaultRow
-from faults.workload import Workload
 from rolloutbus.config import Config
+from tests.faults.measure import measure_run
+from tests.faults.processes import POLL_S, Pipeline, end_offsets
+from tests.faults.scenario import FaultContext, Scenario, ScenarioTimeout
+from tests.faults.table import ROWS, FaultRow
+from tests.faults.workload import Workload
 
 COMPLETION_TIMEOUT_S = 600.0  # seconds for every key to arrive (restarts, rebalances)
 SETTLE_TIMEOUT_S = 90.0  # seconds for the replay buffer to fold the whole turn log

@@ -7,10 +7,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from faults.processes import POLL_S, Pipeline
-from faults.services import Service
-from faults.workload import Workload
 from rolloutbus.config import Config
+from tests.faults.processes import POLL_S, Pipeline
+from tests.faults.services import Service
+from tests.faults.workload import Workload
 
 
 class ScenarioTimeout(AssertionError):

@@ -10,7 +10,7 @@ import threading
 import time
 from pathlib import Path
 
-from faults.workload import FIXTURES
+from tests.faults.workload import PLUGINS
 
 RESTART_DELAY_S = 1.0  # seconds before a supervisor restarts a process that exited
 RESTART_DELAY_MAX_S = 8.0  # seconds; the delay doubles while a process keeps exiting fast
@@ -35,7 +35,7 @@ class Service:
         self.workdir.mkdir(parents=True, exist_ok=True)
         # PYTHONFAULTHANDLER: SIGABRT writes every thread's stack to the log (dump_stacks)
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1", **(env or {})}
-        self.env["PYTHONPATH"] = os.pathsep.join([str(FIXTURES), os.environ.get("PYTHONPATH", "")])
+        self.env["PYTHONPATH"] = os.pathsep.join([str(PLUGINS), os.environ.get("PYTHONPATH", "")])
         self.popen: subprocess.Popen[bytes] | None = None
         self.incarnation = 0
         self.exits: list[int] = []  # return codes of every incarnation that ended

@@ -8,14 +8,15 @@ from typing import Any
 
 from rolloutbus.topics import trajectory_key
 
-FIXTURES = Path(__file__).parent.parent / "fixtures"
+# the agent loop and reward the workers load by module name (their PYTHONPATH)
+PLUGINS = Path(__file__).parent.parent / "plugins"
 LOOP_NAME = "seededpaced"
 LOOP_TARGET = "seeded_paced_loop.SeededPacedLoop"
 
 
 @dataclass(frozen=True)
 class Workload:
-    """G prompt groups of ``tests/fixtures/seeded_paced_loop.py``, n sessions each."""
+    """G prompt groups of ``tests/plugins/seeded_paced_loop.py``, n sessions each."""
 
     groups: int = 100
     n: int = 4

@@ -27,6 +27,7 @@ from typing import Any
 from rolloutbus.errors import ReplicaError
 from rolloutbus.replica.generation import (
     EngineStats,
+    FinishReason,
     GenerationRequest,
     GenerationResult,
     PauseMode,
@@ -49,7 +50,8 @@ class ScriptedTurn:
 
     token_ids: list[int]
     logprobs: list[float] | None = None
-    finish_reason: str | None = None  # None: "stop" if the last token is a stop/eos, else "length"
+    # None: "stop" if the last token is a stop/eos, else "length"
+    finish_reason: FinishReason | None = None
 
 
 Script = Iterable[ScriptedTurn | list[int]] | Callable[[list[int]], ScriptedTurn | list[int]]
@@ -215,7 +217,7 @@ class ScriptedEngine:
                 token_ids, logprobs = token_ids[: i + 1], logprobs[: i + 1]
                 break
         last = token_ids[-1] if token_ids else None
-        reason = turn.finish_reason or (
+        reason: FinishReason = turn.finish_reason or (
             "stop" if last in stops or len(token_ids) < request.max_tokens else "length"
         )
         self.stats.prompt_tokens += len(request.prompt_ids)

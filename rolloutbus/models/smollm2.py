@@ -16,7 +16,7 @@ import torch
 
 from rolloutbus.config import ModelConfig
 from rolloutbus.errors import ConfigError
-from rolloutbus.replica.model_cache import exported_folder
+from rolloutbus.models.model_cache import exported_folder
 
 log = logging.getLogger(__name__)
 

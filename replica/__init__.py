@@ -8,7 +8,7 @@ does not pay for torch.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import typing
 
 from rolloutbus.replica.generation import (
     Engine,
@@ -21,7 +21,7 @@ from rolloutbus.replica.generation import (
 )
 from rolloutbus.replica.scripted import ScriptedEngine, ScriptedTurn
 
-if TYPE_CHECKING:
+if typing.TYPE_CHECKING:
     from rolloutbus.replica.engine import DecodeEngine
     from rolloutbus.replica.server import (
         ReplicaHandle,
@@ -30,8 +30,6 @@ if TYPE_CHECKING:
         serve_replica,
         start_replica,
     )
-    from rolloutbus.replica.smollm2 import smollm2_tokenizer
-    from rolloutbus.replica.weights import load_causal_lm
 
 __all__ = [
     "DecodeEngine",
@@ -46,10 +44,8 @@ __all__ = [
     "ScriptedTurn",
     "Timings",
     "build_app",
-    "load_causal_lm",
     "replica_in_thread",
     "serve_replica",
-    "smollm2_tokenizer",
     "start_replica",
 ]
 
@@ -60,12 +56,10 @@ _LAZY = {
     "replica_in_thread": "rolloutbus.replica.server",
     "serve_replica": "rolloutbus.replica.server",
     "start_replica": "rolloutbus.replica.server",
-    "load_causal_lm": "rolloutbus.replica.weights",
-    "smollm2_tokenizer": "rolloutbus.replica.smollm2",
 }
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> typing.Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'rolloutbus.replica' has no attribute {name!r}")

@@ -29,6 +29,7 @@ __all__ = [
     "Timings",
     "VersionSpan",
     "WeightsRejectedError",
+    "check_request_fits",
 ]
 
 FinishReason = Literal["stop", "length", "abort"]
@@ -125,6 +126,21 @@ class EngineStats:
     @property
     def max_batch_size_seen(self) -> int:
         return max(self.batch_sizes, default=0)
+
+
+def check_request_fits(request: GenerationRequest, max_model_len: int, vocab_size: int) -> None:
+    """RequestRejectedError, saying what is wrong, unless ``request`` fits a model of this
+    context length and vocabulary (checked in the caller's thread, before it is queued)."""
+    prompt_len = len(request.prompt_ids)
+    if prompt_len + request.max_tokens > max_model_len:
+        raise RequestRejectedError(
+            f"this model's maximum context length is {max_model_len} tokens, but "
+            f"{prompt_len} prompt tokens + max_tokens {request.max_tokens} = "
+            f"{prompt_len + request.max_tokens}; shorten the prompt or lower max_tokens"
+        )
+    bad = [t for t in request.prompt_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise RequestRejectedError(f"prompt token ids must lie in [0, {vocab_size}); got {bad[:5]}")
 
 
 def version_spans(starts: list[tuple[int | str, int]], num_tokens: int) -> list[VersionSpan]:

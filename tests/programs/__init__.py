@@ -1,0 +1,1 @@
+"""Scripts the tests run in a subprocess (some in a side environment: verl, vLLM)."""
