@@ -219,10 +219,9 @@ async def run_in_process(
 
 
 def run_through_bus(cfg: Config, config_path: Path, work: Path, groups, warmup, replica) -> Way:
-    from tests.pipeline import spawn, stop
-
     from rolloutbus.consumers.client import TrainerClient
     from rolloutbus.producers.publish import PromptPublisher
+    from tests.pipeline import spawn, stop
 
     worker = spawn(["sessions", "run"], config_path, work / "sessions.log", [FIXTURES])
     buffer = spawn(["replay-buffer", "run"], config_path, work / "replay-buffer.log")
@@ -298,9 +297,8 @@ def _group_times(cfg: Config, uids: set[str]) -> tuple[dict[str, float], dict[st
 
 
 def run_replica(kind: str, bootstrap: str, args, work: Path) -> tuple[Way, Way]:
-    from tests.pipeline import stop
-
     from rolloutbus.producers.publish import build_group
+    from tests.pipeline import stop
 
     model = "smollm2-135m" if kind == "smollm2" else "tiny-qwen3"
     raw = raw_config(bootstrap, free_port(), model, args, work)
