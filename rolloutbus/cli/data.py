@@ -150,18 +150,13 @@ def cmd_consume(args: argparse.Namespace, cfg: Config) -> int:
 
 
 def cmd_replay(args: argparse.Namespace, cfg: Config) -> int:
-    import gc
-
     from rolloutbus.consumers.log_replay import replay_turns
     from rolloutbus.consumers.report import print_table, write_trajectories
     from rolloutbus.kafka.admin import check_reachable
-    from rolloutbus.streams.assembly.replay_buffer import GC_THRESHOLD_ALLOCATIONS
+    from rolloutbus.streams.assembly.replay_buffer import tune_gc_for_folding
 
     check_reachable(cfg.kafka)
-    # as the replay buffer runs: the fold frees what it makes by reference counting, and
-    # collector passes over its token lists only cost (see GC_THRESHOLD_ALLOCATIONS)
-    gc.freeze()
-    gc.set_threshold(GC_THRESHOLD_ALLOCATIONS)
+    tune_gc_for_folding()  # it folds as the replay buffer does
     result = replay_turns(
         cfg,
         partitions=args.partition,

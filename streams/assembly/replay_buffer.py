@@ -566,9 +566,14 @@ def run_replay_buffer(cfg: Config) -> None:
     buffer = ReplayBuffer(cfg)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: buffer.stop())
-    # The fold allocates a few objects per token and frees them by reference counting;
-    # collector passes, each one over every open group's token lists, were 15-20% of the
-    # process's CPU at the default threshold of 700 allocations
+    tune_gc_for_folding()
+    buffer.run()
+
+
+def tune_gc_for_folding() -> None:
+    """For a process that folds turn events until it exits (the replay buffer, ``replay``).
+    The fold allocates a few objects per token and frees them by reference counting;
+    collector passes, each one over every open group's token lists, were 15-20% of the
+    process's CPU at the default threshold of 700 allocations."""
     gc.freeze()  # start-up's objects (modules, clients) live as long as the process
     gc.set_threshold(GC_THRESHOLD_ALLOCATIONS)
-    buffer.run()
