@@ -37,12 +37,13 @@ keeps the newest ``replay_buffer.max_released_uids`` of them, each with its reco
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import OrderedDict
 from typing import NamedTuple
 
-from confluent_kafka import Consumer, Message, TopicPartition
+from confluent_kafka import Consumer, KafkaException, Message, TopicPartition
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from rolloutbus.config import KafkaConfig
@@ -63,6 +64,8 @@ log = logging.getLogger(__name__)
 # seconds to wait for transactions open on the partition to end: longer than the replay
 # buffer's transaction.timeout.ms (30 s), after which the coordinator aborts a dead writer's
 READ_TIMEOUT_S = 60.0
+PROBE_RETRY_S = 120.0  # seconds a claim check retries a broker error (a restart) before failing
+PROBE_RETRY_BACKOFF_S = 1.0  # seconds between those retries
 PROBE_POLL_S = 1.0  # seconds per poll of a single-record read of the turn log
 
 
@@ -240,7 +243,21 @@ class TurnLogProbe:
 
     def uid_at(self, offset: int) -> str | None:
         """The uid of the turn event at ``offset``; None when there is none (no record,
-        not a turn event); BELOW_LOG_START when retention deleted it."""
+        not a turn event); BELOW_LOG_START when retention deleted it. A broker error is
+        retried on a fresh consumer for PROBE_RETRY_S: a broker killed or restarted leaves
+        the handle unusable, and the replay buffer must not exit for it."""
+        deadline = time.monotonic() + PROBE_RETRY_S
+        while True:
+            try:
+                return self._read_uid_at(offset)
+            except BrokerError as exc:
+                self._discard()
+                if time.monotonic() >= deadline:
+                    raise
+                log.warning("%s; retrying on a fresh consumer", exc)
+                time.sleep(PROBE_RETRY_BACKOFF_S)
+
+    def _read_uid_at(self, offset: int) -> str | None:
         consumer = self._open()
         tp = TopicPartition(self.topic, self.partition)
         where = f"{self.topic}[{self.partition}]@{offset}"
@@ -270,6 +287,13 @@ class TurnLogProbe:
         if self._consumer is not None:
             self._consumer.close()
             self._consumer = None
+
+    def _discard(self) -> None:
+        """Drop a consumer a broker error may have left unusable (closing it may fail too)."""
+        consumer, self._consumer = self._consumer, None
+        if consumer is not None:
+            with contextlib.suppress(KafkaException, RuntimeError):
+                consumer.close()
 
 
 def _first_record(consumer: Consumer, where: str) -> Message | None:
