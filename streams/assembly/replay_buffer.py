@@ -60,44 +60,27 @@ from pydantic import ValidationError
 from rolloutbus.config import Config
 from rolloutbus.errors import BrokerError, RolloutBusError, SchemaError
 from rolloutbus.kafka.admin import check_partition_counts
-from rolloutbus.kafka.clients import (
-    broker_error,
-    message_location,
-    record_position,
-    translate_kafka_errors,
-)
-from rolloutbus.kafka.dead_letters import dead_letter_record
+from rolloutbus.kafka.clients import broker_error, record_position, translate_kafka_errors
 from rolloutbus.kafka.group_member import GroupMember
+from rolloutbus.kafka.transactions import OutgoingRecord as Outgoing
 from rolloutbus.kafka.transactions import (
-    ANY_PARTITION,
     TransactionAborted,
     TransactionalProducer,
     TransactionSettings,
 )
-from rolloutbus.kafka.transactions import OutgoingRecord as Outgoing
 from rolloutbus.metrics import ReplayBufferMetrics, start_metrics_server
-from rolloutbus.schemas.trajectories import TrajectoryStatus
 from rolloutbus.schemas.turns import decode_turn_event
-from rolloutbus.streams.assembly.partition_fold import FoldLimits, PartitionFold, ReleasedGroup
-from rolloutbus.streams.assembly.release_metrics import (
-    last_turn_timestamp_ms,
-    observe_open_groups,
-    observe_release,
-)
+from rolloutbus.streams.assembly.partition_fold import FoldLimits, PartitionFold
+from rolloutbus.streams.assembly.release_metrics import observe_open_groups
+from rolloutbus.streams.assembly.release_records import ReleaseRecords
 from rolloutbus.streams.assembly.released import (
-    BadRecord,
     ReleasedClaims,
     ReleasedRead,
     TurnLogProbe,
     read_released,
-    released_record,
 )
 from rolloutbus.streams.assembly.session_fold import short_error
-from rolloutbus.streams.assembly.trajectories import (
-    RECORD_HEADROOM_BYTES,
-    finalize_group,
-    max_record_bytes,
-)
+from rolloutbus.streams.assembly.trajectories import max_record_bytes
 from rolloutbus.topics import Topics
 
 log = logging.getLogger(__name__)
@@ -169,7 +152,9 @@ class ReplayBuffer:
         self.metrics = metrics or ReplayBufferMetrics()
         self.transactional_id = transactional_id_of(cfg)
         self.limits = FoldLimits.from_config(cfg)
-        self.max_record_bytes = max_record_bytes(cfg.kafka)
+        self.records = ReleaseRecords(
+            self.topics, cfg.rollout, self.metrics, max_record_bytes=max_record_bytes(cfg.kafka)
+        )
         self.partitions: dict[int, PartitionFold] = {}  # ready: recovered, being folded
         # released records read on recovery, until the turn log backs them (released.py)
         self._claims: dict[int, ReleasedClaims] = {}
@@ -299,7 +284,7 @@ class ReplayBuffer:
             fold.next_offset = offset + 1
             self._settle_claims(part, offset, None, fold, outgoing)
             outgoing.append(
-                self._dead_letter(
+                self.records.bad_turn(
                     msg,
                     "turn event does not match its schema: "
                     f"{short_error(exc, LETTER_REASON_CHARS)}",
@@ -312,17 +297,19 @@ class ReplayBuffer:
         try:
             released = fold.fold(offset, event)
         except SchemaError as exc:
-            outgoing.append(self._dead_letter(msg, f"turn event cannot be folded: {exc}"))
+            outgoing.append(self.records.bad_turn(msg, f"turn event cannot be folded: {exc}"))
             return
         if fold.opened_headless is not None:
-            outgoing.append(self._dead_letter(msg, HEAD_MISSING_REASON.format(uid=event.uid)))
+            outgoing.append(self.records.bad_turn(msg, HEAD_MISSING_REASON.format(uid=event.uid)))
         if fold.ignored > ignored_before:
             self.metrics.duplicates.inc(fold.ignored - ignored_before)
         if fold.forgotten:
             self.metrics.released_uids_forgotten.inc(fold.forgotten)
             fold.forgotten = 0
         for group in released:
-            outgoing.extend(self._release(part, group))
+            if (claims := self._claims.get(part)) is not None:
+                claims.forget(group.group.uid)  # released now: no earlier record decides
+            outgoing.extend(self.records.group(part, group))
 
     def _events_of(self, kind: str) -> Any:
         """The events counter of one type, looked up once (labels() per event cost ~4% of
@@ -348,63 +335,9 @@ class ReplayBuffer:
             if probe is None:
                 probe = self._probes[part] = TurnLogProbe(self.cfg.kafka, self.topics.turns, part)
             refused += claims.suppressing(offset, uid, probe)
-        out.extend(self._bad_released_letter(bad) for bad in refused)
+        out.extend(self.records.bad_released(bad) for bad in refused)
         for freed in claims.take_freed():
             fold.released.pop(freed, None)
-
-    def _bad_released_letter(self, bad: BadRecord) -> Outgoing:
-        key = (bad.key or b"").decode("utf-8", "replace")
-        return self._letter(bad.value, bad.reason, source=bad.source, key=key)
-
-    def _release(self, part: int, released: ReleasedGroup) -> list[Outgoing]:
-        """Trajectories, dead letters and the released record of one group."""
-        done = finalize_group(released, self.cfg.rollout, max_record_bytes=self.max_record_bytes)
-        observe_release(released, done.trajectories, self.cfg.rollout)  # RL figures (Prometheus)
-        stamp = last_turn_timestamp_ms(released)  # trainer clients measure last turn -> trainer
-        uid = released.group.uid
-        if (claims := self._claims.get(part)) is not None:
-            claims.forget(uid)  # released here and now: no earlier record decides about it
-        self.metrics.groups.inc()
-        if released.kind != "completed":
-            self.metrics.groups_released_early.labels(kind=released.kind).inc()
-        # a letter about one trajectory names its key; one about the group, the event that
-        # released it
-        group_source = f"{self.topics.turns}[{part}]@{released.last_offset} uid {uid}"
-        out = [
-            self._letter(
-                letter.original,
-                letter.reason,
-                key=letter.key,
-                source=group_source
-                if letter.key == uid
-                else f"{self.topics.trajectories} key {letter.key}",
-            )
-            for letter in done.letters
-        ]
-        for t, value in zip(done.trajectories, done.records, strict=True):
-            self.metrics.trajectories.labels(status=t.status.value).inc()
-            out.append(Outgoing(self.topics.trajectories, t.key, value, part, stamp))
-        record = released_record(
-            uid,
-            part,
-            trajectories=len(done.trajectories),
-            failed=sum(t.status == TrajectoryStatus.FAILED for t in done.trajectories),
-            kind=released.kind,
-            turns_first_offset=released.first_offset,
-            turns_last_offset=released.last_offset,
-        )
-        out.append(Outgoing(self.topics.released, uid, record.encode(), part))
-        return out
-
-    def _dead_letter(self, msg: Message, reason: str) -> Outgoing:
-        key = (msg.key() or b"").decode("utf-8", "replace")
-        return self._letter(msg.value() or b"", reason, source=message_location(msg), key=key)
-
-    def _letter(self, original: bytes, reason: str, *, source: str, key: str) -> Outgoing:
-        self.metrics.dead_letters.inc()
-        return sized_dead_letter(
-            self.topics.dlq, original, reason, source=source, key=key, limit=self.max_record_bytes
-        )
 
     # -- the transaction (rolloutbus/kafka/transactions.py) --------------------------------
     def _commit(self, outgoing: list[Outgoing]) -> None:
@@ -488,7 +421,7 @@ class ReplayBuffer:
                 self._stop.wait(RETRY_BACKOFF_S)
                 continue
             self._claims[part] = released.claims
-            self._recovery_letters += [self._bad_released_letter(bad) for bad in released.bad]
+            self._recovery_letters += [self.records.bad_released(bad) for bad in released.bad]
             self.partitions[part] = fold
             del self._pending[part]
             self._paused.discard(part)
@@ -498,31 +431,6 @@ class ReplayBuffer:
         self.metrics.open_groups.set(sum(len(f.open) for f in self.partitions.values()))
         self.metrics.released_uids.set(sum(len(f.released) for f in self.partitions.values()))
         observe_open_groups(self.metrics, self.partitions.values(), self.cfg.deadlines.group_s)
-
-
-def sized_dead_letter(
-    topic: str, original: bytes, reason: str, *, source: str, key: str, limit: int
-) -> Outgoing:
-    """A dead letter that fits the topic (``limit`` bytes): an original too large to carry
-    in base64 is cut, and the reason says so (a record over the limit would abort every
-    retry of its transaction)."""
-    letter = dead_letter_record(
-        topic, original, stage="replay_buffer", reason=reason, source=source, key=key
-    )
-    if len(letter.value) > limit:
-        keep = max(
-            0,
-            (limit - len(letter.value) + len(original) * 4 // 3) * 3 // 4 - RECORD_HEADROOM_BYTES,
-        )
-        letter = dead_letter_record(
-            topic,
-            original[:keep],
-            stage="replay_buffer",
-            source=source,
-            key=key,
-            reason=f"{reason} (original cut to its first {keep} of {len(original)} bytes)",
-        )
-    return Outgoing(letter.topic, letter.key or "", letter.value, ANY_PARTITION)
 
 
 def recover_partition(
