@@ -4,10 +4,10 @@ shared helpers by their package path (``tests.helpers``, ``tests.pipeline``,
 something has put this folder on ``sys.path`` (and would load a second copy of the module,
 its state held twice). ``tests/test_layout.py`` checks it.
 
-Folders: ``faults/`` (the fault-injection harness, one module per job; ``faults_harness``
-re-exports it for the fault-row modules), ``plugins/`` (agent loops, tools, reward functions
-and a vLLM logits processor that the processes under test load by module name, as a user's
-own code: that folder, not this one, goes on their ``PYTHONPATH``), ``programs/`` (scripts
-the tests run in a subprocess, some in a side environment), ``data/`` (frozen records and
-verl's config files); pytest fixtures live in ``conftest.py``.
+Folders: ``faults/`` (the fault-injection harness, one module per job), ``plugins/`` (agent
+loops, tools, reward functions and a vLLM logits processor that the processes under test
+load by module name, as a user's own code: that folder, not this one, goes on their
+``PYTHONPATH``), ``programs/`` (scripts the tests run in a subprocess, some in a side
+environment), ``data/`` (frozen records and verl's config files); pytest fixtures live in
+``conftest.py``.
 """

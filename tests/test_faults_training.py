@@ -1,5 +1,5 @@
 """Fault rows for the trainer, against the whole pipeline of real processes
-(``tests/faults_harness.py``: replica, replay buffer, session worker) plus ``rolloutbus
+(``tests/faults/``: replica, replay buffer, session worker) plus ``rolloutbus
 train`` (and ``rolloutbus weight-sync``), all through the command line:
 
 * **trainer SIGKILL before its first checkpoint**: killed during start-up (before its
@@ -27,12 +27,12 @@ from typing import Any
 import pytest
 import yaml
 
-import tests.faults_harness as faults_harness
+import tests.faults as faults
 from rolloutbus.config import Config
 from rolloutbus.consumers.training.checkpoint import latest_checkpoint, load_state
 from rolloutbus.kafka.control import read_control_log
 from rolloutbus.topics import uid_of_key
-from tests.faults_harness import (
+from tests.faults import (
     PLUGINS,
     FaultContext,
     FaultRun,
@@ -181,7 +181,7 @@ def _assert_every_group_trained_once(run: FaultRun, trained: list[str]) -> None:
 def scored_sessions(monkeypatch):
     """The session workers score every row with the digest reward."""
     for key, value in REWARD_ENV.items():
-        monkeypatch.setitem(faults_harness.WORKER_ENV, key, value)
+        monkeypatch.setitem(faults.WORKER_ENV, key, value)
 
 
 def test_trainer_sigkill_before_its_first_checkpoint(kafka_bootstrap, tmp_path):

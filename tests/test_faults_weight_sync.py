@@ -1,4 +1,4 @@
-"""Fault row: the weight sync SIGKILLed mid-reload (``tests/faults_harness.py``).
+"""Fault row: the weight sync SIGKILLed mid-reload (``tests/faults/``).
 
 Mid-run, a ``rolloutbus weight-sync`` process is started and policy version 1 (other
 weights for the same tiny model) is published. The moment the replica reports itself
@@ -27,7 +27,7 @@ from rolloutbus.config import ModelConfig
 from rolloutbus.kafka.control import publish_policy_version
 from rolloutbus.replica.weights import load_causal_lm
 from rolloutbus.schemas.control import PolicyVersionPublished
-from tests.faults_harness import FaultContext, Service, Workload, run_fault_scenario
+from tests.faults import FaultContext, Service, Workload, run_fault_scenario
 
 # 16 groups x 4 sessions: long enough for the kill, the lease and the restart to land mid-run
 # (at 24 groups the restarted weight sync was done with 64 of 96 sessions left)

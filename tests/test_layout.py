@@ -250,7 +250,7 @@ def test_the_lazy_re_exports_still_resolve():
 
 def _test_side_names() -> set[str]:
     """The names the modules and packages directly in tests/ would answer to if tests/ were
-    on ``sys.path`` (``helpers``, ``pipeline``, ``faults``, ``faults_harness``, ...)."""
+    on ``sys.path`` (``helpers``, ``pipeline``, ``faults``, ...)."""
     tests = ROOT / "tests"
     modules_here = {path.stem for path in tests.glob("*.py")}
     packages_here = {path.parent.name for path in tests.glob("*/__init__.py")}
@@ -288,7 +288,7 @@ def test_a_bare_import_of_a_test_helper_is_found(tmp_path):
     planted = tmp_path / "planted.py"
     planted.write_text(
         "import helpers\nfrom faults.workload import Workload\nfrom tests.pipeline import spawn\n"
-        "def f():\n    import faults_harness\n"
+        "def f():\n    import builders\n"
     )
     [(_, names)] = bare_test_imports([planted]).items()
-    assert names == {"helpers", "faults", "faults_harness"}
+    assert names == {"helpers", "faults", "builders"}
