@@ -20,6 +20,7 @@ from rolloutbus.replica.generation import (
     Timings,
 )
 from rolloutbus.replica.scripted import ScriptedEngine, ScriptedTurn
+from rolloutbus.runtime import lazy_exports
 
 if typing.TYPE_CHECKING:
     from rolloutbus.replica.engine import DecodeEngine
@@ -59,10 +60,4 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> typing.Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'rolloutbus.replica' has no attribute {name!r}")
-    import importlib
-
-    return getattr(importlib.import_module(module), name)
+__getattr__ = lazy_exports(__name__, _LAZY)

@@ -28,7 +28,6 @@ import contextlib
 import io
 import json
 import logging
-import signal
 import sys
 import threading
 import time
@@ -57,6 +56,7 @@ from rolloutbus.replica.generation import (
     WeightsRejectedError,
 )
 from rolloutbus.replica.pause_gate import PAUSE_MODES, watch_pause_lease
+from rolloutbus.runtime import serve_until_signalled
 from rolloutbus.schemas.inference import (
     SglangGenerateRequest,
     SglangGenerateResponse,
@@ -930,18 +930,12 @@ def serve_replica(cfg: Config) -> None:
             level=logging.INFO,
             format="%(asctime)s %(name)s %(levelname)s %(message)s",
         )
-    asyncio.run(_serve(cfg))
-
-
-async def _serve(cfg: Config) -> None:
-    stopping = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stopping.set)
-    handle = await start_replica(cfg)
-    log.info("replica ready on %s model=%s", handle.url, handle.engine.model_name)
-    try:
-        await stopping.wait()
-    finally:
-        log.info("replica on %s stopping", handle.url)
-        await handle.stop()
+    asyncio.run(
+        serve_until_signalled(
+            "replica",
+            lambda: start_replica(cfg),
+            lambda handle: log.info(
+                "replica ready on %s model=%s", handle.url, handle.engine.model_name
+            ),
+        )
+    )

@@ -10,8 +10,9 @@
 
 from __future__ import annotations
 
-import importlib
 import typing
+
+from rolloutbus.runtime import lazy_exports
 
 if typing.TYPE_CHECKING:
     from rolloutbus.streams.inference import LLMClient, LoadBalancer, per_turn_max_tokens
@@ -23,8 +24,4 @@ __all__ = ["LLMClient", "LoadBalancer", "per_turn_max_tokens"]
 _LAZY = {name: "rolloutbus.streams.inference" for name in __all__}
 
 
-def __getattr__(name: str) -> typing.Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'rolloutbus.streams' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__ = lazy_exports(__name__, _LAZY)

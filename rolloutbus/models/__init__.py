@@ -9,10 +9,10 @@ process that only wants a tokenizer does not pay for the model code.
 
 from __future__ import annotations
 
-import importlib
 import typing
 
 from rolloutbus.models.catalog import KNOWN_MODELS, SMOLLM2, TINY_QWEN2_VL, TINY_QWEN3
+from rolloutbus.runtime import lazy_exports
 
 if typing.TYPE_CHECKING:
     from rolloutbus.models.causal_lm import load_causal_lm
@@ -35,8 +35,4 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> typing.Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'rolloutbus.models' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__ = lazy_exports(__name__, _LAZY)

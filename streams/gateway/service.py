@@ -11,9 +11,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +25,7 @@ from rolloutbus.kafka.async_producer import AsyncProducer
 from rolloutbus.kafka.control import latest_policy_version
 from rolloutbus.metrics import SessionMetrics
 from rolloutbus.models.tokenizers import load_tokenizer
+from rolloutbus.runtime import serve_until_signalled
 from rolloutbus.streams.agent_loop.continuous_token import get_builder
 from rolloutbus.streams.agent_loop.tool_parser import ToolParser
 from rolloutbus.streams.gateway.server import build_app, expire_idle_forever
@@ -117,22 +117,15 @@ async def start_gateway(cfg: Config) -> GatewayHandle:
 
 def serve_gateway(cfg: Config) -> None:
     """Serve until SIGTERM or SIGINT (blocking); prints the URL on stdout once listening."""
-    asyncio.run(_serve(cfg))
+    asyncio.run(serve_until_signalled("gateway", lambda: start_gateway(cfg), _announce(cfg)))
 
 
-async def _serve(cfg: Config) -> None:
-    stopping = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stopping.set)
-    handle = await start_gateway(cfg)
-    print(handle.url, flush=True)  # data on stdout: where agents point their base_url
-    log.info("gateway ready on %s (model %s)", handle.url, cfg.model.name)
-    try:
-        await stopping.wait()
-    finally:
-        log.info("gateway on %s stopping", handle.url)
-        await handle.stop()
+def _announce(cfg: Config) -> Callable[[GatewayHandle], None]:
+    def ready(handle: GatewayHandle) -> None:
+        print(handle.url, flush=True)  # data on stdout: where agents point their base_url
+        log.info("gateway ready on %s (model %s)", handle.url, cfg.model.name)
+
+    return ready
 
 
 @contextlib.contextmanager
