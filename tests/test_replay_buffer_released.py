@@ -16,8 +16,10 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka.admin import NewTopic
 
+import rolloutbus.streams.assembly.released as released_module
 from rolloutbus.config import BrokerConfig, Config, KafkaConfig, with_overrides
 from rolloutbus.errors import BrokerError, ConfigError
 from rolloutbus.kafka.admin import check_partition_counts, delete_topics, ensure_topics
@@ -31,7 +33,12 @@ from rolloutbus.schemas.turns import (
     decode_turn_event,
     encode_turn_event,
 )
-from rolloutbus.streams.assembly.released import Claim, ReleasedClaims, ReleasedRecord
+from rolloutbus.streams.assembly.released import (
+    Claim,
+    ReleasedClaims,
+    ReleasedRecord,
+    TurnLogProbe,
+)
 from rolloutbus.streams.assembly.replay_buffer import ReplayBuffer
 from rolloutbus.topics import Topics, partition_for
 from tests.builders import make_group_started, make_session_failed
@@ -215,6 +222,58 @@ def _offsets_by_uid(kafka: KafkaConfig) -> dict[str, int]:
     for msg in read_topic(Config(kafka=kafka), Topics.from_config(kafka).turns):
         first.setdefault(decode_turn_event(msg.value()).uid, msg.offset())
     return first
+
+
+class _FirstConsumerDestroyed(TurnLogProbe):
+    """Fault injector, not a double of the product: the first consumer the probe opens fails
+    as librdkafka's handle does after its broker was SIGKILLed ("Broker handle destroyed");
+    with ``always`` every one does."""
+
+    def __init__(self, *args, always: bool = False):
+        super().__init__(*args)
+        self.opened, self.always = 0, always
+
+    def _open(self):
+        consumer = super()._open()
+        self.opened += 1
+        if self.always or self.opened == 1:
+            self._consumer = _Destroyed(consumer)
+        return self._consumer
+
+
+class _Destroyed:
+    """A consumer whose broker handle is gone: every query fails; close() still closes."""
+
+    def __init__(self, consumer):
+        self.close = consumer.close
+
+    def get_watermark_offsets(self, *_args, **_kwargs):
+        raise KafkaException(KafkaError(KafkaError._DESTROY, "Broker handle destroyed"))
+
+
+def test_a_claim_check_that_meets_a_broker_error_retries_on_a_fresh_consumer(
+    kafka_config: KafkaConfig, monkeypatch: pytest.MonkeyPatch
+):
+    """The replay buffer's claim check (TurnLogProbe) after a broker kill: the error is
+    retried on a new consumer, which reads the event; the process does not end for it.
+    A broker that keeps failing past PROBE_RETRY_S ends in a BrokerError naming the offset."""
+    monkeypatch.setattr(released_module, "PROBE_RETRY_BACKOFF_S", 0.0)
+    uid = f"g{uuid.uuid4().hex[:10]}"
+    _produce(kafka_config, _raw(make_group_started(uid)))
+    partition = partition_for(uid, kafka_config.partitions)
+    topic = Topics.from_config(kafka_config).turns
+    probe = _FirstConsumerDestroyed(kafka_config, topic, partition)
+    try:
+        assert probe.uid_at(0) == uid
+        assert probe.opened == 2  # the destroyed handle was dropped, not reused
+    finally:
+        probe.close()
+
+    monkeypatch.setattr(released_module, "PROBE_RETRY_S", 0.5)
+    failing = _FirstConsumerDestroyed(kafka_config, topic, partition, always=True)
+    with pytest.raises(BrokerError, match=rf"{topic}\[{partition}\]@0"):
+        failing.uid_at(0)
+    assert failing.opened >= 2
 
 
 @pytest.mark.slow
