@@ -96,6 +96,20 @@ def pipeline(kafka_bootstrap: str, tmp_path_factory: pytest.TempPathFactory):
             yield cfg, tmp, logs
 
 
+@pytest.fixture(scope="module")
+def logged_work(pipeline):
+    """Groups the replay tests need in the log whatever else ran before them: plain ones
+    (random tiny-qwen3 runs to the 16-token limit: truncated) and one of the over-budget
+    loop (failed records), in two waves, so that groups start at distinct times."""
+    cfg, tmp, _ = pipeline
+    plain = make_arithmetic_rows(3, seed=5, tool_fraction=0)
+    over = [dict(r, agent_name="over_budget") for r in make_arithmetic_rows(1, seed=6)]
+    for wave, rows in enumerate((plain[:2], plain[2:] + over)):
+        report = _publish(cfg, rows, tmp / f"logged{wave}.jsonl")
+        receive_groups(cfg, set(report.uids))
+    return pipeline
+
+
 def _publish(cfg: Config, rows: list[dict], path: Path):
     return PromptPublisher(cfg).publish_file(write_jsonl(rows, path), progress=False)
 
@@ -208,16 +222,16 @@ def test_invariant_breaking_loop_yields_failed_records_and_dead_letters(pipeline
     assert len(letters) == N and all("over response_length" in d["reason"] for d in letters)
 
 
-def test_replaying_the_turn_log_yields_byte_identical_trajectories(pipeline):
-    """Replaying the turn log yields byte-identical trajectories, on everything the earlier
-    tests of this module logged."""
-    cfg, tmp, _ = pipeline
+def test_replaying_the_turn_log_yields_byte_identical_trajectories(logged_work):
+    """Replaying the turn log yields byte-identical trajectories, on everything this module
+    logged (``logged_work`` and the tests before)."""
+    cfg, tmp, _ = logged_work
     live = {
         m.key().decode(): m.value()
         for m in read_topic(cfg, Topics.from_config(cfg.kafka).trajectories)
     }
     replayed = replay_turns(cfg)
-    assert live, "nothing to replay: the earlier tests released no trajectory"
+    assert live, "nothing to replay: no trajectory was released"
     assert set(replayed.records) == set(live)
     assert all(replayed.records[k] == live[k] for k in live)  # byte for byte
     assert replayed.open_groups == []
@@ -243,12 +257,12 @@ def test_replaying_the_turn_log_yields_byte_identical_trajectories(pipeline):
         assert pa.ipc.open_file(source).read_all().num_rows == len(live)
 
 
-def test_a_replay_under_other_lengths_is_byte_identical_and_selects_by_uid_and_time(pipeline):
+def test_a_replay_under_other_lengths_is_byte_identical_and_selects_by_uid_and_time(logged_work):
     """The log alone decides: replayed under configs whose rollout lengths are shorter and
     longer than the workers' (64/16), the records are the live ones byte for byte: the
     truncated ones, and the over-budget loop's failed ones. ``--uid`` and ``--since``/
     ``--until`` select groups."""
-    cfg, tmp, _ = pipeline
+    cfg, tmp, _ = logged_work
     topics = Topics.from_config(cfg.kafka)
     live = {m.key().decode(): m.value() for m in read_topic(cfg, topics.trajectories)}
     statuses = {t.status for v in live.values() for t in _decoded(v)}
