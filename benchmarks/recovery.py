@@ -1,7 +1,7 @@
 """Recovery: repeated SIGKILLs of a session worker (and, separately, of a replay buffer)
 during a steady run; what each kill costs.
 
-Each target gets a pipeline of real processes on its own topics (``tests/faults_harness.py``:
+Each target gets a pipeline of real processes on its own topics (``tests/faults/``:
 one embedded replica with tiny-qwen3, one session worker, one replay buffer, each started
 through the ``rolloutbus`` command line and restarted by a supervisor ``RESTART_DELAY_S``
 after it exits, as systemd or Kubernetes would). A dispatcher publishes prompt groups of
@@ -46,7 +46,7 @@ from soak import Dispatcher
 
 from rolloutbus.kafka.partition_reader import read_partition
 from rolloutbus.schemas.turns import decode_turn_event
-from tests.faults_harness import Pipeline, Workload
+from tests.faults import Pipeline, Workload
 
 SETTLE_TIMEOUT_S = 600.0  # seconds for every published group to be released after the kills
 POLL_S = 1.0

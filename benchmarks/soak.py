@@ -4,7 +4,7 @@ A dispatcher thread publishes prompt groups of the seeded paced loop
 (``tests/plugins/seeded_paced_loop.py``) at a fixed rate while real processes run them:
 one embedded replica (tiny-qwen3), ``--session-workers`` session workers and
 ``--replay-buffers`` replay buffers, each started through the ``rolloutbus`` command
-line and supervised by the fault harness (``tests/faults_harness.py``). Every
+line and supervised by the fault harness (``tests/faults/``). Every
 ``--interval`` seconds it samples the resident memory of each process (VmRSS from
 /proc/PID/status) and, from each replay buffer's /metrics, the open groups
 (``rolloutbus_replay_buffer_open_groups``) and the groups released.
@@ -40,7 +40,7 @@ from prometheus_client.parser import text_string_to_metric_families
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: ``tests``
 from rolloutbus.errors import RolloutBusError  # noqa: E402
 from rolloutbus.producers.publish import PromptPublisher, build_group  # noqa: E402
-from tests.faults_harness import Pipeline, Service, Workload, dedicated_broker  # noqa: E402
+from tests.faults import Pipeline, Service, Workload, dedicated_broker  # noqa: E402
 
 OPEN_GROUPS = "rolloutbus_replay_buffer_open_groups"
 GROUPS_RELEASED = "rolloutbus_replay_buffer_groups_released_total"

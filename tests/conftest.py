@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -146,12 +147,37 @@ def make_consumer(kafka_bootstrap: str) -> Iterator[Callable[..., Consumer]]:
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
-    """The fault-injection table (the harness package tests/faults/, re-exported by
-    ``tests.faults_harness``), when fault scenarios ran."""
-    harness = sys.modules.get("tests.faults")
-    rows = getattr(harness, "ROWS", None)
+    """The fault-injection table (the harness package tests/faults/), when fault scenarios
+    ran: here, or in pytest-xdist's workers (``pytest_testnodedown`` gathered theirs)."""
+    rows = [*_rows_measured_here(), *_ROWS_FROM_WORKERS]
     if not rows:
         return
+    from tests.faults.table import format_table
+
     terminalreporter.section("fault injection")
-    for line in harness.format_table(rows):
+    for line in format_table(rows):
         terminalreporter.write_line(line)
+
+
+# Rows measured by pytest-xdist's workers, sent back when each one ends (workeroutput).
+_ROWS_FROM_WORKERS: list[Any] = []
+
+
+def _rows_measured_here() -> list[Any]:
+    harness = sys.modules.get("tests.faults.table")
+    return list(getattr(harness, "ROWS", []))
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:  # an xdist worker: the controller prints the table
+        workeroutput["fault_rows"] = [dataclasses.asdict(row) for row in _rows_measured_here()]
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: unknown without it
+def pytest_testnodedown(node: Any, error: Any) -> None:
+    """Called in the xdist controller when a worker ends (pytest-xdist's hook)."""
+    from tests.faults.table import FaultRow
+
+    rows = getattr(node, "workeroutput", {}).get("fault_rows", [])
+    _ROWS_FROM_WORKERS.extend(FaultRow(**row) for row in rows)

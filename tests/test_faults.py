@@ -18,7 +18,7 @@ import pytest
 
 from rolloutbus.schemas.turns import Generation, GroupStarted, SessionStarted
 from rolloutbus.streams.assembly.released import ReleasedRecord
-from tests.faults_harness import (
+from tests.faults import (
     PLUGINS,
     FaultContext,
     FaultRow,

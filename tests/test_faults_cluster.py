@@ -1,4 +1,4 @@
-"""Fault rows at the edges of the cluster (``tests/faults_harness.py`` pieces, its table):
+"""Fault rows at the edges of the cluster (``tests/faults/`` pieces, its table):
 
 - **poison on every topic**: junk written to prompts, turns, trajectories, released and
   control while a run goes on, and released records forged for a group still running and
@@ -37,7 +37,7 @@ from rolloutbus.schemas.trajectories import decode_trajectory_batch
 from rolloutbus.schemas.turns import decode_turn_event
 from rolloutbus.streams.assembly.released import ReleasedRecord
 from tests.cluster import local_cluster
-from tests.faults_harness import (
+from tests.faults import (
     ROWS,
     FaultContext,
     FaultRow,
