@@ -15,9 +15,11 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -48,6 +50,34 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if BROKER_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.kafka)
+    heaviest_files_first(items)
+
+
+# The order in which pytest-xdist's workers take files (ops/test.sh runs ``-n 2 --dist
+# loadfile``): a worker takes the next whole file when it is free, so the longest files
+# start first and the short ones fill the gaps at the end. Seconds per file come from a
+# recent run (file_seconds.json, written by ops/file_seconds.py); a file not in it is
+# estimated from its tests' markers.
+FILE_SECONDS = Path(__file__).with_name("file_seconds.json")
+COST_S = {"slow": 40.0, "vllm": 60.0, "kafka": 3.0}  # rough seconds per test, by marker
+
+
+def heaviest_files_first(items: list[pytest.Item]) -> None:
+    """Reorder ``items`` by the cost of their file, most first, keeping each file's tests
+    together and in order (module fixtures rely on it)."""
+    measured = json.loads(FILE_SECONDS.read_text()) if FILE_SECONDS.exists() else {}
+    estimated: dict[str, float] = {}
+    for item in items:
+        marks = {mark.name for mark in item.iter_markers()}
+        each = max((COST_S[m] for m in marks & COST_S.keys()), default=0.1)
+        path = _file_of(item)
+        estimated[path] = estimated.get(path, 0.0) + each
+    cost = {path: measured.get(path, guess) for path, guess in estimated.items()}
+    items.sort(key=lambda item: -cost[_file_of(item)])  # stable: a file's order is kept
+
+
+def _file_of(item: pytest.Item) -> str:
+    return item.nodeid.split("::")[0]
 
 
 @pytest.fixture(scope="session")

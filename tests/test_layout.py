@@ -235,7 +235,24 @@ def test_importing_the_pure_fold_loads_no_client_library():
     assert out.stdout.strip() == "", f"importing the fold loaded {out.stdout.strip()}"
 
 
+def test_replay_and_the_trainer_client_load_no_torch():
+    """``consumers/__init__`` re-exports lazily: ``rolloutbus replay`` (``log_replay``) and
+    the trainer client load torch only when they convert to tensors (its import costs
+    about a second of CPU, which a replay of a short log would mostly spend on it)."""
+    code = (
+        "import sys\n"
+        "import rolloutbus.consumers.log_replay, rolloutbus.consumers.report\n"
+        "import rolloutbus.consumers.client\n"
+        "print('torch' in sys.modules)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert out.stdout.strip() == "False", "importing replay or the trainer client loaded torch"
+
+
 def test_the_lazy_re_exports_still_resolve():
+    import rolloutbus.consumers as consumers
     import rolloutbus.models as models
     import rolloutbus.streams as streams
     import rolloutbus.streams.assembly as assembly
@@ -243,6 +260,7 @@ def test_the_lazy_re_exports_still_resolve():
     assert streams.LLMClient.__module__ == "rolloutbus.streams.inference.llm_client"
     assert assembly.ReleasedRecord.__module__ == "rolloutbus.streams.assembly.released"
     assert models.load_tokenizer.__module__ == "rolloutbus.models.tokenizers"
+    assert consumers.to_padded.__module__ == "rolloutbus.consumers.tensors"
     with pytest.raises(AttributeError):
         streams.not_a_name  # noqa: B018
 
