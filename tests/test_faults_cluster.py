@@ -116,9 +116,10 @@ def _junk_everywhere(ctx: FaultContext, poison: Poison) -> None:
 
 
 def _forge_released(ctx: FaultContext, poison: Poison, buffer: Service) -> None:
-    """With the replay buffer stopped: released records forged for a group still running and
-    for a uid that never started, each naming a turn-log offset past the buffer's committed
-    one (so the restarted buffer's fold passes it and must refuse it), plus junk."""
+    """Stop the replay buffer; forge released records for a group still running and for a
+    uid that never started, each naming a turn-log offset past the buffer's committed one
+    (so the restarted buffer's fold passes it and must refuse it), plus junk. The caller
+    starts the buffer again (``_restart``)."""
     cfg, topics = ctx.pipeline.cfg, ctx.pipeline.topics
     # stopped, not killed: it leaves its group at once, so its next start is assigned the
     # partitions without waiting out a dead member's session (the kill rows measure that)
@@ -139,7 +140,10 @@ def _forge_released(ctx: FaultContext, poison: Poison, buffer: Service) -> None:
         if not live:
             continue
         victim = live[-1]
-        other = next(offset for offset, uid in events if uid != victim)
+        # an offset holding another group's event: the claim names it as the victim's start
+        other = next((offset for offset, uid in events if uid != victim), None)
+        if other is None:
+            continue
         forged = [
             ReleasedRecord(
                 uid=uid,
@@ -157,7 +161,13 @@ def _forge_released(ctx: FaultContext, poison: Poison, buffer: Service) -> None:
         poison.forged_for = victim
         ctx.note(f"forged released records for running {victim} and for a uid never started")
         break
-    assert poison.forged_for, "no group was running when the replay buffer went down"
+    assert poison.forged_for, (
+        "no group was unreleased when the replay buffer went down (the run outpaced the "
+        f"fault: committed {committed}, {len(released_keys)} keys released)"
+    )
+
+
+def _restart(ctx: FaultContext, buffer: Service) -> None:
     with buffer.lock:  # back, as a supervisor would start it
         buffer.retired = False
         buffer.start()
@@ -238,8 +248,12 @@ def run_poison_row(bootstrap: str, workdir: Path, workload: Workload) -> PoisonR
         pipeline.publish(workload)
         ctx.note(f"published {workload.groups} groups x {workload.n}")
         ctx.wait_for_fraction(0.25)
-        _junk_everywhere(ctx, poison)
+        # the buffer goes down first, while groups are surely running (a quiet machine
+        # finished every group while the junk was still being written); the junk waits
+        # for it on the topics
         _forge_released(ctx, poison, pipeline.buffers[0])
+        _junk_everywhere(ctx, poison)
+        _restart(ctx, pipeline.buffers[0])
         ctx.wait_for_released(workload.sessions)
         ctx.note("every key arrived")
         if _settle(pipeline):
