@@ -44,7 +44,7 @@ fault_scenario = pytest.mark.slow  # and kafka, added by conftest: every scenari
 # session kills 130 s, at 32 groups 41 s and 103 s; the other rows swing with the load.
 WORKLOAD = Workload(groups=32, n=4, turns=3, tokens_per_turn=2, tool_delay_s=0.25)
 KILLS = 5
-BROKER_KILLS = 3
+BROKER_OUTAGES = 3  # one graceful stop, then SIGKILLs
 BROKER_OUTAGE_S = 10.0  # seconds the broker stays down after a graceful stop
 BROKER_KILLED_S = 2.0  # seconds a SIGKILLed broker stays down (its JVM start adds more)
 # sessions.concurrency for the replay-buffer kills: 2 groups in flight instead of 8 makes
@@ -118,49 +118,32 @@ def test_sigkill_replay_buffer_x5_during_releases(kafka_bootstrap, tmp_path, ref
 
 @fault_scenario
 @pytest.mark.kafka  # a broker of its own (the session broker only runs the reference)
-def test_broker_restart(tmp_path, reference):
-    """A broker of its own, stopped and started mid-run; workers that exit meanwhile are
-    restarted by the harness's supervisor (the row counts them)."""
+def test_broker_stopped_then_sigkilled_twice(tmp_path, reference):
+    """Three broker outages mid-run: first a graceful stop (the broker writes its state and
+    tells its clients), ``BROKER_OUTAGE_S`` down; then its JVM SIGKILLed twice (no shutdown:
+    transactions open, the coordinators' state as a power cut leaves it), started again
+    each time. No replay buffer may exit for a transaction error (a fatal one replaces its
+    producer); other workers that exit are restarted by the supervisor (the row counts
+    them)."""
     with dedicated_broker(tmp_path / "broker") as broker:
 
-        def scenario(ctx: FaultContext) -> None:
-            ctx.wait_for_fraction(0.3)
-            ctx.note("stopping the broker")
-            restart_broker(broker, BROKER_OUTAGE_S)
-            ctx.note(f"broker started again after {BROKER_OUTAGE_S:.0f} s down")
-
-        run = run_fault_scenario(
-            "broker restart",
-            bootstrap=broker.kafka.bootstrap_servers,
-            workdir=tmp_path,
-            workload=WORKLOAD,
-            scenario=scenario,
-            reference=reference,
-            broker=broker,
-        )
-    _assert_exactly_once_and_as_reference(run)
-
-
-@fault_scenario
-@pytest.mark.kafka  # a broker of its own (the session broker only runs the reference)
-def test_sigkill_broker_x3(tmp_path, reference):
-    """SIGKILL the broker's JVM three times mid-run (no shutdown: transactions open, the
-    coordinators' state as a power cut leaves it), started again each time. No process may
-    exit for a transaction error (a fatal one replaces the replay buffer's producer)."""
-    with dedicated_broker(tmp_path / "broker") as broker:
-
-        def kill(ctx: FaultContext, i: int) -> None:
-            ctx.note(f"SIGKILL the broker ({i + 1} of {BROKER_KILLS})")
+        def outage(ctx: FaultContext, i: int) -> None:
+            if i == 0:
+                ctx.note("stopping the broker")
+                restart_broker(broker, BROKER_OUTAGE_S)
+                ctx.note(f"broker started again after {BROKER_OUTAGE_S:.0f} s down")
+                return
+            ctx.note(f"SIGKILL the broker ({i} of {BROKER_OUTAGES - 1})")
             kill_broker(broker, BROKER_KILLED_S)
             ctx.note("broker started again")
 
         run = run_fault_scenario(
-            f"sigkill broker x{BROKER_KILLS}",
+            f"broker stop + sigkill x{BROKER_OUTAGES - 1}",
             bootstrap=broker.kafka.bootstrap_servers,
             workdir=tmp_path,
             workload=WORKLOAD,
             seed=3,
-            scenario=at_spread_moments(BROKER_KILLS, kill),
+            scenario=at_spread_moments(BROKER_OUTAGES, outage),
             reference=reference,
             broker=broker,
         )
