@@ -1,4 +1,4 @@
-"""Shared fixtures: one real Kafka broker per test session, fresh topics per test.
+"""Shared fixtures: one real Kafka broker per test session (per xdist worker), fresh topics.
 
 - ``kafka_bootstrap`` (session): ``$ROLLOUTBUS_TEST_BOOTSTRAP`` if set (an external broker,
   as CI may provide), else the project's embedded broker started on free ports with its
