@@ -31,7 +31,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from rolloutbus.config import KafkaConfig
 from rolloutbus.errors import SchemaError
-from rolloutbus.kafka.clients import read_committed_consumer, translate_kafka_errors
+from rolloutbus.kafka.clients import (
+    read_committed_consumer,
+    translate_kafka_errors,
+    watermark_offsets,
+)
 from rolloutbus.topics import Topics
 
 __all__ = [
@@ -157,9 +161,7 @@ def end_offsets(kafka: KafkaConfig, topic: str) -> dict[int, int]:
 
 
 def watermark(consumer: Consumer, topic: str, partition: int, low: bool) -> int:
-    tp = TopicPartition(topic, partition)
-    with translate_kafka_errors("reading watermarks", topic=topic, partition=partition):
-        first, end = consumer.get_watermark_offsets(tp, timeout=ASSIGN_TIMEOUT_S, cached=False)
+    first, end = watermark_offsets(consumer, TopicPartition(topic, partition), ASSIGN_TIMEOUT_S)
     return first if low else end
 
 

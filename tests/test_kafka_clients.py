@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from confluent_kafka import KafkaError, KafkaException, Message
+from confluent_kafka import KafkaError, KafkaException, Message, TopicPartition
 
 from rolloutbus.config import KafkaConfig
 from rolloutbus.errors import BrokerError
@@ -23,6 +23,7 @@ from rolloutbus.kafka.clients import (
     record_position,
     transactional_producer_settings,
     translate_kafka_errors,
+    watermark_offsets,
 )
 from rolloutbus.kafka.dead_letters import dead_letter_record
 from rolloutbus.schemas.dlq import DeadLetter
@@ -218,3 +219,35 @@ def test_dead_letter_record_wraps_the_original_bytes_in_the_schema():
         "bad event",
         "rollout.turns[0]@3",
     )
+
+
+class _SettlingLeader:
+    """Test double for a consumer whose partition leader is still being elected: its first
+    ``failures`` watermark queries fail with ``code``, then it answers (5, 9)."""
+
+    def __init__(self, failures: int, code: int = KafkaError.NOT_LEADER_FOR_PARTITION):
+        self.failures, self.code, self.calls = failures, code, 0
+
+    def get_watermark_offsets(self, tp, timeout, cached):
+        self.calls += 1
+        if self.calls <= self.failures:
+            raise KafkaException(KafkaError(self.code, "Broker: Not leader for partition"))
+        return 5, 9
+
+
+def test_a_watermark_query_rides_out_a_leader_election():
+    """A topic just created (or a leader moving) answers NOT_LEADER_FOR_PARTITION for a
+    moment: the query retries it (seen failing a test in CI, right after topic creation)."""
+    consumer = _SettlingLeader(failures=3)
+    assert watermark_offsets(consumer, TopicPartition("t", 0), timeout_s=5.0) == (5, 9)
+    assert consumer.calls == 4
+
+
+def test_a_watermark_query_gives_up_at_its_timeout_and_on_other_errors_at_once():
+    stuck = _SettlingLeader(failures=10**6)
+    with pytest.raises(BrokerError, match=r"reading watermarks failed at t\[1\].*NOT_LEADER"):
+        watermark_offsets(stuck, TopicPartition("t", 1), timeout_s=0.5)
+    denied = _SettlingLeader(failures=1, code=KafkaError.TOPIC_AUTHORIZATION_FAILED)
+    with pytest.raises(BrokerError, match="TOPIC_AUTHORIZATION_FAILED"):
+        watermark_offsets(denied, TopicPartition("t", 1), timeout_s=5.0)
+    assert denied.calls == 1

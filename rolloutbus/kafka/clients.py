@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient
 
 from rolloutbus.config import KafkaConfig
@@ -269,6 +269,37 @@ def translate_kafka_errors(
         raise broker_error(
             exc, action, topic=topic, partition=partition, offset=offset, hint=hint
         ) from exc
+
+
+# Errors a partition's leader gives while leadership settles (a topic just created, a broker
+# restarting, a leader moving): a watermark query retries them until its timeout.
+LEADERSHIP_SETTLING = frozenset(
+    {
+        KafkaError.NOT_LEADER_FOR_PARTITION,
+        KafkaError.LEADER_NOT_AVAILABLE,
+        KafkaError.UNKNOWN_TOPIC_OR_PART,
+        KafkaError._TRANSPORT,
+    }
+)
+SETTLING_BACKOFF_S = 0.2  # seconds between those retries
+
+
+def watermark_offsets(consumer: Consumer, tp: TopicPartition, timeout_s: float) -> tuple[int, int]:
+    """``(low, high)`` of ``tp`` from its leader (a read_committed consumer's high is the
+    last stable offset). An error of leadership still settling is retried for ``timeout_s``;
+    any other, or one that outlasts it, is a :class:`BrokerError` naming the partition."""
+    deadline = time.monotonic() + timeout_s
+    with translate_kafka_errors("reading watermarks", topic=tp.topic, partition=tp.partition):
+        while True:
+            try:
+                low, high = consumer.get_watermark_offsets(tp, timeout=timeout_s, cached=False)
+                return int(low), int(high)
+            except KafkaException as exc:
+                if kafka_error_code(exc) not in LEADERSHIP_SETTLING or (
+                    time.monotonic() + SETTLING_BACKOFF_S >= deadline
+                ):
+                    raise
+                time.sleep(SETTLING_BACKOFF_S)
 
 
 def kafka_error_code(exc: KafkaException | KafkaError) -> int | None:

@@ -22,6 +22,7 @@ from rolloutbus.kafka.clients import (
     read_committed_consumer,
     record_position,
     translate_kafka_errors,
+    watermark_offsets,
 )
 
 POLL_S = 30.0  # seconds one poll may wait before the read counts as stalled
@@ -56,11 +57,8 @@ def read_partition(
     # no offsets are committed: the group id only satisfies librdkafka
     consumer = read_committed_consumer(kafka, PARTITION_READER_GROUP, partition_eof=True)
     try:
-        with translate_kafka_errors("reading watermarks", topic=topic, partition=partition):
-            # a read_committed consumer's "high" is the last stable offset
-            low, stable = consumer.get_watermark_offsets(
-                tp, timeout=wait_open_transactions_s or POLL_S, cached=False
-            )
+        # a read_committed consumer's "high" is the last stable offset
+        low, stable = watermark_offsets(consumer, tp, wait_open_transactions_s or POLL_S)
         begin = max(start, low)
         end = stable if high is None else high
         end = end if stop is None else min(stop, end)
