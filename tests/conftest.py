@@ -50,14 +50,15 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if BROKER_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.kafka)
-    heaviest_files_first(items)
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # in one process, the files' own order
+        heaviest_files_first(items)
 
 
-# The order in which pytest-xdist's workers take files (ops/test.sh runs ``-n 2 --dist
-# loadfile``): a worker takes the next whole file when it is free, so the longest files
-# start first and the short ones fill the gaps at the end. Seconds per file come from a
-# recent run (file_seconds.json, written by ops/file_seconds.py); a file not in it is
-# estimated from its tests' markers.
+# The order in which pytest-xdist's workers take files (``TEST_WORKERS=2 bash ops/test.sh``
+# runs ``-n 2 --dist loadfile``): a worker takes the next whole file when it is free, so
+# the longest files start first and the short ones fill the gaps at the end. Seconds per
+# file come from a recent run (file_seconds.json, written by ops/file_seconds.py); a file
+# not in it is estimated from its tests' markers.
 FILE_SECONDS = Path(__file__).with_name("file_seconds.json")
 COST_S = {"slow": 40.0, "vllm": 60.0, "kafka": 3.0}  # rough seconds per test, by marker
 
