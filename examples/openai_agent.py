@@ -85,22 +85,23 @@ def run_agent(
 ) -> str:
     """The agent: call the model, run its tool calls, until it answers; returns the answer."""
     tools = tools or {"calculator": calculator}
-    client = OpenAI(base_url=base_url, api_key="not-used")
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": SYSTEM},
         {"role": "user", "content": question},
     ]
-    for _ in range(max_turns):
-        completion = client.chat.completions.create(
-            model="policy", messages=messages, tools=[CALCULATOR_TOOL]
-        )
-        message = completion.choices[0].message
-        messages.append(message.model_dump(exclude_none=True))
-        if not message.tool_calls:
-            return message.content or ""
-        for call in message.tool_calls:
-            result = _run_tool(tools, call.function.name, call.function.arguments)
-            messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
+    # closed on return: an unclosed client leaves its pooled sockets to the garbage collector
+    with OpenAI(base_url=base_url, api_key="not-used") as client:
+        for _ in range(max_turns):
+            completion = client.chat.completions.create(
+                model="policy", messages=messages, tools=[CALCULATOR_TOOL]
+            )
+            message = completion.choices[0].message
+            messages.append(message.model_dump(exclude_none=True))
+            if not message.tool_calls:
+                return message.content or ""
+            for call in message.tool_calls:
+                result = _run_tool(tools, call.function.name, call.function.arguments)
+                messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
     return ""
 
 
