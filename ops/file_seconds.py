@@ -20,13 +20,12 @@ def file_seconds(junit_xml: str) -> dict[str, float]:
     as JUnit reports them), rounded to a second."""
     seconds: dict[str, float] = defaultdict(float)
     for case in ET.parse(junit_xml).getroot().iter("testcase"):
-        module = case.get("classname", "").split(".")
-        # classname is tests.test_x or tests.test_x.TestClass
-        parts = [p for p in module if p != "tests"]
-        if not parts:
+        # classname: tests.test_x, tests.contract.test_y, or either with .TestClass after it
+        parts = case.get("classname", "").split(".")
+        module = next((i for i, part in enumerate(parts) if part.startswith("test_")), None)
+        if module is None:
             continue
-        name = next((p for p in parts if p.startswith("test_")), parts[0])
-        seconds[f"tests/{name}.py"] += float(case.get("time", 0.0))
+        seconds["/".join(parts[: module + 1]) + ".py"] += float(case.get("time", 0.0))
     return {path: round(s) for path, s in sorted(seconds.items(), key=lambda kv: -kv[1])}
 
 
