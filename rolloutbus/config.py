@@ -296,6 +296,11 @@ class SessionsConfig(_Section):
     # event) before it is logged as stalled with what it waits on, and counted; it only
     # reports. Above a healthy turn: a long decode plus a slow tool on a busy fleet.
     stall_warn_s: float = Field(default=300.0, gt=0)
+    # seconds a worker may go without taking a prompt (or seeing a rebalance) while prompts
+    # wait on a partition it owns, or while its consumer group has no live member, before
+    # it exits 75 for its supervisor to restart it (streams/sessions/consumer_watch.py).
+    # Above the group's session timeout and a rebalance on a busy host.
+    consumer_stall_s: float = Field(default=120.0, gt=0)
     # Faust's local folder (it keeps no tables here, but creates one): {data_dir}/{app_id}.
     # Faust's default, "{app_id}-data" in the working directory, littered checkouts.
     data_dir: Path = Path("var/faust")

@@ -52,6 +52,7 @@ from rolloutbus.schemas.turns import SessionFailed, SessionFinished
 from rolloutbus.streams.agent_loop import registry
 from rolloutbus.streams.inference.admission import ControlVersionWatch
 from rolloutbus.streams.inference.llm_client import LLMClient
+from rolloutbus.streams.sessions.consumer_watch import ConsumerWatch, exit_stalled
 from rolloutbus.streams.sessions.recovery import TurnLogScan, UnfinishedGroup
 from rolloutbus.streams.sessions.runner import (
     EmitError,
@@ -105,6 +106,9 @@ class SessionWorker:
         # set once an assignment is in place, cleared when a rebalance revokes: a prompt is
         # never let go (acknowledged) in between, when it cannot be known whose it will be
         self.assignment_settled = asyncio.Event()
+        self.consumer_watch = ConsumerWatch(
+            cfg, self.topics.prompts, lambda: set(self.partitions), self._consumer_stalled
+        )
 
     async def start(self) -> None:
         self.dlq = DeadLetterWriter(self.cfg.kafka, stage="sessions")
@@ -115,11 +119,16 @@ class SessionWorker:
         if self.cfg.sessions.metrics_port is not None:
             start_metrics_server(self.cfg.sessions.metrics_port, self.cfg.sessions.metrics_host)
         self._background.add(asyncio.ensure_future(self.stalls.run()))
+        self._background.add(asyncio.ensure_future(self.consumer_watch.run()))
         self.ready.set()
+
+    def _consumer_stalled(self, reason: str) -> None:
+        exit_stalled(reason, self.producer.flush)
 
     # -- assignment --------------------------------------------------------------------
     def on_assigned(self, assigned: set[Any]) -> None:
         """Nothing slow here (a rebalance callback): recovery runs as a task."""
+        self.consumer_watch.progressed()
         mine = {tp.partition for tp in assigned if tp.topic == self.topics.prompts}
         for partition in sorted(mine - set(self.partitions)):
             state = self.partitions[partition] = PartitionState()
@@ -134,6 +143,7 @@ class SessionWorker:
         their last turns would land after the scan and be sampled a second time.
         """
         self.assignment_settled.clear()  # first: take() must not let a prompt go from here
+        self.consumer_watch.progressed()
         stopped: list[asyncio.Task[Any]] = []
         for tp in revoked:
             state = (
@@ -182,6 +192,10 @@ class SessionWorker:
         is revoked, and if the partition comes back to this worker it commits it, past a
         prompt whose group never started; a later crash then lost that group for good.
         """
+        with self.consumer_watch.taking():  # a prompt in hand: the consumer delivers
+            await self._take(event)
+
+    async def _take(self, event: Any) -> None:
         partition = event.message.partition
         group: PromptGroup | None = None
         while (state := await self._owned_state(partition)) is not None:

@@ -27,6 +27,9 @@ SESSION_TIMEOUT_S = 10.0
 # sessions.stall_warn_s: a run's sessions take seconds, so a minute without progress is a
 # stall worth a line in the worker's log (what it waits on) when a run hangs
 STALL_WARN_S = 60.0
+# sessions.consumer_stall_s: a worker whose consumer delivers nothing while prompts wait
+# exits after this for the supervisor to restart it (streams/sessions/consumer_watch.py)
+CONSUMER_STALL_S = 60.0
 WORKER_ENV: dict[str, str] = {}
 POLL_S = 0.5  # seconds between progress checks
 
@@ -203,6 +206,7 @@ def _raw_config(
             "concurrency": concurrency,
             "broker_session_timeout_s": SESSION_TIMEOUT_S,
             "stall_warn_s": STALL_WARN_S,
+            "consumer_stall_s": CONSUMER_STALL_S,
         },
         "replay_buffer": {"group_id": unique_name("rb")},
     }
