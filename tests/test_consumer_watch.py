@@ -87,3 +87,10 @@ async def test_run_does_not_report_a_worker_that_is_taking_a_prompt():
     with watch.taking(), pytest.raises(asyncio.TimeoutError):
         await asyncio.wait_for(watch.run(), timeout=1.0)
     assert stalled == []
+
+
+async def test_a_broker_that_does_not_answer_starts_the_window_again():
+    watch, _ = _watch(60, {0}, None)
+    watch._last_progress = time.monotonic() - 1000
+    assert await watch.check() is None
+    assert watch.idle_s() < 1.0  # judged over a whole window once the broker is back

@@ -104,16 +104,23 @@ class ConsumerWatch:
         check_every_s = min(15.0, self.stall_s / 4)
         while True:
             await asyncio.sleep(check_every_s)
-            if self.idle_s() < self.stall_s:
-                continue
-            lag = await asyncio.to_thread(self._read_lag)
-            idle = self.idle_s()  # again: a prompt may have come while the broker answered
-            if lag is None or idle < self.stall_s:
-                continue
-            reason = consumer_stalled(lag, self.owned(), idle)
+            reason = await self.check()
             if reason is not None:
                 self.on_stalled(reason)
                 return
+
+    async def check(self) -> str | None:
+        """Why the consumer is stalled now, or None."""
+        if self.idle_s() < self.stall_s:
+            return None
+        lag = await asyncio.to_thread(self._read_lag)
+        if lag is None:
+            # the broker did not answer: the consumer cannot fetch either, so it is judged
+            # over a whole window after the broker is back, not on the first answer
+            self.progressed()
+            return None
+        idle = self.idle_s()  # again: a prompt may have come while the broker answered
+        return consumer_stalled(lag, self.owned(), idle) if idle >= self.stall_s else None
 
     def _read_lag(self) -> GroupLag | None:
         """The group's lag on the prompts topic; None when the broker does not answer (a
