@@ -3,6 +3,7 @@ partition-end handling, and the dead-letter record every stage writes."""
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -227,9 +228,11 @@ class _SettlingLeader:
 
     def __init__(self, failures: int, code: int = KafkaError.NOT_LEADER_FOR_PARTITION):
         self.failures, self.code, self.calls = failures, code, 0
+        self.timeouts: list[float] = []
 
     def get_watermark_offsets(self, tp, timeout, cached):
         self.calls += 1
+        self.timeouts.append(timeout)
         if self.calls <= self.failures:
             raise KafkaException(KafkaError(self.code, "Broker: Not leader for partition"))
         return 5, 9
@@ -251,3 +254,13 @@ def test_a_watermark_query_gives_up_at_its_timeout_and_on_other_errors_at_once()
     with pytest.raises(BrokerError, match="TOPIC_AUTHORIZATION_FAILED"):
         watermark_offsets(denied, TopicPartition("t", 1), timeout_s=5.0)
     assert denied.calls == 1
+
+
+def test_each_watermark_attempt_gets_only_the_time_left():
+    """The timeout bounds the whole query: a retry waits at most what is left of it (a
+    broker that hangs each attempt would otherwise make it last about twice as long)."""
+    consumer = _SettlingLeader(failures=3)
+    watermark_offsets(consumer, TopicPartition("t", 0), timeout_s=5.0)
+    assert consumer.timeouts[0] <= 5.0
+    assert all(later < first for first, later in itertools.pairwise(consumer.timeouts))
+    assert consumer.timeouts[-1] <= 5.0 - 3 * 0.2 + 0.05

@@ -286,13 +286,15 @@ SETTLING_BACKOFF_S = 0.2  # seconds between those retries
 
 def watermark_offsets(consumer: Consumer, tp: TopicPartition, timeout_s: float) -> tuple[int, int]:
     """``(low, high)`` of ``tp`` from its leader (a read_committed consumer's high is the
-    last stable offset). An error of leadership still settling is retried for ``timeout_s``;
-    any other, or one that outlasts it, is a :class:`BrokerError` naming the partition."""
+    last stable offset). An error of leadership still settling is retried within
+    ``timeout_s`` in all; any other, or one that outlasts it, is a :class:`BrokerError`
+    naming the partition."""
     deadline = time.monotonic() + timeout_s
     with translate_kafka_errors("reading watermarks", topic=tp.topic, partition=tp.partition):
         while True:
             try:
-                low, high = consumer.get_watermark_offsets(tp, timeout=timeout_s, cached=False)
+                left = max(SETTLING_BACKOFF_S, deadline - time.monotonic())
+                low, high = consumer.get_watermark_offsets(tp, timeout=left, cached=False)
                 return int(low), int(high)
             except KafkaException as exc:
                 if kafka_error_code(exc) not in LEADERSHIP_SETTLING or (

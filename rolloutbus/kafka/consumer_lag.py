@@ -34,6 +34,7 @@ from rolloutbus.kafka.clients import (
     read_committed_consumer,
     record_position,
     translate_kafka_errors,
+    watermark_offsets,
 )
 
 K = TypeVar("K")
@@ -159,10 +160,8 @@ class LagReader:
         return PartitionLag(group, topic, partition, committed, end, max(0, end - start), None)
 
     def _low(self, topic: str, partition: int) -> int:
-        tp = TopicPartition(topic, partition)
-        with translate_kafka_errors("reading the low watermark", topic=topic, partition=partition):
-            low, _ = self._consumer.get_watermark_offsets(tp, timeout=self.timeout_s, cached=False)
-        return int(low)
+        low, _ = watermark_offsets(self._consumer, TopicPartition(topic, partition), self.timeout_s)
+        return low
 
     def _dated(self, rows: list[GroupLag]) -> list[GroupLag]:
         """Each lagging partition with the timestamp of its first unconsumed record (0 lag

@@ -55,6 +55,7 @@ from rolloutbus.kafka.clients import (
     read_committed_consumer,
     record_position,
     translate_kafka_errors,
+    watermark_offsets,
 )
 from rolloutbus.kafka.partition_reader import PARTITION_READER_GROUP, read_partition
 from rolloutbus.schemas.turns import decode_turn_event
@@ -261,12 +262,15 @@ class TurnLogProbe:
         consumer = self._open()
         tp = TopicPartition(self.topic, self.partition)
         where = f"{self.topic}[{self.partition}]@{offset}"
+        try:
+            low, high = watermark_offsets(consumer, tp, READ_TIMEOUT_S)
+        except BrokerError as exc:
+            raise BrokerError(f"checking a released record against {where}: {exc}") from exc
+        if offset < low:
+            return BELOW_LOG_START
+        if offset >= high:
+            return None
         with translate_kafka_errors("checking a released record against", topic=where):
-            low, high = consumer.get_watermark_offsets(tp, timeout=READ_TIMEOUT_S, cached=False)
-            if offset < low:
-                return BELOW_LOG_START
-            if offset >= high:
-                return None
             consumer.assign([TopicPartition(self.topic, self.partition, offset)])
             msg = _first_record(consumer, where)
         if msg is None or record_position(msg)[1] != offset:

@@ -60,7 +60,12 @@ from pydantic import ValidationError
 from rolloutbus.config import Config
 from rolloutbus.errors import BrokerError, RolloutBusError, SchemaError
 from rolloutbus.kafka.admin import check_partition_counts
-from rolloutbus.kafka.clients import broker_error, record_position, translate_kafka_errors
+from rolloutbus.kafka.clients import (
+    broker_error,
+    record_position,
+    translate_kafka_errors,
+    watermark_offsets,
+)
 from rolloutbus.kafka.group_member import GroupMember
 from rolloutbus.kafka.transactions import OutgoingRecord as Outgoing
 from rolloutbus.kafka.transactions import (
@@ -443,7 +448,7 @@ def recover_partition(
     tp = TopicPartition(topics.turns, part)
     with translate_kafka_errors("reading the committed offset", topic=tp.topic, partition=part):
         [committed] = consumer.committed([tp], timeout=OFFSET_QUERY_TIMEOUT_S)
-        low, _ = consumer.get_watermark_offsets(tp, timeout=OFFSET_QUERY_TIMEOUT_S, cached=False)
+    low, _ = watermark_offsets(consumer, tp, OFFSET_QUERY_TIMEOUT_S)
     if committed.error is not None:
         raise broker_error(
             committed.error, "reading the committed offset", topic=tp.topic, partition=part
