@@ -25,6 +25,7 @@ not read. What that means for records written by other versions is
 
 from __future__ import annotations
 
+import array
 import itertools
 import json
 import types
@@ -105,6 +106,18 @@ class ArrowLayout(Generic[M]):
         self.names = frozenset(c.name for c in self.columns)
         self.required = tuple(c.name for c in self.columns if c.required)
         self._codecs = {c.name: c for c in self.columns if c.kind == "codec"}
+        # decided once, not per column of every batch (a batch is built per released group)
+        self._numeric = frozenset(
+            c.name
+            for c in self.columns
+            if c.kind in ("value", "derived") and _is_numeric_list(c.type)
+        )
+        # every other column is converted in one call, as the fields of one struct column
+        # (pyarrow's fixed cost per conversion was most of a small batch's build)
+        self._scalars = [
+            c for c in self.columns if c.kind != "codec" and c.name not in self._numeric
+        ]
+        self._scalar_struct = pa.struct([pa.field(c.name, c.type) for c in self._scalars])
         self._codec_fields = {c.field for c in self._codecs.values()}
         # fields read by attribute when a batch is built: only the others are dumped
         self._not_dumped = self._codec_fields | {c.field for c in self.columns if c.kind == "value"}
@@ -118,11 +131,29 @@ class ArrowLayout(Generic[M]):
         """The records as one batch, built column by column: a numeric list column (the
         token columns) is flattened into one numpy array (a row-wise ``from_pylist``
         converted every token through a Python dict and was most of the replay buffer's
-        time); a column derived as the same lists as another is that column's array again."""
+        time); a column derived as the same lists as another is that column's array again;
+        the other columns are converted together (``_scalar_columns``)."""
         dumped = [r.model_dump(by_alias=True, exclude=self._not_dumped) for r in records]
         built: dict[tuple[Any, ...], tuple[list[Any], pa.Array]] = {}
-        arrays = [self._column(c, records, dumped, built) for c in self.columns]
+        scalars = self._scalar_columns(records, dumped)
+        arrays = [
+            scalars[c.name] if c.name in scalars else self._column(c, records, dumped, built)
+            for c in self.columns
+        ]
         return pa.RecordBatch.from_arrays(arrays, schema=self.schema)
+
+    def _scalar_columns(
+        self, records: Sequence[M], dumped: list[dict[str, Any]]
+    ) -> dict[str, pa.Array]:
+        """The columns that are neither numeric lists nor codecs, by name: one struct array
+        converted from a tuple per record, then split into its fields (the same builders
+        as a ``pa.array`` per column, so the same buffers, in one call instead of ~30)."""
+        rows = [
+            tuple(_plain_cell(c, d, r) for c in self._scalars)
+            for d, r in zip(dumped, records, strict=True)
+        ]
+        fields = pa.array(rows, self._scalar_struct).flatten()
+        return {c.name: array for c, array in zip(self._scalars, fields, strict=True)}
 
     def _column(
         self,
@@ -133,7 +164,7 @@ class ArrowLayout(Generic[M]):
     ) -> pa.Array:
         if column.kind == "codec":
             return _codec(column).build([getattr(r, column.field) for r in records])
-        if column.kind in ("value", "derived") and _is_numeric_list(column.type):
+        if column.name in self._numeric:
             values = [_attribute(column, r) for r in records]
             # the same list objects, the same array (loss_mask is response_mask); the entry
             # keeps the lists alive, so no other list can take their ids meanwhile
@@ -203,15 +234,34 @@ def numeric_list_column(values: list[Any], arrow_type: pa.LargeListType) -> pa.A
     lengths = np.fromiter((0 if v is None else len(v) for v in values), np.int64, len(values))
     offsets = np.zeros(len(values) + 1, np.int64)
     np.cumsum(lengths, out=offsets[1:])
-    items = itertools.chain.from_iterable(v for v in values if v is not None)
     try:
         with np.errstate(over="ignore"):
-            flat = np.fromiter(items, dtype, int(offsets[-1]))
+            flat = _flat_items(values, dtype, int(offsets[-1]))
     except OverflowError as exc:
         raise pa.ArrowInvalid(f"a value does not fit {arrow_type.value_type}: {exc}") from exc
     return pa.LargeListArray.from_arrays(
         pa.array(offsets), pa.array(flat), mask=pa.array(nulls) if any(nulls) else None
     )
+
+
+# numpy item types that ``array.array`` holds with the same bytes (native order, and this
+# package runs on little-endian machines only: the wire format is little-endian too)
+_ARRAY_CODES = {np.dtype(np.int8): "b", np.dtype(np.int32): "i", np.dtype(np.float32): "f"}
+
+
+def _flat_items(values: list[Any], dtype: np.dtype[Any], total: int) -> np.ndarray:
+    """Every item of the lists (None: none) as one numpy array. ``array.fromlist`` takes a
+    list in one C call, ~40% faster per item than ``np.fromiter`` over a chain; both raise
+    OverflowError for an int out of range and make a float beyond float32 inf."""
+    code = _ARRAY_CODES.get(np.dtype(dtype))
+    if code is None or array.array(code).itemsize != np.dtype(dtype).itemsize:
+        items = itertools.chain.from_iterable(v for v in values if v is not None)
+        return np.fromiter(items, dtype, total)
+    flat = array.array(code)
+    for v in values:
+        if v is not None:
+            flat.fromlist(v if isinstance(v, list) else list(v))
+    return np.frombuffer(flat, dtype)
 
 
 def _field_values(columns: list[Column], row: dict[str, Any]) -> dict[str, Any]:
