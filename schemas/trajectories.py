@@ -236,7 +236,9 @@ def _as_written(data: bytes | bytearray | memoryview) -> pa.RecordBatch | None:
     else (another version or layout, or junk), which takes the general path."""
     buffer = pa.py_buffer(data)
     head, end = len(_SCHEMA_MESSAGE), len(buffer) - len(_END_OF_STREAM)
-    if end <= head or buffer[:head] != _SCHEMA_MESSAGE or buffer[end:] != _END_OF_STREAM:
+    # compared as bytes: a sliced pa.Buffer compared with bytes cost ~1 us per record
+    raw = data if isinstance(data, bytes) else bytes(data)
+    if end <= head or not raw.startswith(_SCHEMA_MESSAGE) or not raw.endswith(_END_OF_STREAM):
         return None
     stream = pa.BufferReader(buffer)
     stream.seek(head)
