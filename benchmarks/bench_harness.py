@@ -4,7 +4,7 @@ quantiles.
 Every benchmark takes ``--bootstrap HOST:PORT`` (a running broker) or starts the embedded
 broker on free ports in a temporary folder, and stops it only after every client it made
 was closed: a librdkafka client that outlives its broker fills stderr with connection
-errors. ``--quick`` is each benchmark's smallest size (``tests/test_benchmarks.py`` runs
+errors. ``--quick`` is each benchmark's smallest size (``tests/cli/test_benchmarks.py`` runs
 every benchmark at it, so none rots).
 
 CPU is counted as user + system seconds: of this process (``resource``: every thread,

@@ -2,7 +2,7 @@
 
     python benchmarks/fault_row_loop.py [--row rebalance] [--times 20] [--no-load]
 
-One pytest session runs ``tests/test_faults.py -k ROW`` TIMES times (the
+One pytest session runs ``tests/faults/test_faults.py -k ROW`` TIMES times (the
 ``repeat_items`` plugin in this folder: one broker and one fault-free reference run for all
 of them), while, unless ``--no-load``, the fast suite (``-m "not kafka and not slow and not
 contract"``) runs over and over in a process of its own, as CI's other jobs and a busy
@@ -51,7 +51,7 @@ def run_rows(row: str, times: int, log_dir: Path) -> tuple[int, str]:
         "PYTHONPATH": os.pathsep.join([str(ROOT / "benchmarks"), os.environ.get("PYTHONPATH", "")]),
     }
     argv = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "repeat_items"]
-    argv += ["-rA", "-v", "tests/test_faults.py", "-k", row]
+    argv += ["-rA", "-v", "tests/faults/test_faults.py", "-k", row]
     with (log_dir / "rows.log").open("wb") as log:
         code = subprocess.call(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     return code, (log_dir / "rows.log").read_text(errors="replace")

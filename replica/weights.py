@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 # The old path of load_causal_lm (now rolloutbus.models.causal_lm), re-exported for callers
-# outside this branch's reach (tests/test_faults_weight_sync.py, in the fault-harness split
+# outside this branch's reach (tests/faults/test_faults_weight_sync.py, in the fault-harness split
 # under way); remove once they import it from rolloutbus.models.
 from rolloutbus.models.causal_lm import load_causal_lm
 from rolloutbus.replica.generation import WeightsRejectedError

@@ -2,12 +2,18 @@
 shared helpers by their package path (``tests.helpers``, ``tests.pipeline``,
 ``tests.builders``, ``tests.faults``, ...), never by a bare name that only resolves while
 something has put this folder on ``sys.path`` (and would load a second copy of the module,
-its state held twice). ``tests/test_layout.py`` checks it.
+its state held twice). ``tests/house/test_layout.py`` checks it.
 
-Folders: ``faults/`` (the fault-injection harness, one module per job), ``plugins/`` (agent
+Test files live in one folder per area of the package, named after its rooms (``kafka/``,
+``schemas/``, ``agent_loop/``, ``inference/``, ``replica/``, ``sessions/``, ``assembly/``,
+``gateway/``, ``producers/``, ``consumers/``, ``training/``, ``monitoring/``,
+``verl_compat/``), plus
+``cli/`` (the command line and the end-to-end job), ``house/`` (layout, code size, public
+API, markers), ``contract/`` (vLLM's own protocol) and ``faults/`` (the fault rows, beside
+the fault-injection harness they use, one module per job). Other folders: ``plugins/`` (agent
 loops, tools, reward functions and a vLLM logits processor that the processes under test
 load by module name, as a user's own code: that folder, not this one, goes on their
 ``PYTHONPATH``), ``programs/`` (scripts the tests run in a subprocess, some in a side
-environment), ``data/`` (frozen records and verl's config files); pytest fixtures live in
-``conftest.py``.
+environment), ``data/`` (frozen records and verl's config files). Fixtures used by several
+areas are in ``conftest.py`` here, those of one area in that area's ``conftest.py``.
 """

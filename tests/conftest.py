@@ -8,6 +8,12 @@
 - ``kafka_config``: a KafkaConfig with a unique topic prefix, partitions=2, and the five
   rollout topics created (deleted again after the test).
 - ``tok`` (session): the real Qwen3 tokenizer, for tests that render prompts or count tokens.
+- ``seed0`` / ``seed1`` (session): tiny-qwen3's weights at seeds 0 (what an embedded
+  tiny-qwen3 replica starts with) and 1 (other weights of the same architecture);
+  ``seed0_folder`` / ``seed1_folder``: the same saved as a trainer saves them, for reloads.
+
+A fixture that only one area's tests use lives in that area's ``conftest.py`` (``verl_compat/``:
+the verl side environment).
 - ``make_producer`` / ``make_consumer``: confluent-kafka client factories, cleaned up at
   teardown; each consumer gets a unique group.id and reads from the earliest offset.
 """
@@ -119,6 +125,41 @@ def tok() -> Any:
     from tests.scripted_server import qwen3_tokenizer
 
     return qwen3_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def seed0() -> Any:
+    """tiny-qwen3 at seed 0: the weights an embedded tiny-qwen3 replica starts with."""
+    return _tiny_qwen3(seed=0)
+
+
+@pytest.fixture(scope="session")
+def seed1() -> Any:
+    """tiny-qwen3 at seed 1: other weights for the same architecture, as after a train step."""
+    return _tiny_qwen3(seed=1)
+
+
+@pytest.fixture(scope="session")
+def seed0_folder(seed0: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Seed 0's weights saved as the trainer saves them: puts a replica's first weights back."""
+    folder = tmp_path_factory.mktemp("seed0")
+    seed0.save_pretrained(str(folder))
+    return folder
+
+
+@pytest.fixture(scope="session")
+def seed1_folder(seed1: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Seed 1's weights saved as the trainer saves them: what a weight sync loads."""
+    folder = tmp_path_factory.mktemp("seed1")
+    seed1.save_pretrained(str(folder))
+    return folder
+
+
+def _tiny_qwen3(seed: int) -> Any:
+    from rolloutbus.config import ModelConfig
+    from rolloutbus.models.causal_lm import load_causal_lm
+
+    return load_causal_lm(ModelConfig(name="tiny-qwen3", seed=seed))[0]
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""Hypothesis strategies for bad records on every topic (``tests/test_fuzz_bad_records.py``).
+"""Hypothesis strategies for bad records on every topic (``tests/faults/test_fuzz_bad_records.py``).
 
 Each ``bad_*_record`` strategy yields record values (bytes) that a worker may find on its
 input topic: random bytes, bytes that are not UTF-8, JSON of the wrong shape, a valid record

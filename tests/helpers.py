@@ -29,7 +29,7 @@ def unique_name(prefix: str, hex_chars: int = 8) -> str:
 def verl_side_env() -> Path | str:
     """The folder of the verl 0.9.1 side environment (``$ROLLOUTBUS_VERL_SITE``, else what
     ops/contract/setup_verl_env.sh builds or finds), or why there is none: tests marked
-    ``verl`` skip with that reason, as tests/test_verl_parity.py does."""
+    ``verl`` skip with that reason, as tests/verl_compat/test_verl_parity.py does."""
     site = os.environ.get("ROLLOUTBUS_VERL_SITE")
     if site:
         return Path(site)

@@ -11,6 +11,10 @@ from functools import cache
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+TESTS = ROOT / "tests"
+PLUGINS = TESTS / "plugins"  # what the tested processes load by module name
+PROGRAMS = TESTS / "programs"  # scripts the tests run in a subprocess
+TEST_DATA = TESTS / "data"  # frozen samples and verl's own files
 
 
 @cache

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build the verl parity environment: the real verl==0.9.1 package, importable on CPU for
-# the parity tests (tests/test_verl_parity.py, marker `verl`), without verl's GPU stack
+# the parity tests (tests/verl_compat/test_verl_parity.py, marker `verl`), without verl's GPU stack
 # and without touching the project's own venv.
 #
 # How: `pip install --no-deps --target` puts verl==0.9.1 and the small packages that the

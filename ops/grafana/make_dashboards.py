@@ -1,6 +1,6 @@
 """Write the Grafana dashboards, one per question an operator asks of an RL run:
-``python ops/grafana/make_dashboards.py`` (tests/test_monitoring.py checks the JSON files
-are what this writes, and tests/test_monitoring_prometheus.py runs every query against a
+``python ops/grafana/make_dashboards.py`` (tests/monitoring/test_monitoring.py checks the JSON files
+are what this writes, and tests/monitoring/test_monitoring_prometheus.py runs every query against a
 real Prometheus scraping a real run).
 
 Each panel is (title, unit, [(PromQL, legend)]); queries use fixed 1m/5m windows (the

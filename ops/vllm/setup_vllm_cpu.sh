@@ -16,7 +16,7 @@
 #   5. an add-on, checked on every run (so an env built before it gets it in seconds instead
 #      of a rebuild): torchvision==0.28.0 (the release built for torch 2.13), --no-deps.
 #      vLLM's Qwen2-VL module imports transformers' torchvision image processor, so the
-#      tiny-qwen2-vl server (tests/test_vllm_real.py) needs it; an unpinned torchvision
+#      tiny-qwen2-vl server (tests/replica/test_vllm_real.py) needs it; an unpinned torchvision
 #      pulls a release built for another torch ("operator torchvision::nms does not exist").
 # The other workaround (VLLM_TARGET_DEVICE=cpu, since vLLM's platform check looks for
 # "cpu" in the version string) is a run-time variable: replica/vllm_launcher.py

@@ -25,8 +25,8 @@ from rolloutbus.monitoring.scrape import Scrape, metrics_targets, scrape_all
 
 __all__ = ["METRICS_ON_PORTS", "demo_monitoring", "draw_demo_picture"]
 
-# ops/metrics-on.yaml's ports for the two workers the demo starts (tests/test_monitoring.py
-# keeps them equal)
+# ops/metrics-on.yaml's ports for the two workers the demo starts
+# (tests/monitoring/test_monitoring.py keeps them equal)
 METRICS_ON_PORTS = {"sessions.metrics_port": 9101, "replay_buffer.metrics_port": 9102}
 SAMPLE_EVERY_S = 1.0  # seconds between two scrapes of the demo's /metrics
 

@@ -15,7 +15,7 @@ observation is rendered without touching the history:
    (verl #6501 / PR #6921). Boundary tokens are not actions: mask 0, logprob 0.0.
 
 Where Qwen3's template itself is not append-only (so no incremental stream can equal a
-full re-render), see ``tests/test_continuous_token.py``:
+full re-render), see ``tests/agent_loop/test_continuous_token.py``:
 
 - an assistant turn *before the last real user query* loses its ``<think>…</think>``
   block in a full render;

@@ -1,7 +1,7 @@
 """Run verl's own agent-loop classes, unchanged, as Rollout Bus sessions.
 
 verl's loops (``verl.experimental.agent_loop.*``) import on CPU when verl 0.9.1 and its
-small imports are on the path (see ``tests/test_verl_loops.py`` for the list); then
+small imports are on the path (see ``tests/verl_compat/test_verl_loops.py`` for the list); then
 ``VerlAgentLoop`` builds the verl loop with what verl's ``AgentLoopWorker`` hands it — a
 verl-shaped trainer config (``actor_rollout_ref.rollout`` and ``data`` as OmegaConf), the
 server manager, tokenizer, processor, ``hf_model_type`` and the worker's tools — and runs
@@ -136,7 +136,7 @@ class VerlAgentLoop(AgentLoopBase):
         except ImportError as exc:
             raise AgentLoopError(
                 f"verl's agent-loop modules do not import here ({exc}); install verl==0.9.1 "
-                "and its imports (see tests/test_verl_loops.py) to run verl's own loops"
+                "and its imports (see tests/verl_compat/test_verl_loops.py) to run verl's own loops"
             ) from exc
         cls = import_object(verl_class, what="verl agent loop (verl_class)", kind="class")
         tool_list = tools.tools if isinstance(tools, ToolListWrap) else list(tools or [])

@@ -13,7 +13,7 @@ the trajectory keeps, as verl's) grew by that count minus one per image on a rea
 0.32 Qwen2-VL server (28 prompt tokens became 31, with 3 pads that were no image). The
 backend therefore sends ``vllm_token_prompt``: each Qwen-VL image run collapsed to one pad.
 The trajectory keeps the expanded ids, which are the positions vLLM computed after its own
-expansion (tests/test_vllm_real.py).
+expansion (tests/replica/test_vllm_real.py).
 
 The LLM client resolves a turn's images to URLs once (``image_urls``), carries them on its
 ``EngineCall`` and sends them again with every resumed piece of an aborted turn. The

@@ -2,8 +2,8 @@
 
 Ported from verl 0.9.1, ``verl/utils/reward_score/gsm8k.py`` (Apache-2.0, Copyright 2024
 Bytedance Ltd. and/or its affiliates): the scoring logic is verl's line for line, so a row
-scores here what it scores in verl (tests/test_verl_parity.py compares them on a fixed table
-of answers). Unchanged.
+scores here what it scores in verl (tests/verl_compat/test_verl_parity.py
+compares them on a fixed table of answers). Unchanged.
 """
 
 import re

@@ -3,9 +3,10 @@
 
 Ported from verl 0.9.1, ``verl/utils/reward_score/math_dapo.py`` (Apache-2.0, Copyright 2024
 Bytedance Ltd. and/or its affiliates): the scoring logic is verl's line for line, so a row
-scores here what it scores in verl (tests/test_verl_parity.py compares them on a fixed table
-of answers). Changed: three type annotations that did not match what the functions return
-(``verify``, ``compute_score``) are corrected; no behaviour changed.
+scores here what it scores in verl (tests/verl_compat/test_verl_parity.py
+compares them on a fixed table of answers). Changed: three type annotations that did not
+match what the functions return (``verify``, ``compute_score``) are corrected; no behaviour
+changed.
 """
 
 # Adapted from

@@ -3,9 +3,9 @@
 
 Ported from verl 0.9.1, ``verl/utils/reward_score/search_r1_like_qa_em.py`` (Apache-2.0,
 Copyright 2024 Bytedance Ltd. and/or its affiliates): the scoring logic is verl's line for
-line, so a row scores here what it scores in verl (tests/test_verl_parity.py compares them
-on a fixed table of answers). Changed: verl prints one call in 64 at random (drawing from
-``random``); that print is left out.
+line, so a row scores here what it scores in verl (tests/verl_compat/test_verl_parity.py
+compares them on a fixed table of answers). Changed: verl prints one call in 64 at random
+(drawing from ``random``); that print is left out.
 """
 
 # Adapted from

@@ -5,7 +5,7 @@
     python tests/data/make_format_samples.py --release stop-12 --source /tmp/old-d8a869d
 
 The first form rewrites ``current`` (the formats of the release being built) after a schema
-change; ``tests/test_schema_evolution.py`` says when. The second checks the commit out once
+change; ``tests/schemas/test_schema_evolution.py`` says when. The second checks the commit out once
 into a temporary git worktree, writes its samples with its own code (a child process
 imports ``rolloutbus`` from that tree) and removes the worktree; ``--source`` uses a tree
 already checked out. Released samples are frozen: written once, never edited.
