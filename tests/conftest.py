@@ -11,11 +11,11 @@
 - ``seed0`` / ``seed1`` (session): tiny-qwen3's weights at seeds 0 (what an embedded
   tiny-qwen3 replica starts with) and 1 (other weights of the same architecture);
   ``seed0_folder`` / ``seed1_folder``: the same saved as a trainer saves them, for reloads.
-
-A fixture that only one area's tests use lives in that area's ``conftest.py`` (``verl_compat/``:
-the verl side environment).
 - ``make_producer`` / ``make_consumer``: confluent-kafka client factories, cleaned up at
   teardown; each consumer gets a unique group.id and reads from the earliest offset.
+
+A fixture that only one area's tests use lives in that area's ``conftest.py``
+(``verl_compat/``: the verl side environment; ``assembly/``: a replay buffer run in a thread).
 """
 
 from __future__ import annotations

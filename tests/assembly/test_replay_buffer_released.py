@@ -11,8 +11,6 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -110,28 +108,6 @@ def _expected_keys(uids) -> set[str]:
     return {f"{uid}_{s}_0" for uid in uids for s in range(N)}
 
 
-@contextmanager
-def _buffer(cfg: Config) -> Iterator[ReplayBuffer]:
-    """A replay buffer running in a thread of this process; an error in it fails the test."""
-    buffer = ReplayBuffer(cfg)
-    errors: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            buffer.run()
-        except BaseException as exc:  # reported on the test's thread below
-            errors.append(exc)
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    try:
-        yield buffer
-    finally:
-        buffer.stop()
-        thread.join(60)
-    assert not errors, errors
-
-
 def _dupes(keys: list[str]) -> dict[str, int]:
     return {k: c for k, c in Counter(keys).items() if c > 1}
 
@@ -140,19 +116,19 @@ def _dupes(keys: list[str]) -> dict[str, int]:
 
 
 @pytest.mark.slow
-def test_a_new_group_id_releases_nothing_twice(kafka_config: KafkaConfig):
+def test_a_new_group_id_releases_nothing_twice(kafka_config: KafkaConfig, replay_buffer_thread):
     """Lost offsets (a new consumer group) re-read the whole turn log: every group in it is
     known as released from the released topic, so no trajectory key appears twice."""
     first = _config(kafka_config)
     uids = [f"g{uuid.uuid4().hex[:10]}" for _ in range(12)]
     _produce(kafka_config, [e for uid in uids for e in group_events(uid)])
-    with _buffer(first):
+    with replay_buffer_thread(first):
         _wait_for_keys(first, _expected_keys(uids))
 
     second = _config(kafka_config)  # same topics, new group id: no committed offsets
     markers = _uids_on_every_partition(kafka_config)
     _produce(kafka_config, [e for uid in markers for e in group_events(uid)])
-    with _buffer(second):
+    with replay_buffer_thread(second):
         keys = _wait_for_keys(second, _expected_keys(uids + markers))
     assert not _dupes(keys), f"released twice: {sorted(_dupes(keys))[:5]}"
     assert set(keys) == _expected_keys(uids + markers)
@@ -277,7 +253,9 @@ def test_a_claim_check_that_meets_a_broker_error_retries_on_a_fresh_consumer(
 
 
 @pytest.mark.slow
-def test_forged_and_junk_released_records_are_dead_lettered_not_obeyed(kafka_config: KafkaConfig):
+def test_forged_and_junk_released_records_are_dead_lettered_not_obeyed(
+    kafka_config: KafkaConfig, replay_buffer_thread
+):
     """A forged released record for a group still running, one for a uid that never
     started, one without a turn-log range and one that is not JSON are read back when the
     buffer restarts: each becomes a dead letter, the running group is released once when
@@ -288,7 +266,7 @@ def test_forged_and_junk_released_records_are_dead_lettered_not_obeyed(kafka_con
     live_events = group_events(live)
     tail = N + 4  # the last session's events: the group stays open without them
     _produce(kafka, group_events(done) + live_events[:-tail] + group_events(after))
-    with _buffer(cfg):
+    with replay_buffer_thread(cfg):
         _wait_for_keys(cfg, _expected_keys([done, after]))
     first = _offsets_by_uid(kafka)
     forged = [
@@ -303,7 +281,7 @@ def test_forged_and_junk_released_records_are_dead_lettered_not_obeyed(kafka_con
     producer.produce(topics.released, key=b"junk", value=b"\x00not json", partition=0)
     assert producer.flush(30) == 0
 
-    with _buffer(cfg):  # reads the forged records back; the live group ends afterwards
+    with replay_buffer_thread(cfg):  # reads the forged records back; the live group ends afterwards
         _produce(kafka, live_events[-tail:] + group_events(done, attempt="rerun"))
         keys = _wait_for_keys(cfg, _expected_keys([done, live, after]))
         letters = _wait_for_letters(cfg, 4)
@@ -336,11 +314,13 @@ def _wait_for_letters(cfg: Config, count: int, timeout_s: float = WAIT_S) -> lis
 
 
 @pytest.mark.slow
-def test_uid_with_an_underscore_is_released_once_across_a_restart(kafka_config: KafkaConfig):
+def test_uid_with_an_underscore_is_released_once_across_a_restart(
+    kafka_config: KafkaConfig, replay_buffer_thread
+):
     cfg = _config(kafka_config)
     uid = f"with_under_{uuid.uuid4().hex[:6]}"  # keys {uid}_{s}_0 split wrongly at the first "_"
     _produce(kafka_config, group_events(uid))
-    with _buffer(cfg):
+    with replay_buffer_thread(cfg):
         _wait_for_keys(cfg, _expected_keys([uid]))
     # the session worker re-runs the released group (a redelivered prompt), then restart
     markers = _uids_on_every_partition(kafka_config)
@@ -348,7 +328,7 @@ def test_uid_with_an_underscore_is_released_once_across_a_restart(kafka_config: 
         kafka_config,
         group_events(uid, attempt="rerun") + [e for m in markers for e in group_events(m)],
     )
-    with _buffer(cfg):
+    with replay_buffer_thread(cfg):
         keys = _wait_for_keys(cfg, _expected_keys(markers))
     assert Counter(keys) == Counter(_expected_keys([uid] + markers))
     assert {t.attempt for k in _expected_keys([uid]) for t in _trajectories(cfg)[k]} == {"a"}
@@ -408,7 +388,9 @@ def _stamped(events, ts: float) -> list[tuple[str, str, bytes]]:
 
 
 @pytest.mark.slow
-def test_a_group_past_its_deadline_is_released_as_failed_records(kafka_config: KafkaConfig):
+def test_a_group_past_its_deadline_is_released_as_failed_records(
+    kafka_config: KafkaConfig, replay_buffer_thread
+):
     cfg = _config(kafka_config, **{"deadlines.group_s": 5.0})
     stuck = f"s{uuid.uuid4().hex[:10]}"
     later = next(
@@ -419,7 +401,7 @@ def test_a_group_past_its_deadline_is_released_as_failed_records(kafka_config: K
     now = time.time()
     _produce(kafka_config, _stamped(group_events(stuck)[:-1], now))  # the last session never ends
     _produce(kafka_config, _stamped(group_events(later), now + 10))  # 10 s of log time later
-    with _buffer(cfg):
+    with replay_buffer_thread(cfg):
         keys = _wait_for_keys(cfg, _expected_keys([stuck, later]))
     assert not _dupes(keys)
     records = _trajectories(cfg)

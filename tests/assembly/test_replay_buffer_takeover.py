@@ -13,11 +13,8 @@ Fatal errors are provoked as Kafka makes them: a producer with the same
 from __future__ import annotations
 
 import signal
-import threading
 import time
 import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -30,7 +27,6 @@ from rolloutbus.kafka.clients import (
 )
 from rolloutbus.metrics import ReplayBufferMetrics
 from rolloutbus.streams.assembly.replay_buffer import (
-    ReplayBuffer,
     consumer_overrides,
     transactional_id_of,
 )
@@ -100,36 +96,15 @@ def _wait_for_keys(cfg: Config, uids: list[str], alive=lambda: True) -> list[str
     raise AssertionError(f"not released within {WAIT_S} s: {sorted(wanted - set(_keys(cfg)))[:5]}")
 
 
-@contextmanager
-def _buffer_thread(cfg: Config, metrics: ReplayBufferMetrics) -> Iterator[threading.Thread]:
-    buffer = ReplayBuffer(cfg, metrics=metrics)
-    errors: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            buffer.run()
-        except BaseException as exc:  # reported on the test's thread below
-            errors.append(exc)
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    try:
-        yield thread
-    finally:
-        buffer.stop()
-        thread.join(60)
-    assert not errors, errors
-
-
 def test_the_replay_buffer_replaces_a_fenced_producer_and_releases_each_group_once(
-    kafka_config: KafkaConfig,
+    kafka_config: KafkaConfig, replay_buffer_thread
 ):
     """Before the seam, a fatal transaction error ended the replay buffer's process."""
     cfg = _config(kafka_config, **{"replay_buffer.transactional_id": unique_name("pinned")})
     metrics = ReplayBufferMetrics(CollectorRegistry())
     first = [f"g{uuid.uuid4().hex[:10]}" for _ in range(4)]
     later = [f"h{uuid.uuid4().hex[:10]}" for _ in range(4)]
-    with _buffer_thread(cfg, metrics) as thread:
+    with replay_buffer_thread(cfg, metrics) as thread:
         _produce(kafka_config, first)
         _wait_for_keys(cfg, first, thread.is_alive)
         _fence(kafka_config, cfg.replay_buffer.transactional_id)  # once, as a restart does
@@ -139,7 +114,9 @@ def test_the_replay_buffer_replaces_a_fenced_producer_and_releases_each_group_on
     assert metrics.producer_replacements.labels(cause="fatal")._value.get() == 1
 
 
-def test_the_replay_buffer_replaces_a_consumer_fenced_by_its_own_name(kafka_config: KafkaConfig):
+def test_the_replay_buffer_replaces_a_consumer_fenced_by_its_own_name(
+    kafka_config: KafkaConfig, replay_buffer_thread
+):
     """Before, the fatal FENCED_INSTANCE_ID was logged as a transient error and the dead
     consumer polled on: no group was ever released again, silently (seen after a broker
     restart, where a lone static member can fence itself)."""
@@ -147,7 +124,7 @@ def test_the_replay_buffer_replaces_a_consumer_fenced_by_its_own_name(kafka_conf
     metrics = ReplayBufferMetrics(CollectorRegistry())
     first = [f"g{uuid.uuid4().hex[:10]}" for _ in range(4)]
     later = [f"h{uuid.uuid4().hex[:10]}" for _ in range(4)]
-    with _buffer_thread(cfg, metrics) as thread:
+    with replay_buffer_thread(cfg, metrics) as thread:
         _produce(kafka_config, first)
         _wait_for_keys(cfg, first, thread.is_alive)
         topic = Topics.from_config(kafka_config).turns
