@@ -66,8 +66,15 @@ EXPECTED_EMPTY = {
         "Sessions resumed after a crash, and turns replayed from the log",
         "{{kind}}",
     ): "no crash, nothing resumed",
-    # fresh groups, staleness_threshold 1: no group beyond the bound
-    ("Stale groups dropped or down-weighted", "{{action}}"): "no stale group",
+}
+# queries whose data depends on the host's speed: each runs (a bad query fails the test),
+# with or without data. Stale groups: the dispatcher bounds how many groups start per
+# published version, not when each is trained; on a slow host a group that finishes late
+# (or whose first tokens came from a replica still on the previous weights) reaches the
+# trainer staler than the threshold, and is counted, as designed (seen in a fresh-clone
+# CI run with two test workers: 1.14 versions stale on average at training)
+EITHER = {
+    ("Stale groups dropped or down-weighted", "{{action}}"): "depends on the host's speed",
 }
 
 pytestmark = pytest.mark.skipif(PROMETHEUS is None or PROMTOOL is None, reason=NO_PROMETHEUS)
@@ -325,11 +332,13 @@ def _check_every_panel(prom: Prometheus, start: float, end: float) -> None:
         for panel in make.dashboard(stem)["panels"]
         for target in panel["targets"]
     }
-    unknown = set(EXPECTED_EMPTY) - set(queries)
-    assert not unknown, f"EXPECTED_EMPTY names queries no panel has: {unknown}"
+    unknown = (set(EXPECTED_EMPTY) | set(EITHER)) - set(queries)
+    assert not unknown, f"EXPECTED_EMPTY or EITHER names queries no panel has: {unknown}"
     empty, surprising = [], []
     for name, expr in queries.items():
         has_data = any(series["values"] for series in prom.query_range(expr, start, end))
+        if name in EITHER:
+            continue
         if name in EXPECTED_EMPTY and has_data:
             surprising.append(f"{name}: {expr}")
         elif name not in EXPECTED_EMPTY and not has_data:
