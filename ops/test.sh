@@ -28,7 +28,7 @@ bash ops/check.sh   # the quality gate: ruff format --check, ruff check, mypy
 # Two pytest-xdist workers by default (TEST_WORKERS=0: one process), each with its own
 # broker, taking whole files (module fixtures stay in one process), the longest first
 # (tests/conftest.py). Most of the suite waits on processes, restarts and timeouts, so two
-# files at a time fill both cores: 26 min of pytest against 34-40 in one process
+# files at a time fill both cores: 22-26 min of pytest against 34-40 in one process
 # (docs/testing.md).
 exec python -m pytest -p no:cacheprovider -ra --durations=40 \
   -n "${TEST_WORKERS:-2}" --dist loadfile "$@"
