@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -37,7 +36,6 @@ from rolloutbus.kafka.consumer_lag import GroupLag, LagReader
 log = logging.getLogger(__name__)
 
 EXIT_CONSUMER_STALLED = 75  # EX_TEMPFAIL: restart the worker; it resumes from the log
-FLUSH_BEFORE_EXIT_S = 10.0  # seconds for the turn producer's queue before the exit
 LAG_QUERY_TIMEOUT_S = 10.0
 
 
@@ -141,12 +139,4 @@ class ConsumerWatch:
             self._reader = None
 
 
-def exit_stalled(reason: str, flush: Callable[[float], object]) -> None:
-    """Flush what the sessions logged, then exit for the supervisor to restart the worker."""
-    log.critical("session worker consumer stalled: %s; exiting so a restart rejoins", reason)
-    flush(FLUSH_BEFORE_EXIT_S)
-    logging.shutdown()
-    os._exit(EXIT_CONSUMER_STALLED)
-
-
-__all__ = ["EXIT_CONSUMER_STALLED", "ConsumerWatch", "consumer_stalled", "exit_stalled"]
+__all__ = ["EXIT_CONSUMER_STALLED", "ConsumerWatch", "consumer_stalled"]

@@ -52,7 +52,7 @@ from rolloutbus.schemas.turns import SessionFailed, SessionFinished
 from rolloutbus.streams.agent_loop import registry
 from rolloutbus.streams.inference.admission import ControlVersionWatch
 from rolloutbus.streams.inference.llm_client import LLMClient
-from rolloutbus.streams.sessions.consumer_watch import ConsumerWatch, exit_stalled
+from rolloutbus.streams.sessions.consumer_watch import EXIT_CONSUMER_STALLED, ConsumerWatch
 from rolloutbus.streams.sessions.recovery import TurnLogScan, UnfinishedGroup
 from rolloutbus.streams.sessions.runner import (
     EmitError,
@@ -123,7 +123,10 @@ class SessionWorker:
         self.ready.set()
 
     def _consumer_stalled(self, reason: str) -> None:
-        exit_stalled(reason, self.producer.flush)
+        """Flush what the sessions logged, then leave for the supervisor to restart us."""
+        log.critical("session worker consumer stalled: %s; exiting so a restart rejoins", reason)
+        self.producer.flush(REVOKE_DRAIN_S)
+        _exit_for_restart(EXIT_CONSUMER_STALLED)
 
     # -- assignment --------------------------------------------------------------------
     def on_assigned(self, assigned: set[Any]) -> None:
@@ -357,8 +360,14 @@ def _exit_unwritable(exc: BaseException) -> None:
     log.critical(
         "cannot write the turn log (%s); exiting so a restarted worker resumes from the log", exc
     )
+    _exit_for_restart(EXIT_TURN_LOG_UNWRITABLE)
+
+
+def _exit_for_restart(code: int) -> None:
+    """End the process at once (no Faust shutdown, nothing more acknowledged); the
+    supervisor restarts it and the new worker resumes from the turn log."""
     logging.shutdown()
-    os._exit(EXIT_TURN_LOG_UNWRITABLE)
+    os._exit(code)
 
 
 def _build_context(cfg: Config, dlq: DeadLetterWriter) -> SessionContext:
