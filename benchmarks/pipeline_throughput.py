@@ -71,6 +71,7 @@ class Run:
     wall_s: float
     own_cpu_s: float
     broker_cpu_s: float
+    replay_buffer_cpu_s: float = float("nan")  # the replay-buffer processes' share of own_cpu_s
 
 
 def _producer_thread(kafka: KafkaConfig, topic: str, events: list[Event]) -> threading.Thread:
@@ -112,8 +113,8 @@ def run_pipeline(
     finally:
         for buffer in buffers:
             stop(buffer)
-    own = meter.own_s + sum(meter.others_s[name] for name in pids)
-    return Run(meter.wall_s, own, meter.others_s["broker"])
+    buffers_cpu = sum(meter.others_s[name] for name in pids)
+    return Run(meter.wall_s, meter.own_s + buffers_cpu, meter.others_s["broker"], buffers_cpu)
 
 
 def _take(received, count: int, what: str) -> None:
@@ -196,6 +197,11 @@ def print_table(args, events: list[Event], pipe: list[Run], base: list[Run], bus
             f"{label:<50} {n / wall:>9.0f} {total_bytes / 1e6 / wall:>6.1f} "
             f"{args.groups / wall:>9.1f} {own:>17.1f} {broker_cpu:>20.1f}"
         )
+    buffers = median([r.replay_buffer_cpu_s for r in pipe]) * 1e6 / n
+    print(
+        f"of the pipeline's bus CPU: replay buffer {buffers:.1f} us/event, "
+        "producer and trainer client (this process) the rest"
+    )
     ratio = median([r.wall_s for r in base]) / median([r.wall_s for r in pipe])
     print(f"ratio pipeline/baseline throughput: {ratio:.2f}")
 

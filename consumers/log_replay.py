@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+import pyarrow as pa
 from pydantic import ValidationError
 
 from rolloutbus.config import Config
@@ -38,6 +39,7 @@ from rolloutbus.topics import Topics, partition_for
 class ReplayResult:
     trajectories: list[Trajectory] = field(default_factory=list)
     records: dict[str, bytes] = field(default_factory=dict)  # key -> value, as the buffer writes it
+    batches: list[pa.RecordBatch] = field(default_factory=list)  # the records' rows, per group
     events: int = 0
     undecodable: int = 0  # events the live buffer dead-letters instead of folding
     open_groups: list[str] = field(default_factory=list)  # not settled within the range
@@ -169,3 +171,5 @@ def _finalize(cfg: Config, group: ReleasedGroup, result: ReplayResult) -> None:
     done = finalize_group(group, cfg.rollout, max_record_bytes=max_record_bytes(cfg.kafka))
     result.trajectories.extend(done.trajectories)
     result.records.update(zip((t.key for t in done.trajectories), done.records, strict=True))
+    if done.batch.num_rows:
+        result.batches.append(done.batch)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import sys
 import uuid
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,11 @@ from rolloutbus.consumers.client import TrainerClient
 from rolloutbus.consumers.groups import TrajectoryGroup
 from rolloutbus.consumers.position import ASSIGN_TIMEOUT_S, PartitionPosition, TrainerPosition
 from rolloutbus.kafka.clients import read_committed_consumer, translate_kafka_errors
-from rolloutbus.schemas.trajectories import TRAJECTORY_SCHEMA, Trajectory, trajectories_to_batch
+from rolloutbus.schemas.trajectories import (
+    TRAJECTORY_SCHEMA,
+    Trajectory,
+    trajectories_to_batch,
+)
 from rolloutbus.topics import Topics
 
 log = logging.getLogger(__name__)
@@ -132,6 +137,24 @@ def write_trajectories(trajectories: list[Trajectory], path: Path) -> None:
     with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, TRAJECTORY_SCHEMA) as writer:
         if trajectories:
             writer.write_batch(trajectories_to_batch(trajectories))
+
+
+def write_batches(batches: Iterable[pa.RecordBatch], path: Path, *, rows: int = 4096) -> int:
+    """Batches of trajectory rows into an Arrow file, joined into record batches of about
+    ``rows`` rows (a file of thousands of one-group batches reads slowly); the rows written."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pending: list[pa.RecordBatch] = []
+    held = written = 0  # rows in pending, rows in the file
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, TRAJECTORY_SCHEMA) as writer:
+        for batch in batches:
+            pending.append(batch)
+            held += batch.num_rows
+            if held >= rows:
+                writer.write_batch(pa.concat_batches(pending))
+                pending, held, written = [], 0, written + held
+        if pending:
+            writer.write_batch(pa.concat_batches(pending))
+    return written + held
 
 
 def print_table(

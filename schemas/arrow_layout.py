@@ -28,6 +28,7 @@ from __future__ import annotations
 import array
 import itertools
 import json
+import operator
 import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -114,10 +115,13 @@ class ArrowLayout(Generic[M]):
         )
         # every other column is converted in one call, as the fields of one struct column
         # (pyarrow's fixed cost per conversion was most of a small batch's build)
-        self._scalars = [
-            c for c in self.columns if c.kind != "codec" and c.name not in self._numeric
-        ]
+        scalars = [c for c in self.columns if c.kind != "codec" and c.name not in self._numeric]
+        # a row of them is the value columns read in one C call, then the others' cells
+        valued = [c for c in scalars if c.kind == "value"]
+        self._scalars = valued + [c for c in scalars if c.kind != "value"]
         self._scalar_struct = pa.struct([pa.field(c.name, c.type) for c in self._scalars])
+        self._read_values = _tuple_getter([c.field for c in valued])
+        self._other_cells = [_cell_reader(c) for c in self._scalars[len(valued) :]]
         self._codec_fields = {c.field for c in self._codecs.values()}
         # fields read by attribute when a batch is built: only the others are dumped
         self._not_dumped = self._codec_fields | {c.field for c in self.columns if c.kind == "value"}
@@ -147,9 +151,11 @@ class ArrowLayout(Generic[M]):
     ) -> dict[str, pa.Array]:
         """The columns that are neither numeric lists nor codecs, by name: one struct array
         converted from a tuple per record, then split into its fields (the same builders
-        as a ``pa.array`` per column, so the same buffers, in one call instead of ~30)."""
+        as a ``pa.array`` per column, so the same buffers, in one call instead of ~30).
+        A string enum is converted as the string it is (its value)."""
+        read_values, others = self._read_values, self._other_cells
         rows = [
-            tuple(_plain_cell(c, d, r) for c in self._scalars)
+            read_values(r) + tuple(cell(d, r) for cell in others)
             for d, r in zip(dumped, records, strict=True)
         ]
         fields = pa.array(rows, self._scalar_struct).flatten()
@@ -206,6 +212,37 @@ def _attribute(column: Column, record: Any) -> Any:
     if column.kind == "derived":
         return column.derive(record)  # type: ignore[misc]
     return getattr(record, column.field)
+
+
+def _tuple_getter(fields: list[str]) -> Callable[[Any], tuple[Any, ...]]:
+    """Reads ``fields`` of a record as one tuple (``attrgetter`` of one name returns the
+    value itself)."""
+    if not fields:
+        return lambda record: ()
+    get = operator.attrgetter(*fields)
+    return get if len(fields) > 1 else (lambda record: (get(record),))
+
+
+def _cell_reader(column: Column) -> Callable[[dict[str, Any], Any], Any]:
+    """``_cell`` for one column, decided once: the reader of its cell from (dumped, record)."""
+    if column.kind == "derived":
+        derive = column.derive
+        assert derive is not None
+        return lambda dumped, record: derive(record)
+    name, parent = column.name, column.parent
+    if column.kind == "nested":
+        return lambda dumped, record: dumped[parent][name]
+    if column.kind == "json":
+        return lambda dumped, record: _json_cell(dumped[name])
+    return lambda dumped, record: _cell(column, dumped, record)
+
+
+def _json_cell(value: Any) -> str | None:
+    if value is None:
+        return None
+    if not value and type(value) in (dict, list):
+        return "{}" if type(value) is dict else "[]"  # most JSON cells: json.dumps costs ~2 us
+    return json.dumps(value, sort_keys=True)
 
 
 def _plain_cell(column: Column, dumped: dict[str, Any], record: Any) -> Any:

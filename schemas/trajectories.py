@@ -197,7 +197,11 @@ def encode_trajectories(trajectories: list[Trajectory]) -> list[bytes]:
     serialized once), the row's record-batch message, the end-of-stream marker; byte for
     byte what ``pa.ipc.new_stream`` writes.
     """
-    batch = trajectories_to_batch(trajectories)
+    return encode_batch(trajectories_to_batch(trajectories))
+
+
+def encode_batch(batch: pa.RecordBatch) -> list[bytes]:
+    """One record value per row of a ``TRAJECTORY_SCHEMA`` batch (``encode_trajectories``)."""
     return [
         b"".join((_SCHEMA_MESSAGE, batch.slice(i, 1).serialize().to_pybytes(), _END_OF_STREAM))
         for i in range(batch.num_rows)

@@ -151,7 +151,7 @@ def cmd_consume(args: argparse.Namespace, cfg: Config) -> int:
 
 def cmd_replay(args: argparse.Namespace, cfg: Config) -> int:
     from rolloutbus.consumers.log_replay import replay_turns
-    from rolloutbus.consumers.report import print_table, write_trajectories
+    from rolloutbus.consumers.report import print_table, write_batches
     from rolloutbus.kafka.admin import check_reachable
     from rolloutbus.streams.assembly.replay_buffer import tune_gc_for_folding
 
@@ -167,7 +167,7 @@ def cmd_replay(args: argparse.Namespace, cfg: Config) -> int:
         until=args.until,
     )
     if args.out is not None:
-        write_trajectories(result.trajectories, args.out)
+        write_batches(result.batches, args.out)
     else:
         print_table([], None, sys.stdout, trajectories=result.trajectories)
     print(

@@ -35,7 +35,13 @@ import pyarrow as pa
 
 from rolloutbus.config import KafkaConfig, RolloutConfig
 from rolloutbus.errors import RolloutBusError, SchemaError
-from rolloutbus.schemas.trajectories import Trajectory, TrajectoryStatus, encode_trajectories
+from rolloutbus.schemas.trajectories import (
+    Trajectory,
+    TrajectoryStatus,
+    encode_batch,
+    encode_trajectories,
+    trajectories_to_batch,
+)
 from rolloutbus.schemas.turns import (
     FailureClass,
     GroupStarted,
@@ -114,6 +120,7 @@ class FinalizedGroup(NamedTuple):
     trajectories: list[Trajectory]  # ordered by session, then output index
     records: list[bytes]  # one Arrow record per trajectory, exactly as released
     letters: list[Letter]
+    batch: pa.RecordBatch  # the records' rows as one batch (what an offline replay writes)
 
 
 def finalize_group(
@@ -126,7 +133,10 @@ def finalize_group(
     group = released.group
     if released.rejected:
         return FinalizedGroup(
-            [], [], [Letter(group.uid, released.reason or "rejected", _original(released))]
+            [],
+            [],
+            [Letter(group.uid, released.reason or "rejected", _original(released))],
+            trajectories_to_batch([]),
         )
     letters = []
     if released.reason is not None:
@@ -140,13 +150,14 @@ def finalize_group(
     budgets = rollout if released.kind == "head_missing" else budgets_of(group, rollout)
     try:
         trajectories = _build(released, budgets, letters)
-        records = _encode(trajectories, max_record_bytes, letters)
+        records, batch = _encode(trajectories, max_record_bytes, letters)
     except DATA_ERRORS as exc:  # not expected: every step above contains its own failures
         reason = f"the group cannot be released as built: {short_error(exc)}"
         letters.append(Letter(group.uid, f"group {group.uid}: {reason}", _original(released)))
         trajectories = _all_failed(released, reason)
-        records = encode_trajectories(trajectories)
-    return FinalizedGroup(trajectories, records, letters)
+        batch = trajectories_to_batch(trajectories)
+        records = encode_batch(batch)
+    return FinalizedGroup(trajectories, records, letters, batch)
 
 
 def _build(released: ReleasedGroup, budgets: Budgets, letters: list[Letter]) -> list[Trajectory]:
@@ -257,11 +268,13 @@ def _failed_session(group: GroupStarted, fold: SessionFold, columns: dict[str, A
 
 def _encode(
     trajectories: list[Trajectory], max_record_bytes: int | None, letters: list[Letter]
-) -> list[bytes]:
-    """One record per trajectory; one that cannot be encoded or is too large for the topic
-    becomes a failed record without tokens."""
+) -> tuple[list[bytes], pa.RecordBatch]:
+    """One record per trajectory, and their rows as one batch; a trajectory that cannot be
+    encoded or is too large for the topic becomes a failed record without tokens."""
+    batch: pa.RecordBatch | None = None
     try:
-        records = encode_trajectories(trajectories)
+        batch = trajectories_to_batch(trajectories)
+        records = encode_batch(batch)
     except DATA_ERRORS:
         records = [_encoded_or_empty(t) for t in trajectories]  # find the one that fails
     for i, (t, record) in enumerate(zip(trajectories, records, strict=True)):
@@ -282,7 +295,8 @@ def _encode(
         letters.append(Letter(t.key, f"trajectory {t.key} released as failed: {reason}", b""))
         trajectories[i] = _stripped_failure(t, reason)
         records[i] = encode_trajectories([trajectories[i]])[0]
-    return records
+        batch = None  # a row was replaced
+    return records, batch if batch is not None else trajectories_to_batch(trajectories)
 
 
 def build_group_trajectories(
