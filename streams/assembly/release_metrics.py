@@ -54,6 +54,60 @@ class _Sample:
     clipped: bool
 
 
+class _SourceWindow:
+    """The last trajectories of one data source, and its window gauges, computed when they
+    are scraped (``set_function``): a release only appends a sample, where computing eight
+    figures over the window cost ~70 µs per released group (2 µs per turn event).
+
+    A scrape copies the deque first (one C call under the GIL), so the fold thread may go
+    on appending meanwhile. The reward gauges exist from the source's first reward on and
+    keep the figures of the last rewards seen while the window holds none (as a gauge set
+    on release did).
+    """
+
+    def __init__(self, metrics: RolloutMetrics, source: str, window: int):
+        self.samples: deque[_Sample] = deque(maxlen=window)
+        self._metrics, self._label = metrics, {"data_source": source}
+        self._rewards: list[float] = []  # the last rewards seen, for the reward gauges
+        self._reward_gauges = False
+        m, label = metrics, self._label
+        m.length_mean.labels(**label).set_function(lambda: fmean(self._lengths() or [0]))
+        m.length_max.labels(**label).set_function(lambda: max(self._lengths() or [0]))
+        m.clip_ratio.labels(**label).set_function(self._clip_ratio)
+
+    def append(self, sample: _Sample) -> None:
+        self.samples.append(sample)
+        if sample.reward is not None and not self._reward_gauges:
+            self._export_rewards()
+
+    def _lengths(self) -> list[int]:
+        return [s.response_len for s in list(self.samples)]
+
+    def _clip_ratio(self) -> float:
+        samples = list(self.samples)
+        return sum(s.clipped for s in samples) / len(samples) if samples else 0.0
+
+    def _current_rewards(self) -> list[float]:
+        rewards = [s.reward for s in list(self.samples) if s.reward is not None]
+        if rewards:
+            self._rewards = rewards
+        return self._rewards
+
+    def _export_rewards(self) -> None:
+        self._reward_gauges = True
+        m, label, rewards = self._metrics, self._label, self._current_rewards
+        m.reward_mean.labels(**label).set_function(lambda: fmean(rewards()))
+        m.reward_std.labels(**label).set_function(lambda: _pstdev(rewards()))
+        m.reward_min.labels(**label).set_function(lambda: min(rewards()))
+        m.reward_max.labels(**label).set_function(lambda: max(rewards()))
+        m.reward_zero_ratio.labels(**label).set_function(lambda: _share(rewards(), 0))
+        m.reward_one_ratio.labels(**label).set_function(lambda: _share(rewards(), 1))
+
+
+def _share(values: list[float], of: float) -> float:
+    return sum(v == of for v in values) / len(values)
+
+
 class ReleaseObserver:
     """The window state and the series of one registry; see the module docstring."""
 
@@ -66,7 +120,7 @@ class ReleaseObserver:
         self.metrics = metrics
         self.response_length = response_length
         self.window = window
-        self.windows: dict[str, deque[_Sample]] = {}
+        self.windows: dict[str, _SourceWindow] = {}
         self.newest_version: int | None = None  # the newest policy version released so far
         # labelled series looked up once: labels() costs microseconds per call, and the
         # replay buffer makes several per released trajectory
@@ -85,7 +139,6 @@ class ReleaseObserver:
         now = time.time() if now is None else now
         self._observe_group_latency(released, now)
         self._note_versions(trajectories)
-        touched = set()
         for t in trajectories:
             source = t.data_source or "unknown"
             self._labelled(self.metrics.trajectories, source, t.status.value).inc()
@@ -93,9 +146,6 @@ class ReleaseObserver:
                 self.metrics.failed.labels(failure_class=failure_class_of(t)).inc()
                 continue
             self._observe_trajectory(t, source)
-            touched.add(source)
-        for source in touched:
-            self._export_window(source)
 
     def _observe_group_latency(self, released: ReleasedGroup, now: float) -> None:
         first = released.group.ts
@@ -118,8 +168,10 @@ class ReleaseObserver:
         clipped = t.status == TrajectoryStatus.TRUNCATED or (
             self.response_length is not None and t.response_len >= self.response_length
         )
-        samples = self.windows.setdefault(source, deque(maxlen=self.window))
-        samples.append(_Sample(t.reward_score, t.response_len, clipped))
+        window = self.windows.get(source)
+        if window is None:
+            window = self.windows[source] = _SourceWindow(self.metrics, source, self.window)
+        window.append(_Sample(t.reward_score, t.response_len, clipped))
 
     def _observe_agent_loop(self, t: Trajectory) -> None:
         """verl's per-trajectory agent-loop metrics, and any other numeric one a loop
@@ -134,23 +186,6 @@ class ReleaseObserver:
                     self.metrics.num_preempted.observe(value)
             elif name.isidentifier() and name.isascii():
                 self.metrics.agent_loop_extra(name).observe(value)
-
-    def _export_window(self, source: str) -> None:
-        samples = self.windows[source]
-        m, label = self.metrics, {"data_source": source}
-        lengths = [s.response_len for s in samples]
-        m.length_mean.labels(**label).set(fmean(lengths))
-        m.length_max.labels(**label).set(max(lengths))
-        m.clip_ratio.labels(**label).set(sum(s.clipped for s in samples) / len(samples))
-        rewards = [s.reward for s in samples if s.reward is not None]
-        if not rewards:
-            return
-        m.reward_mean.labels(**label).set(fmean(rewards))
-        m.reward_std.labels(**label).set(_pstdev(rewards))
-        m.reward_min.labels(**label).set(min(rewards))
-        m.reward_max.labels(**label).set(max(rewards))
-        m.reward_zero_ratio.labels(**label).set(sum(r == 0 for r in rewards) / len(rewards))
-        m.reward_one_ratio.labels(**label).set(sum(r == 1 for r in rewards) / len(rewards))
 
 
 def _pstdev(values: list[float]) -> float:

@@ -207,6 +207,11 @@ def test_release_figures_per_data_source():
     # the window keeps the last 4 of a source: four 1.0 scores push the 0.0s out
     observer.observe(released, [_trajectory(9, "gsm8k", 1.0, 2) for _ in range(4)], now=1013)
     assert value("rolloutbus_rollout_reward_mean", gsm) == 1.0
+    # a window of unscored trajectories: the length figures move, the reward ones keep the
+    # last scores seen (they are computed when scraped, from the window as it is then)
+    observer.observe(released, [_trajectory(9, "gsm8k", None, 6) for _ in range(4)], now=1014)
+    assert value("rolloutbus_rollout_response_length_mean_tokens", gsm) == 6
+    assert value("rolloutbus_rollout_reward_mean", gsm) == 1.0
 
 
 def test_a_failure_class_on_the_record_is_its_label():
