@@ -11,22 +11,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from pathlib import Path
 
 import httpx
 import pytest
-import torch
 
 from rolloutbus.config import Config, ModelConfig, ReplicasConfig, ReplicaServerConfig
 from rolloutbus.replica.pause_gate import PauseGate
 from rolloutbus.replica.server import replica_in_thread
 from rolloutbus.schemas.control import PolicyVersionPublished
-from rolloutbus.schemas.inference import TurnSamplingParams
-from rolloutbus.streams.inference.backends import EngineCall, VllmCompletionsBackend
 from rolloutbus.streams.inference.weight_sync import WeightSync
 from tests.helpers import free_port
+from tests.replica_http import greedy_reference, greedy_turn, ok, reload_request
 
-PROMPT = [151644, 872, 198, 3838, 374, 220, 17, 10, 17, 30, 151645, 198, 151644, 77091, 198]
 WAIT_S = 60.0  # seconds; generous deadline for what a test waits on
 LEASE_S = 1.0  # seconds; short, so that a test sees it run out
 
@@ -48,54 +44,19 @@ async def http(replica, seed0_folder):
     async with httpx.AsyncClient(base_url=replica.url, timeout=WAIT_S) as client:
         yield client
         # each test leaves the replica serving its first weights, labelled 0, resumed
-        await _ok(client.post("/pause", params={"mode": "keep"}))
-        await _ok(client.post("/collective_rpc", json=_reload(seed0_folder)))
-        await _ok(client.post("/update_weight_version", json={"new_version": 0}))
-        await _ok(client.post("/resume"))
-
-
-async def _ok(call) -> dict:
-    response = await call
-    assert response.status_code == 200, response.text
-    return response.json()
-
-
-def _reload(folder: Path) -> dict:
-    return {"method": "reload_weights", "kwargs": {"weights_path": str(folder)}}
-
-
-async def _turn(http: httpx.AsyncClient, max_tokens: int = 4):
-    """One greedy turn through the client's vLLM completions backend (request and parse)."""
-    backend = VllmCompletionsBackend()
-    body = backend.build_request(
-        EngineCall(
-            engine_request_id=f"t{time.monotonic_ns()}",
-            prompt_ids=PROMPT,
-            sampling=TurnSamplingParams(temperature=0.0, logprobs=True),
-            max_tokens=max_tokens,
-        )
-    )
-    body["ignore_eos"] = True
-    response = await http.post(backend.path, json=body)
-    assert response.status_code == 200, response.text
-    return backend.parse_response(response.json())
+        await ok(client.post("/pause", params={"mode": "keep"}))
+        await ok(client.post("/collective_rpc", json=reload_request(seed0_folder)))
+        await ok(client.post("/update_weight_version", json={"new_version": 0}))
+        await ok(client.post("/resume"))
 
 
 async def _until_resumed(http: httpx.AsyncClient) -> float:
     """Seconds until /is_paused says false."""
     started = time.monotonic()
-    while (await _ok(http.get("/is_paused")))["is_paused"]:
+    while (await ok(http.get("/is_paused")))["is_paused"]:
         assert time.monotonic() - started < WAIT_S, "the replica stayed paused"
         await asyncio.sleep(0.05)
     return time.monotonic() - started
-
-
-def _greedy(model, n: int) -> list[int]:
-    ids = list(PROMPT)
-    with torch.inference_mode():
-        for _ in range(n):
-            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(PROMPT) :]
 
 
 # -- the replica's lease -------------------------------------------------------------------
@@ -103,21 +64,21 @@ def _greedy(model, n: int) -> list[int]:
 
 async def test_a_pause_whose_lease_runs_out_resumes_on_the_same_weights(replica, http, caplog):
     before = time.time()
-    answer = await _ok(http.post("/pause", params={"mode": "keep", "lease_s": f"{LEASE_S}"}))
+    answer = await ok(http.post("/pause", params={"mode": "keep", "lease_s": f"{LEASE_S}"}))
     assert answer["status"] == "paused" and answer["pause_lease_s"] == LEASE_S
-    health = await _ok(http.get("/health"))
+    health = await ok(http.get("/health"))
     assert health["is_paused"] is True and health["pause_lease_s"] == LEASE_S
     assert before <= health["paused_since"] <= time.time()
 
     with caplog.at_level(logging.WARNING):
-        held = asyncio.ensure_future(_turn(http))  # sent while paused: held, not refused
+        held = asyncio.ensure_future(greedy_turn(http, 4))  # sent while paused: held, not refused
         await asyncio.sleep(0.3)
         assert not held.done()
         paused_for = 0.3 + await _until_resumed(http)
         out = await asyncio.wait_for(held, WAIT_S)
     assert paused_for >= LEASE_S - 0.1  # not before its lease ran out
     assert out.extra_fields["weight_version"] == 0  # same weights, same label: the truth
-    assert (await _ok(http.get("/health")))["paused_since"] is None
+    assert (await ok(http.get("/health")))["paused_since"] is None
     assert "pause lease of 1 s ran out" in caplog.text and "still labelled 0" in caplog.text
     metrics = (await http.get("/metrics")).text
     assert "rolloutbus_replica_pause_lease_expiries_total" in metrics
@@ -125,12 +86,12 @@ async def test_a_pause_whose_lease_runs_out_resumes_on_the_same_weights(replica,
 
 async def test_renewing_the_lease_keeps_the_replica_paused(http):
     pause = {"mode": "keep", "lease_s": "0.6"}
-    await _ok(http.post("/pause", params=pause))
+    await ok(http.post("/pause", params=pause))
     renew_until = time.monotonic() + 2.5  # seconds: four times the lease
     while time.monotonic() < renew_until:
         await asyncio.sleep(0.2)
-        assert (await _ok(http.get("/is_paused")))["is_paused"] is True
-        await _ok(http.post("/pause", params=pause))  # same mode: a renewal
+        assert (await ok(http.get("/is_paused")))["is_paused"] is True
+        await ok(http.post("/pause", params=pause))  # same mode: a renewal
     assert await _until_resumed(http) >= 0.3  # the last renewal still held it a while
 
 
@@ -139,13 +100,13 @@ async def test_after_a_reload_whose_label_never_came_it_resumes_labelled_unknown
 ):
     """The weight sync died between its reload and its /update_weight_version: the replica
     serves the new weights and must not stamp them with the old version."""
-    await _ok(http.post("/pause", params={"mode": "keep", "lease_s": f"{LEASE_S}"}))
-    await _ok(http.post("/collective_rpc", json=_reload(seed1_folder)))
+    await ok(http.post("/pause", params={"mode": "keep", "lease_s": f"{LEASE_S}"}))
+    await ok(http.post("/collective_rpc", json=reload_request(seed1_folder)))
     await _until_resumed(http)
     label = f"unknown:{seed1_folder}"
-    assert (await _ok(http.get("/weight_info"))) == {"weight_version": label}
-    out = await _turn(http, 6)
-    assert out.token_ids == _greedy(seed1, 6)  # the reloaded weights sample
+    assert (await ok(http.get("/weight_info"))) == {"weight_version": label}
+    out = await greedy_turn(http, 6)
+    assert out.token_ids == greedy_reference(seed1, 6)  # the reloaded weights sample
     assert out.extra_fields["weight_version"] == label
     assert "min_global_steps" not in out.extra_fields  # no version rather than a wrong one
 
@@ -154,7 +115,7 @@ async def test_a_lease_that_is_no_positive_number_is_refused(http):
     for lease in ("0", "-1", "soon", "inf"):
         response = await http.post("/pause", params={"mode": "keep", "lease_s": lease})
         assert response.status_code == 400 and response.json()["error"]["param"] == "lease_s"
-    assert (await _ok(http.get("/is_paused")))["is_paused"] is False
+    assert (await ok(http.get("/is_paused")))["is_paused"] is False
 
 
 def test_a_reload_under_way_holds_the_pause_past_its_lease():
@@ -220,8 +181,8 @@ async def test_the_weight_sync_renews_its_lease_through_a_reload_longer_than_it(
     assert outcome.outcome == "applied", outcome.error
     assert transport.paths.count("/pause") >= 4  # the pause and its renewals, every 0.2 s
     assert transport.paths[-1] == "/resume"  # no renewal after the resume
-    assert (await _ok(http.get("/weight_info"))) == {"weight_version": "1"}
-    assert (await _ok(http.get("/is_paused")))["is_paused"] is False
+    assert (await ok(http.get("/weight_info"))) == {"weight_version": "1"}
+    assert (await ok(http.get("/is_paused")))["is_paused"] is False
     assert replica.engine.pause_gate.lease_expiries == expiries  # the lease never ran out
 
 
@@ -247,7 +208,7 @@ async def test_at_start_the_weight_sync_names_a_dead_replica_and_resumes_a_pause
     http, replica, caplog
 ):
     """A pause without a lease (vLLM's kind) left by a weight sync that died."""
-    await _ok(http.post("/pause", params={"mode": "keep"}))
+    await ok(http.post("/pause", params={"mode": "keep"}))
     dead = f"http://127.0.0.1:{free_port()}"
     cfg = Config(replicas=ReplicasConfig(urls=[replica.url, dead]))
     with caplog.at_level(logging.INFO):
@@ -258,5 +219,5 @@ async def test_at_start_the_weight_sync_names_a_dead_replica_and_resumes_a_pause
     assert f"replica {dead} is unreachable: cannot connect" in caplog.text
     assert "1 of 2 replicas reachable" in caplog.text
     assert resumed == [replica.url]
-    assert (await _ok(http.get("/is_paused")))["is_paused"] is False
+    assert (await ok(http.get("/is_paused")))["is_paused"] is False
     assert f"replica {replica.url} was paused when the weight sync started" in caplog.text

@@ -13,8 +13,8 @@ import torch
 
 from rolloutbus.config import Config, ModelConfig, ReplicaServerConfig
 from rolloutbus.replica.server import replica_in_thread
+from tests.replica_http import PROMPT, greedy_reference, ok, reload_request
 
-PROMPT = [151644, 872, 198, 3838, 374, 220, 17, 10, 17, 30, 151645, 198, 151644, 77091, 198]
 MAX_MODEL_LEN = 512
 LONG = 400  # tokens; ~1-2 s of tiny-model decoding, long enough to pause in the middle
 
@@ -41,14 +41,6 @@ async def client(replica):
     # Each test leaves the replica serving, with its first weights and version 0.
     async with httpx.AsyncClient(base_url=replica.url, timeout=60) as c:
         await c.post("/resume")
-
-
-def _greedy_reference(model, prompt: list[int], n: int) -> list[int]:
-    ids = list(prompt)
-    with torch.inference_mode():
-        for _ in range(n):
-            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt) :]
 
 
 async def _generate(client: httpx.AsyncClient, max_tokens: int, **fields: object) -> dict:
@@ -79,41 +71,31 @@ async def _until_running(replica, task: asyncio.Task) -> None:
 
 
 async def _restore(client: httpx.AsyncClient, folder: Path) -> None:
-    await _ok(client.post("/pause"))
-    await _ok(client.post("/collective_rpc", json=_reload(folder)))
-    await _ok(client.post("/update_weight_version", json={"new_version": 0}))
-    await _ok(client.post("/resume"))
-
-
-async def _ok(call) -> dict:
-    response = await call
-    assert response.status_code == 200, response.text
-    return response.json()
-
-
-def _reload(folder: Path) -> dict:
-    return {"method": "reload_weights", "kwargs": {"weights_path": str(folder)}}
+    await ok(client.post("/pause"))
+    await ok(client.post("/collective_rpc", json=reload_request(folder)))
+    await ok(client.post("/update_weight_version", json={"new_version": 0}))
+    await ok(client.post("/resume"))
 
 
 async def test_reload_weights_changes_greedy_outputs_to_the_saved_models(
     client, seed0, seed1, seed1_folder, tmp_path
 ):
     before = await _generate(client, 8)
-    assert before["token_ids"] == _greedy_reference(seed0, PROMPT, 8)
+    assert before["token_ids"] == greedy_reference(seed0, 8)
 
-    assert await _ok(client.get("/is_paused")) == {"is_paused": False}
-    assert await _ok(client.post("/pause", params={"clear_cache": "false"})) == {"status": "paused"}
-    assert await _ok(client.get("/is_paused")) == {"is_paused": True}
-    assert await _ok(client.post("/collective_rpc", json=_reload(seed1_folder))) == {
+    assert await ok(client.get("/is_paused")) == {"is_paused": False}
+    assert await ok(client.post("/pause", params={"clear_cache": "false"})) == {"status": "paused"}
+    assert await ok(client.get("/is_paused")) == {"is_paused": True}
+    assert await ok(client.post("/collective_rpc", json=reload_request(seed1_folder))) == {
         "results": [None]
     }
-    assert await _ok(client.get("/weight_info")) == {"weight_version": "0"}
-    await _ok(client.post("/update_weight_version", json={"new_version": "step-1"}))
-    assert await _ok(client.get("/weight_info")) == {"weight_version": "step-1"}  # as vLLM's
-    assert await _ok(client.post("/resume")) == {"status": "resumed"}
+    assert await ok(client.get("/weight_info")) == {"weight_version": "0"}
+    await ok(client.post("/update_weight_version", json={"new_version": "step-1"}))
+    assert await ok(client.get("/weight_info")) == {"weight_version": "step-1"}  # as vLLM's
+    assert await ok(client.post("/resume")) == {"status": "resumed"}
 
     after = await _generate(client, 8)
-    assert after["token_ids"] == _greedy_reference(seed1, PROMPT, 8) != before["token_ids"]
+    assert after["token_ids"] == greedy_reference(seed1, 8) != before["token_ids"]
     assert after["weight_versions"] == [{"version": "step-1", "start": 0, "end": 8}]
 
     # A plain safetensors state dict (no config.json, tied lm_head left out) loads too.
@@ -132,13 +114,13 @@ async def test_keep_freezes_a_request_that_then_spans_two_weight_versions(
 ):
     task = asyncio.ensure_future(_generate(client, LONG))
     await _until_running(replica, task)
-    await _ok(client.post("/pause", params={"mode": "keep"}))
+    await ok(client.post("/pause", params={"mode": "keep"}))
     frozen = replica.engine.stats.generation_tokens
-    await _ok(client.post("/collective_rpc", json=_reload(seed1_folder)))
-    await _ok(client.post("/update_weight_version", json={"new_version": 1}))
+    await ok(client.post("/collective_rpc", json=reload_request(seed1_folder)))
+    await ok(client.post("/update_weight_version", json={"new_version": 1}))
     await asyncio.sleep(0.2)
     assert not task.done() and replica.engine.stats.generation_tokens == frozen  # frozen
-    await _ok(client.post("/resume"))
+    await ok(client.post("/resume"))
     choice = await task
 
     assert choice["finish_reason"] == "length" and len(choice["token_ids"]) == LONG
@@ -151,7 +133,7 @@ async def test_keep_freezes_a_request_that_then_spans_two_weight_versions(
 async def test_abort_ends_requests_with_their_tokens_and_new_ones_wait_for_resume(replica, client):
     running = asyncio.ensure_future(_generate(client, LONG))
     await _until_running(replica, running)
-    await _ok(client.post("/pause"))  # mode abort is vLLM's default
+    await ok(client.post("/pause"))  # mode abort is vLLM's default
     aborted = await asyncio.wait_for(running, 5)
     assert aborted["finish_reason"] == "abort"
     assert 0 < len(aborted["token_ids"]) < LONG
@@ -160,7 +142,7 @@ async def test_abort_ends_requests_with_their_tokens_and_new_ones_wait_for_resum
     arriving = asyncio.ensure_future(_generate(client, 4))
     await asyncio.sleep(0.3)
     assert not arriving.done()  # queued while paused, not refused
-    await _ok(client.post("/resume"))
+    await ok(client.post("/resume"))
     later = await asyncio.wait_for(arriving, 10)
     assert later["finish_reason"] == "length" and len(later["token_ids"]) == 4
     # The aborted tokens are the start of what the same greedy request decodes in full.
@@ -170,7 +152,7 @@ async def test_abort_ends_requests_with_their_tokens_and_new_ones_wait_for_resum
 async def test_wait_returns_once_running_requests_have_finished(replica, client):
     running = asyncio.ensure_future(_generate(client, LONG // 2))
     await _until_running(replica, running)
-    await _ok(client.post("/pause", params={"mode": "wait"}))
+    await ok(client.post("/pause", params={"mode": "wait"}))
     assert running.done()
     choice = running.result()
     assert choice["finish_reason"] == "length" and len(choice["token_ids"]) == LONG // 2
@@ -181,7 +163,7 @@ async def test_wait_returns_once_running_requests_have_finished(replica, client)
     [
         (True, {"method": "reset_weights"}, 400, "'reset_weights' is not a collective_rpc"),
         (True, {"method": "reload_weights"}, 400, "kwargs.weights_path"),
-        (True, _reload(Path("/nonexistent/step-9")), 400, "is not a folder"),
+        (True, reload_request(Path("/nonexistent/step-9")), 400, "is not a folder"),
         (True, "empty", 400, "no *.safetensors"),
         (True, "wrong-shape", 400, "shape mismatch for ['model.norm.weight: (3,)"),
         (True, "missing", 400, "missing from the folder, e.g. ['model.norm.weight']"),
@@ -192,15 +174,15 @@ async def test_reload_errors_name_the_problem(
     client, seed0, seed1_folder, tmp_path, paused, body, status, words
 ):
     if isinstance(body, str):
-        body = _reload(_bad_folder(body, tmp_path, seed0, seed1_folder))
+        body = reload_request(_bad_folder(body, tmp_path, seed0, seed1_folder))
     if paused:
-        await _ok(client.post("/pause"))
+        await ok(client.post("/pause"))
     response = await client.post("/collective_rpc", json=body)
     assert response.status_code == status, response.text
     assert words in response.json()["error"]["message"]
     # The served weights are untouched: greedy tokens still come from seed 0.
     await client.post("/resume")
-    assert (await _generate(client, 4))["token_ids"] == _greedy_reference(seed0, PROMPT, 4)
+    assert (await _generate(client, 4))["token_ids"] == greedy_reference(seed0, 4)
 
 
 def _bad_folder(kind: str, tmp_path: Path, model, seed1_folder: Path) -> Path:
@@ -221,4 +203,4 @@ def _bad_folder(kind: str, tmp_path: Path, model, seed1_folder: Path) -> Path:
 async def test_bad_pause_mode_is_400(client):
     response = await client.post("/pause", params={"mode": "sleep"})
     assert response.status_code == 400 and "abort, wait, keep" in response.text
-    assert (await _ok(client.get("/is_paused")))["is_paused"] is False
+    assert (await ok(client.get("/is_paused")))["is_paused"] is False

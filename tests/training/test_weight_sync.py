@@ -12,7 +12,6 @@ import time
 
 import httpx
 import pytest
-import torch
 
 from rolloutbus.config import (
     AsyncTrainingConfig,
@@ -24,12 +23,10 @@ from rolloutbus.config import (
 from rolloutbus.kafka.control import publish_policy_version
 from rolloutbus.replica.server import replica_in_thread
 from rolloutbus.schemas.control import PolicyVersionPublished
-from rolloutbus.schemas.inference import TurnSamplingParams
-from rolloutbus.streams.inference.backends import EngineCall, VllmCompletionsBackend
 from rolloutbus.streams.inference.weight_sync import WeightSync, sync_steps
 from tests.helpers import free_port
+from tests.replica_http import greedy_reference, greedy_turn
 
-PROMPT = [151644, 872, 198, 3838, 374, 220, 17, 10, 17, 30, 151645, 198, 151644, 77091, 198]
 MAX_MODEL_LEN = 512
 LONG = 400  # tokens; ~1-2 s of tiny-model decoding, long enough to sync in the middle
 WAIT_S = 60.0  # seconds; a reload of the tiny model takes well under one
@@ -50,30 +47,9 @@ def replica():
         yield handle
 
 
-def _greedy_reference(model, n: int) -> list[int]:
-    ids = list(PROMPT)
-    with torch.inference_mode():
-        for _ in range(n):
-            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(PROMPT) :]
-
-
 async def _turn(url: str, max_tokens: int):
-    """One greedy turn through the client's vLLM completions backend (request and parse)."""
-    backend = VllmCompletionsBackend()
-    body = backend.build_request(
-        EngineCall(
-            engine_request_id=f"t{time.monotonic_ns()}",
-            prompt_ids=PROMPT,
-            sampling=TurnSamplingParams(temperature=0.0, logprobs=True),
-            max_tokens=max_tokens,
-        )
-    )
-    body["ignore_eos"] = True  # a random model may sample EOS at once; the test needs length
     async with httpx.AsyncClient(timeout=WAIT_S) as http:
-        response = await http.post(url + backend.path, json=body)
-    assert response.status_code == 200, response.text
-    return backend.parse_response(response.json())
+        return await greedy_turn(http, max_tokens, url=url)
 
 
 def test_sync_steps_follow_vllm_and_sglang_and_the_partial_rollout_switch():
@@ -147,7 +123,7 @@ async def test_a_published_version_reaches_every_replica_and_the_turns_it_sample
 
         # 2. the turns after it: the new weights, the new version
         after = await _turn(replica.url, 8)
-        assert after.token_ids == _greedy_reference(seed1, 8)
+        assert after.token_ids == greedy_reference(seed1, 8)
         assert (after.extra_fields["min_global_steps"], after.extra_fields["max_global_steps"]) == (
             1,
             1,
@@ -162,7 +138,7 @@ async def test_a_published_version_reaches_every_replica_and_the_turns_it_sample
             with replica_in_thread(_replica_config(late_port)) as late:
                 await _wait_for(lambda: sync.replicas[late_url].applied == 1)
                 late_turn = await _turn(late.url, 8)
-                assert late_turn.token_ids == _greedy_reference(seed1, 8)
+                assert late_turn.token_ids == greedy_reference(seed1, 8)
                 assert late_turn.extra_fields["max_global_steps"] == 1
         finally:
             stop.set()
