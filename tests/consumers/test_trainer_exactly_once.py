@@ -8,6 +8,7 @@ the dedupe window off: exactly-once must come from the position alone."""
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 import threading
@@ -25,10 +26,10 @@ from rolloutbus.consumers.groups import TrajectoryGroup
 from rolloutbus.consumers.position import PartitionPosition
 from rolloutbus.errors import BrokerError
 from rolloutbus.kafka.clients import idempotent_producer, read_committed_consumer
-from rolloutbus.topics import Topics, partition_for
+from rolloutbus.topics import Topics, partition_for, uid_of_key
 from tests.builders import make_group, trajectory_records
 from tests.helpers import unique_name
-from tests.pipeline import write_config
+from tests.pipeline import read_topic, write_config
 from tests.source_tree import PROGRAMS
 
 GROUP_SIZE = 3
@@ -69,10 +70,19 @@ def publish_groups(kafka: KafkaConfig, count: int, *, record_per_batch: bool = F
         kafka, {"linger.ms": 0, "batch.num.messages": 1} if record_per_batch else None
     )
     topic = Topics.from_config(kafka).trajectories
+    failed: list[str] = []  # flush() counts what is still queued, not what failed
+
+    def delivered(err, msg) -> None:
+        if err is not None:
+            failed.append(f"{msg.key()!r}: {err}")
+
     for partition, mine in by_partition.items():
         for key, value in _interleaved(mine):
-            producer.produce(topic, key=key, value=value, partition=partition)
+            producer.produce(
+                topic, key=key, value=value, partition=partition, on_delivery=delivered
+            )
     assert producer.flush(30) == 0
+    assert not failed, f"{len(failed)} records were not written: {failed[:5]}"
     return uids
 
 
@@ -104,11 +114,11 @@ def take_until_interleaved(client: TrainerClient, minimum: int) -> list[str]:
     return got
 
 
-def exactly_once(*parts: list[str], expected: list[str]) -> None:
+def exactly_once(*parts: list[str], expected: list[str], why: str = "") -> None:
     every = [uid for part in parts for uid in part]
     twice = [uid for uid, n in Counter(every).items() if n > 1]
     assert not twice, f"groups delivered twice: {twice}"
-    assert set(every) == set(expected), f"missing: {set(expected) - set(every)}"
+    assert set(every) == set(expected), f"missing: {set(expected) - set(every)}; {why}"
 
 
 # -- (a) crash before the commit -----------------------------------------------------------
@@ -204,7 +214,8 @@ def _wait_until(condition, timeout_s: float) -> bool:
     return condition()
 
 
-def test_two_clients_across_a_rebalance_never_share_or_drop_a_group(kafka_config):
+def test_two_clients_across_a_rebalance_never_share_or_drop_a_group(kafka_config, caplog):
+    caplog.set_level(logging.INFO, logger="rolloutbus.consumers")  # assignments, for a failure
     # ~50 groups per partition at STEP_S each: neither partition is drained while the second
     # client joins (a few seconds), so each has records left to hand over
     uids = publish_groups(kafka_config, 100, record_per_batch=True)
@@ -227,7 +238,24 @@ def test_two_clients_across_a_rebalance_never_share_or_drop_a_group(kafka_config
         second.join(30)
     assert first.error is None and second.error is None, first.error or second.error
     assert second.mine, "the second client got nothing: the rebalance did not happen mid-stream"
-    exactly_once(first.mine, second.mine, expected=uids)
+    missing = set(uids) - set(first.mine) - set(second.mine)
+    moves = [r.getMessage() for r in caplog.records if r.name.startswith("rolloutbus.consumers")]
+    why = f"{_whereabouts(kafka_config, missing)}; the clients' log: {moves}" if missing else ""
+    exactly_once(first.mine, second.mine, expected=uids, why=why)
+
+
+def _whereabouts(kafka: KafkaConfig, uids: set[str]) -> str:
+    """Where the records of groups no client yielded lie on the topic: written and missed,
+    or never written (what a failure of the test needs to say)."""
+    if not uids:
+        return ""
+    topic = Topics.from_config(kafka).trajectories
+    found = [
+        f"{m.key().decode()}@{m.partition()}:{m.offset()}"
+        for m in read_topic(Config(kafka=kafka), topic)
+        if uid_of_key(m.key().decode()) in uids
+    ]
+    return f"their records on {topic}: {found or 'none'}"
 
 
 # -- (d) commit after the partitions were lost ----------------------------------------------
