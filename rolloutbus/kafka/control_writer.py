@@ -162,7 +162,15 @@ class TrainerControlWriter:
         return broker_error(exc, f"writing {what}", topic=self.topic)
 
     def close(self) -> None:
-        self._producer.flush(DELIVERY_TIMEOUT_S)
+        """Deliver what is queued. A fenced writer closes quietly: its producer is in a fatal
+        state that ``flush`` raises again, and the fence was reported where it happened."""
+        try:
+            self._producer.flush(DELIVERY_TIMEOUT_S)
+        except KafkaException as exc:
+            err = exc.args[0] if exc.args and isinstance(exc.args[0], KafkaError) else None
+            if err is None or not (err.code() in FENCED or err.fatal()):
+                raise broker_error(exc, "flushing the control writer", topic=self.topic) from exc
+            log.info("closed a fenced control writer (%s): %s", self.transactional_id, err.str())
 
 
 def _offset(err: KafkaError | None, msg: Message, action: str, topic: str) -> int:

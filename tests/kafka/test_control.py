@@ -9,9 +9,10 @@ from __future__ import annotations
 import time
 
 import pytest
+from confluent_kafka import KafkaError, KafkaException
 from pydantic import ValidationError
 
-from rolloutbus.errors import TrainerFencedError
+from rolloutbus.errors import BrokerError, TrainerFencedError
 from rolloutbus.kafka.control import (
     PolicyVersionFollower,
     PolicyVersionPublisher,
@@ -112,6 +113,32 @@ def test_each_trainer_start_is_a_newer_run_and_fences_the_one_before(kafka_confi
     ]
     first.close()
     second.close()
+
+
+class _FlushRaises:
+    """Fault injector: a producer whose ``flush`` raises ``error``, as librdkafka raises a
+    fenced producer's fatal state again on flush (seen once in CI, after a fence)."""
+
+    def __init__(self, error: KafkaError):
+        self.error = error
+
+    def flush(self, timeout: float) -> int:
+        raise KafkaException(self.error)
+
+
+def test_a_fenced_writer_closes_quietly_and_any_other_flush_error_names_the_topic(kafka_config):
+    writer = TrainerControlWriter(kafka_config)
+    real, writer._producer = (
+        writer._producer,
+        _FlushRaises(KafkaError(KafkaError._FENCED, "fenced by a newer instance", fatal=True)),
+    )
+    try:
+        writer.close()  # the fence was reported by the write that met it
+        writer._producer = _FlushRaises(KafkaError(KafkaError._TIMED_OUT, "timed out"))
+        with pytest.raises(BrokerError, match=r"flushing the control writer.*control"):
+            writer.close()
+    finally:
+        real.flush(5)
 
 
 def _control(kafka_config) -> str:
