@@ -178,8 +178,7 @@ class ArrowLayout(Generic[M]):
             if source not in built:
                 built[source] = (values, numeric_list_column(values, column.type))
             return built[source][1]
-        cells = [_plain_cell(column, d, r) for d, r in zip(dumped, records, strict=True)]
-        return pa.array(cells, column.type)
+        raise AssertionError(f"column {column.name} is built with the scalar columns")
 
     def records(self, batch: pa.RecordBatch | pa.Table) -> list[M]:
         """The batch's rows as models, read by column name (see the module docstring)."""
@@ -232,9 +231,9 @@ def _cell_reader(column: Column) -> Callable[[dict[str, Any], Any], Any]:
     name, parent = column.name, column.parent
     if column.kind == "nested":
         return lambda dumped, record: dumped[parent][name]
-    if column.kind == "json":
-        return lambda dumped, record: _json_cell(dumped[name])
-    return lambda dumped, record: _cell(column, dumped, record)
+    if column.kind != "json":  # value columns are read together, by _tuple_getter
+        raise AssertionError(f"no cell reader for a {column.kind} column ({name})")
+    return lambda dumped, record: _json_cell(dumped[name])
 
 
 def _json_cell(value: Any) -> str | None:
@@ -243,14 +242,6 @@ def _json_cell(value: Any) -> str | None:
     if not value and type(value) in (dict, list):
         return "{}" if type(value) is dict else "[]"  # most JSON cells: json.dumps costs ~2 us
     return json.dumps(value, sort_keys=True)
-
-
-def _plain_cell(column: Column, dumped: dict[str, Any], record: Any) -> Any:
-    """A cell of a batch: a value column's by attribute (not dumped), the others' as ``row``."""
-    if column.kind != "value":
-        return _cell(column, dumped, record)
-    value = getattr(record, column.field)
-    return value.value if isinstance(value, Enum) else value
 
 
 def _is_numeric_list(arrow_type: pa.DataType) -> bool:

@@ -150,7 +150,7 @@ class TrainerControlWriter:
 
     def _failed(self, exc: KafkaException, what: str) -> BrokerError:
         err = exc.args[0] if exc.args and isinstance(exc.args[0], KafkaError) else None
-        if err is not None and (err.code() in FENCED or err.fatal()):
+        if err is not None and _fenced(err):
             return TrainerFencedError(
                 f"writing {what} to {self.topic}: another trainer started on these topics "
                 f"(transactional id {self.transactional_id!r}) and fenced this one: "
@@ -168,9 +168,15 @@ class TrainerControlWriter:
             self._producer.flush(DELIVERY_TIMEOUT_S)
         except KafkaException as exc:
             err = exc.args[0] if exc.args and isinstance(exc.args[0], KafkaError) else None
-            if err is None or not (err.code() in FENCED or err.fatal()):
+            if err is None or not _fenced(err):
                 raise broker_error(exc, "flushing the control writer", topic=self.topic) from exc
             log.info("closed a fenced control writer (%s): %s", self.transactional_id, err.str())
+
+
+def _fenced(err: KafkaError) -> bool:
+    """A newer trainer's writer took the transactional id: librdkafka reports it as one of
+    ``FENCED`` or as a fatal error."""
+    return err.code() in FENCED or err.fatal()
 
 
 def _offset(err: KafkaError | None, msg: Message, action: str, topic: str) -> int:
