@@ -1,15 +1,22 @@
 """Run one fault row N times in a row while a second job loads the CPU; count the passes.
 
-    python benchmarks/fault_row_loop.py [--row rebalance] [--times 20] [--no-load]
+    python benchmarks/fault_row_loop.py [--file tests/faults/test_faults.py] [--row rebalance]
+                                        [--times 20] [--no-load]
 
-One pytest session runs ``tests/faults/test_faults.py -k ROW`` TIMES times (the
+    # the broker-restart row of the replay buffer, 20 times under load:
+    python benchmarks/fault_row_loop.py --file tests/assembly/test_replay_buffer_released.py \
+        --row broker_restart --times 20
+
+One pytest session runs ``FILE -k ROW`` TIMES times (the
 ``repeat_items`` plugin in this folder: one broker and one fault-free reference run for all
 of them), while, unless ``--no-load``, the fast suite (``-m "not kafka and not slow and not
 contract"``) runs over and over in a process of its own, as CI's other jobs and a busy
 machine would load it. The fault table of every repetition goes to stdout with the pass
 count and the wall times (median, max); pytest's own output goes to
-``{--log-dir}/rows.log``, the load job's to ``{--log-dir}/load.log``. Exit code 0 when
-every repetition passed, 1 otherwise, 2 on bad usage.
+``{--log-dir}/rows.log``, the load job's to ``{--log-dir}/load.log``. A row that prints
+``... stall: X s ...`` lines (the broker-restart row: from the broker back to the next
+release) has them listed with their median and max. Exit code 0 when every repetition
+passed, 1 otherwise, 2 on bad usage.
 """
 
 from __future__ import annotations
@@ -26,7 +33,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST_SUITE = ["-m", "not kafka and not slow and not contract"]
-RESULT = re.compile(r"^tests/test_faults\.py::(\S+)\[r(\d+)\] (PASSED|FAILED|ERROR)", re.M)
+RESULT = re.compile(r"^tests/\S+\.py::(\S+)\[r(\d+)\] (PASSED|FAILED|ERROR)", re.M)
+STALL = re.compile(r"stall: ([0-9.]+) s")
 
 
 def start_load(log_dir: Path) -> subprocess.Popen[bytes]:
@@ -44,14 +52,14 @@ def start_load(log_dir: Path) -> subprocess.Popen[bytes]:
         )
 
 
-def run_rows(row: str, times: int, log_dir: Path) -> tuple[int, str]:
+def run_rows(test_file: str, row: str, times: int, log_dir: Path) -> tuple[int, str]:
     env = {
         **os.environ,
         "ROLLOUTBUS_REPEAT": str(times),
         "PYTHONPATH": os.pathsep.join([str(ROOT / "benchmarks"), os.environ.get("PYTHONPATH", "")]),
     }
     argv = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "repeat_items"]
-    argv += ["-rA", "-v", "tests/faults/test_faults.py", "-k", row]
+    argv += ["-rA", "-v", "-s", test_file, "-k", row]
     with (log_dir / "rows.log").open("wb") as log:
         code = subprocess.call(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     return code, (log_dir / "rows.log").read_text(errors="replace")
@@ -59,6 +67,7 @@ def run_rows(row: str, times: int, log_dir: Path) -> tuple[int, str]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--file", default="tests/faults/test_faults.py", help="the test file")
     parser.add_argument("--row", default="rebalance", help="pytest -k expression of the row")
     parser.add_argument("--times", type=int, default=20)
     parser.add_argument("--no-load", action="store_true", help="no second job")
@@ -70,7 +79,7 @@ def main() -> int:
     load = None if args.no_load else start_load(args.log_dir)
     started = time.monotonic()
     try:
-        code, output = run_rows(args.row, args.times, args.log_dir)
+        code, output = run_rows(args.file, args.row, args.times, args.log_dir)
     finally:
         if load is not None:
             os.killpg(load.pid, signal.SIGTERM)
@@ -91,6 +100,12 @@ def report(output: str, times: int, total_s: float, code: int) -> int:
     print(f"\n{passed} of {times} passed ({len(results)} ran), pytest exit code {code}")
     if walls:
         print(f"row wall time: median {statistics.median(walls):.0f} s, max {max(walls):.0f} s")
+    stalls = [float(s) for s in STALL.findall(output)]
+    if stalls:
+        listed = ", ".join(f"{s:.1f}" for s in stalls)
+        print(
+            f"stalls (s): {listed}; median {statistics.median(stalls):.1f}, max {max(stalls):.1f}"
+        )
     print(f"total {total_s / 60:.1f} min")
     return 0 if passed == times else 1
 

@@ -331,6 +331,12 @@ class ReplayBufferConfig(_Section):
     # (trainers, the next owner's read of the released topic) until then; a batch's
     # transaction takes well under a second
     transaction_timeout_s: float = Field(default=10.0, gt=0, le=900.0)
+    # seconds of failing transactional calls on one producer before it is replaced by a new
+    # one (which fences it and aborts its open transaction): after a broker restart a
+    # producer can time out on every call for minutes while a new one connects at once, so
+    # this bounds how long releases stall once the broker answers again. Each call waits
+    # a third of it, and one that never returns (librdkafka#5456) is given up 5 s later
+    txn_stall_s: float = Field(default=30.0, gt=0)
     # Open groups per turn-log partition; past it the oldest is released with its unsettled
     # sessions as failed records ("too many open groups") and a dead letter. An open group
     # holds its sessions' token streams, ~80 bytes per token (8 sessions x 4k tokens is

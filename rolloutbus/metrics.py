@@ -283,15 +283,16 @@ class ReplayBufferMetrics(PerRegistry):
         self.transaction_aborts = Counter(
             "rolloutbus_replay_buffer_transaction_aborts_total",
             "Transactions aborted and retried from the committed offsets, by cause: abortable "
-            "(a broker error), retries_exhausted, wedged (a client call that never returned), "
-            "fatal (the producer fenced or its transaction state beyond repair); transactions",
+            "(a broker error), retries_exhausted, stalled (retriable errors on one producer for "
+            "replay_buffer.txn_stall_s), wedged (a client call that never returned), fatal "
+            "(the producer fenced or its transaction state beyond repair); transactions",
             ["cause"],
             registry=registry,
         )
         self.producer_replacements = Counter(
             "rolloutbus_replay_buffer_producer_replacements_total",
             "Transactional producers replaced by a new one with the same transactional id "
-            "(which fences the old and ends its transaction), by cause: fatal, wedged, or "
+            "(which fences the old and ends its transaction), by cause: fatal, stalled, wedged, or "
             "abortable/retries_exhausted when the abort itself failed; replacement events",
             ["cause"],
             registry=registry,

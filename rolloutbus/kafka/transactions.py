@@ -27,11 +27,19 @@ re-reads from its committed offsets. The protocol, numbered as in the replay buf
   Every call runs under a watchdog; one that outlives its timeout plus ``CALL_GRACE_S`` is
   left on its thread with its producer kept referenced (never destroyed under a blocked
   call), and the producer is replaced as for a fatal error.
+- *Stalled*: after a broker restart a producer can time out on every call for minutes
+  with its request never leaving the client ("Timed out 0 in-flight, 0 retry-queued, 1
+  out-queue": the client lost its coordinator connection and does not find it again), while
+  a new client connects at once. So retriable errors are retried on one producer for at
+  most ``stall_s`` (``replay_buffer.txn_stall_s``, 30 s), and transactions that keep
+  failing for ``stall_s`` with no replacement meanwhile also count as stalled: either way
+  the producer is replaced as for a fatal error; the new one's ``init_transactions`` fences
+  it and aborts its open transaction.
 - *Authorization* errors are permanent: they raise :class:`BrokerError` at once.
 - A broker that lets no transaction commit for ``broker_retry_s`` raises ``BrokerError``.
 
 Each failure path ends in :class:`TransactionAborted`, whose ``cause`` (abortable,
-retries_exhausted, wedged, fatal) and ``replaced`` are for the processor's metrics.
+retries_exhausted, stalled, wedged, fatal) and ``replaced`` are for the processor's metrics.
 """
 
 from __future__ import annotations
@@ -54,6 +62,10 @@ log = logging.getLogger(__name__)
 ANY_PARTITION = -1  # an outgoing record the producer's partitioner places
 CALL_TIMEOUT_S = 30.0  # seconds for each transactional call
 CALL_GRACE_S = 5.0  # seconds past a call's own timeout (librdkafka answers by then unless it hangs)
+# seconds of retriable failures on one producer before it is replaced: a healthy broker
+# that restarts answers a new client within seconds, so a producer still timing out after
+# this is stuck on a dead connection (the issue measured 4 minutes of 10 s timeouts)
+STALL_S = 30.0
 BROKER_RETRY_S = 300.0  # seconds of a broker failing every retry before giving up
 RETRY_BACKOFF_S = 0.5  # seconds before the first retry, doubled up to RETRY_BACKOFF_MAX_S
 RETRY_BACKOFF_MAX_S = 5.0
@@ -69,6 +81,8 @@ AUTHORIZATION_CODES = frozenset(
         KafkaError.CLUSTER_AUTHORIZATION_FAILED,
     }
 )
+# the causes for which a failed transaction is ended by a new producer, not by an abort call
+REPLACING_CAUSES = frozenset({"wedged", "fatal", "stalled"})
 FENCED_LIMIT = 3  # fencings in a row (no commit between) that mean a second live process
 FENCED_HINT = (
     "fenced: a newer producer with this transactional id exists (a restart of this member, "
@@ -95,8 +109,8 @@ class TransactionAborted(RolloutBusError):
         self, cause: str, action: str, detail: str, *, replaced: bool = False, fenced: bool = False
     ):
         super().__init__(f"{action}: {detail}")
-        self.cause = cause  # abortable, retries_exhausted, wedged or fatal (a metrics label)
-        self.replaced = replaced  # the producer was replaced (fatal or wedged)
+        self.cause = cause  # abortable, retries_exhausted, stalled, wedged or fatal (a label)
+        self.replaced = replaced  # the producer was replaced (fatal, stalled or wedged)
         self.fenced = fenced  # a newer producer with this transactional id exists
 
 
@@ -109,6 +123,7 @@ class TransactionSettings:
     broker_retry_s: float = BROKER_RETRY_S
     retry_backoff_s: float = RETRY_BACKOFF_S
     retry_backoff_max_s: float = RETRY_BACKOFF_MAX_S
+    stall_s: float = STALL_S
     # librdkafka settings of every producer made (the processor's linger, compression,
     # transaction.timeout.ms)
     producer_overrides: Mapping[str, Any] = field(default_factory=dict)
@@ -135,9 +150,12 @@ class TransactionalProducer:
         self.settings = settings or TransactionSettings()
         self._stop = stop or threading.Event()  # set: stop retrying, fail fast
         self._producer = self._new_producer()
+        self._producer_since = time.monotonic()  # when the producer in use was made
         self._wedged: list[Producer] = []  # a thread may still be inside one: never destroyed
         self._failing_since: float | None = None  # first of consecutive failed transactions
         self._fenced_in_a_row = 0  # fencings since the last commit
+        self._aborted_in_a_row = 0  # failed transactions since the last commit
+        self._replaced_in_a_row = 0  # producers replaced since the last commit
 
     # -- the seam ----------------------------------------------------------------------------
     def init(self) -> None:
@@ -157,7 +175,7 @@ class TransactionalProducer:
                     return  # stopping: nothing more will be produced with it
                 if time.monotonic() > give_up:
                     raise BrokerError(f"transactional producer: {failure}") from failure
-                if failure.cause in ("wedged", "fatal"):
+                if failure.cause in REPLACING_CAUSES:
                     self._swap_producer(wedged=failure.cause == "wedged")
                 self._stop.wait(self.settings.retry_backoff_s)
 
@@ -183,8 +201,20 @@ class TransactionalProducer:
             )
         except TransactionAborted as failure:
             raise self._aborted(failure) from failure
+        self._committed_again()
+
+    def _committed_again(self) -> None:
+        """A transaction committed: the failures before it are over (one line saying so)."""
+        if self._failing_since is not None:
+            log.warning(
+                "%s: transactions commit again after %.1f s (%d failed, %d producers replaced)",
+                self.transactional_id,
+                time.monotonic() - self._failing_since,
+                self._aborted_in_a_row,
+                self._replaced_in_a_row,
+            )
         self._failing_since = None
-        self._fenced_in_a_row = 0
+        self._fenced_in_a_row = self._aborted_in_a_row = self._replaced_in_a_row = 0
 
     def close(self) -> None:
         """Best effort on the way out: the error that ended the run, if any, is the one to
@@ -225,7 +255,8 @@ class TransactionalProducer:
         """One transactional call: retriable errors retried with backoff for up to
         ``broker_retry_s``; every other failure raises TransactionAborted (or BrokerError
         for a missing permission)."""
-        give_up = time.monotonic() + self.settings.broker_retry_s
+        started = time.monotonic()
+        give_up = started + self.settings.broker_retry_s
         backoff = self.settings.retry_backoff_s
         while True:
             try:
@@ -234,8 +265,15 @@ class TransactionalProducer:
                 failure = self._failure(action, exc)
                 if failure is not None:
                     raise failure from exc
-                if time.monotonic() > give_up or self._stop.is_set():
+                now = time.monotonic()
+                if now > give_up or self._stop.is_set():
                     raise TransactionAborted("retries_exhausted", action, describe(exc)) from exc
+                if now - started > self.settings.stall_s:
+                    detail = (
+                        f"retriable errors for {now - started:.0f} s on one producer "
+                        f"(stall limit {self.settings.stall_s:.0f} s), the last: {describe(exc)}"
+                    )
+                    raise TransactionAborted("stalled", action, detail) from exc
                 log.warning(
                     "%s: %s: %s; retrying in %.1f s",
                     self.transactional_id,
@@ -291,7 +329,11 @@ class TransactionalProducer:
         a backoff; the failure as the caller gets it (BrokerError once failing too long)."""
         log.warning("%s: %s (%s)", self.transactional_id, failure, failure.cause)
         self._check_fenced(failure)
-        replaced = failure.cause in ("wedged", "fatal")
+        now = time.monotonic()
+        self._failing_since = self._failing_since or now
+        self._aborted_in_a_row += 1
+        failure = self._stalled_across_transactions(failure, now)
+        replaced = failure.cause in REPLACING_CAUSES
         if not replaced:
             try:
                 self._call(
@@ -302,9 +344,8 @@ class TransactionalProducer:
                 log.warning("%s: %s; replacing the producer", self.transactional_id, again)
                 failure, replaced = again, True
         if replaced:
+            self._replaced_in_a_row += 1
             self._replace(wedged=failure.cause == "wedged")
-        now = time.monotonic()
-        self._failing_since = self._failing_since or now
         if now - self._failing_since > self.settings.broker_retry_s:
             raise BrokerError(
                 f"{self.transactional_id}: no transaction committed for "
@@ -314,6 +355,20 @@ class TransactionalProducer:
         return TransactionAborted(
             failure.cause, "transaction aborted", str(failure), replaced=replaced
         )
+
+    def _stalled_across_transactions(
+        self, failure: TransactionAborted, now: float
+    ) -> TransactionAborted:
+        """Transactions failing one after another for ``stall_s`` on a producer that was
+        not replaced meanwhile stall as much as one call retried that long: replace it."""
+        failing_for = now - max(self._failing_since or now, self._producer_since)
+        if failure.cause in REPLACING_CAUSES or failing_for <= self.settings.stall_s:
+            return failure
+        detail = (
+            f"{self._aborted_in_a_row} transactions failed, the last {failing_for:.0f} s on one "
+            f"producer (stall limit {self.settings.stall_s:.0f} s), the last: {failure}"
+        )
+        return TransactionAborted("stalled", "transactions keep failing", detail)
 
     def _check_fenced(self, failure: TransactionAborted) -> None:
         self._fenced_in_a_row += failure.fenced
@@ -333,6 +388,7 @@ class TransactionalProducer:
 
     def _swap_producer(self, *, wedged: bool) -> None:
         old, self._producer = self._producer, self._new_producer()
+        self._producer_since = time.monotonic()
         if wedged:
             self._wedged.append(old)  # a thread is inside it: keep it, never destroy it
         else:  # destroyed off this thread: librdkafka's teardown may wait on its brokers

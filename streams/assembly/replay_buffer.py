@@ -28,8 +28,9 @@ folded after it.
 **Failures.** Bad input never stops the worker (``trajectories.py``: failed records plus a
 dead letter). The transaction itself is ``rolloutbus/kafka/transactions.py``'s
 (:class:`TransactionalProducer`): retriable broker errors are retried, an abortable one
-aborts, and a fatal one (fenced, ``INVALID_TXN_STATE`` after a broker was SIGKILLed) or a
-call that never returns replaces the producer, never ends the process. Whenever a
+aborts, and a fatal one (fenced, ``INVALID_TXN_STATE`` after a broker was SIGKILLed), a
+call that never returns, or calls that keep timing out for ``replay_buffer.txn_stall_s``
+after a broker restart replace the producer, never ends the process. Whenever a
 transaction did not commit, every partition is re-read from its committed offset (the
 fold state of the batch is discarded), so nothing is released twice. The process ends
 only when no transaction commits for ``BROKER_RETRY_S``, or when another live process
@@ -96,6 +97,7 @@ COMMIT_IDLE_S = 5.0  # seconds between watermark-only commits when nothing is re
 OFFSET_QUERY_TIMEOUT_S = 30.0  # seconds for each committed-offset and watermark query
 BROKER_RETRY_S = 300.0  # seconds of a broker failing every retry before the worker gives up
 RETRY_BACKOFF_S = 0.5  # seconds before retrying a partition's recovery
+CALLS_PER_STALL = 3  # a transactional call's timeout is replay_buffer.txn_stall_s / this
 LINGER_MS = 5  # ms a record waits to batch; small, since each batch is flushed by its commit
 GC_THRESHOLD_ALLOCATIONS = 50_000  # net allocations between young collections (default 700)
 LETTER_REASON_CHARS = 4000  # characters of a decoder's error kept in a dead letter's reason
@@ -141,6 +143,10 @@ def consumer_overrides(cfg: Config) -> dict[str, Any]:
 def transaction_settings(cfg: Config) -> TransactionSettings:
     return TransactionSettings(
         broker_retry_s=BROKER_RETRY_S,
+        stall_s=cfg.replay_buffer.txn_stall_s,
+        # a call that never returns (librdkafka#5456) is found after this plus the grace:
+        # within the stall limit, so a producer wedged by a broker restart is replaced too
+        call_timeout_s=cfg.replay_buffer.txn_stall_s / CALLS_PER_STALL,
         producer_overrides={
             "linger.ms": LINGER_MS,
             "compression.type": "lz4",

@@ -548,6 +548,9 @@ def test_the_buffer_survives_a_broker_restart(tmp_path: Path):
             assert stop_broker(broker_cfg)
             time.sleep(3)
             start_broker(broker_cfg)
+            stall_s = _seconds_to_a_new_release(cfg, time.monotonic(), proc)
+            # read by benchmarks/fault_row_loop.py (pytest -s)
+            print(f"\nbroker-restart stall: {stall_s:.1f} s from the broker back to a release")
             feeder.join(180)
             keys = _wait_for_keys(cfg, _expected_keys(uids), timeout_s=240, procs=[proc])
             assert proc.poll() is None, log.read_text()[-3000:]
@@ -555,6 +558,19 @@ def test_the_buffer_survives_a_broker_restart(tmp_path: Path):
         stop_broker(broker_cfg)
     assert not _dupes(keys), f"released twice: {sorted(_dupes(keys))[:5]}"
     assert set(keys) == _expected_keys(uids)
+
+
+def _seconds_to_a_new_release(cfg: Config, back: float, proc, timeout_s: float = 240.0) -> float:
+    """Seconds from ``back`` (the broker answering again) until a trajectory commits that
+    was not visible at the first read after it: an upper bound of the release stall, since
+    groups keep arriving and the first read may already include the first commit."""
+    seen = len(_keys(cfg))
+    while time.monotonic() - back < timeout_s:
+        assert proc.poll() is None, "the replay buffer exited"
+        if len(_keys(cfg)) > seen:
+            return time.monotonic() - back
+        time.sleep(0.5)
+    raise AssertionError(f"no release within {timeout_s:.0f} s of the broker restart")
 
 
 def _trickle(kafka: KafkaConfig, uids: list[str], pause_s: float) -> None:

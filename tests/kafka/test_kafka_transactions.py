@@ -3,6 +3,9 @@
 - ``rolloutbus/kafka/transactions.py``: a fatal transaction error replaces the producer and
   the next transaction commits, with nothing of the failed one visible; a live process
   holding the same transactional id is told apart from a one-off fencing.
+- a producer whose calls keep failing (a fault injector, below: the wedge after a broker
+  restart cannot be made on demand) is replaced after ``stall_s``, and the transaction it
+  held never shows;
 - ``rolloutbus/kafka/group_member.py``: a consumer fenced by a member with its
   ``group.instance.id`` (what a lone static member can do to itself after a broker restart)
   is replaced and goes on consuming.
@@ -19,7 +22,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from confluent_kafka import Consumer, KafkaException, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 
 from rolloutbus.config import Config, KafkaConfig
 from rolloutbus.errors import BrokerError
@@ -108,6 +111,99 @@ def test_a_live_process_with_the_same_id_ends_the_older_after_repeated_fencing(
     _fence(kafka_config, tid)  # the other process fences again, before any commit here
     with pytest.raises(BrokerError, match="fenced 2 times in a row.*the hint"):
         writer.commit([_record(kafka_config, "b")], _offsets(kafka_config, 1), consumer)
+    consumer.close()
+
+
+# -- a stalled producer ----------------------------------------------------------------------
+
+
+class FailingSendOffsets:
+    """Fault injector (a test double): a real producer whose ``send_offsets_to_transaction``
+    raises ``error`` instead of calling the broker, as librdkafka does when a producer's
+    requests stop leaving the client after a broker restart ("Timed out 0 in-flight, 0
+    retry-queued, 1 out-queue"). Everything else is the real producer's."""
+
+    def __init__(self, producer: Producer, error: KafkaError):
+        self._producer, self._error = producer, error
+        self.calls = 0
+
+    def send_offsets_to_transaction(self, *args, **kwargs):
+        self.calls += 1
+        raise KafkaException(self._error)
+
+    def __getattr__(self, name: str):
+        return getattr(self._producer, name)
+
+
+class FirstProducerFails(TransactionalProducer):
+    """The first producer made fails every send_offsets call; its replacements are real."""
+
+    def __init__(self, *args, error: KafkaError, **kwargs):
+        self.injected: list[FailingSendOffsets] = []
+        self._error = error
+        super().__init__(*args, **kwargs)
+
+    def _new_producer(self):
+        producer = super()._new_producer()
+        if self.injected:
+            return producer
+        self.injected.append(FailingSendOffsets(producer, self._error))
+        return self.injected[0]
+
+
+TIMED_OUT = KafkaError(KafkaError._TIMED_OUT, "Timed out 0 in-flight, 1 out-queue", retriable=True)
+ABORTABLE = KafkaError(KafkaError._TIMED_OUT, "injected: requires abort", txn_requires_abort=True)
+
+
+def _committed_keys(kafka: KafkaConfig) -> list[str]:
+    cfg = Config(kafka=kafka)
+    return [m.key().decode() for m in read_topic(cfg, Topics.from_config(kafka).trajectories)]
+
+
+def test_a_producer_that_keeps_timing_out_is_replaced_after_the_stall_limit(
+    kafka_config: KafkaConfig,
+):
+    """Retried on one producer, the call would time out until broker_retry_s (minutes);
+    after stall_s the producer is replaced, and the new one commits."""
+    consumer = _input_consumer(kafka_config)
+    settings = TransactionSettings(retry_backoff_s=0.1, retry_backoff_max_s=0.2, stall_s=1.5)
+    writer = FirstProducerFails(kafka_config, unique_name("tx"), settings, error=TIMED_OUT)
+    writer.init()
+    started = time.monotonic()
+    with pytest.raises(TransactionAborted) as aborted:
+        writer.commit([_record(kafka_config, "a")], _offsets(kafka_config, 1), consumer)
+    stalled_for = time.monotonic() - started
+    assert (aborted.value.cause, aborted.value.replaced) == ("stalled", True)
+    assert "stall limit" in str(aborted.value)
+    assert writer.injected[0].calls >= 3  # retried on the one producer first
+    assert stalled_for < settings.broker_retry_s  # not retried until the broker limit
+    writer.commit([_record(kafka_config, "b")], _offsets(kafka_config, 2), consumer)
+    assert _committed_keys(kafka_config) == ["b"]  # "a" went with the stalled producer
+    [committed] = consumer.committed(_offsets(kafka_config, 0), timeout=30)
+    assert committed.offset == 2
+    consumer.close()
+
+
+def test_transactions_that_keep_failing_replace_the_producer_after_the_stall_limit(
+    kafka_config: KafkaConfig,
+):
+    """Each transaction aborts cleanly, but the same producer fails the next one too: after
+    stall_s of that the producer is replaced as if one call had stalled."""
+    consumer = _input_consumer(kafka_config)
+    settings = TransactionSettings(retry_backoff_s=0.1, stall_s=1.0)
+    writer = FirstProducerFails(kafka_config, unique_name("tx"), settings, error=ABORTABLE)
+    writer.init()
+    causes = []
+    deadline = time.monotonic() + 30
+    while "stalled" not in causes and time.monotonic() < deadline:
+        with pytest.raises(TransactionAborted) as aborted:
+            writer.commit([_record(kafka_config, "a")], _offsets(kafka_config, 1), consumer)
+        causes.append(aborted.value.cause)
+        time.sleep(0.2)
+    assert causes[0] == "abortable" and causes[-1] == "stalled", causes
+    assert aborted.value.replaced
+    writer.commit([_record(kafka_config, "b")], _offsets(kafka_config, 2), consumer)
+    assert _committed_keys(kafka_config) == ["b"]
     consumer.close()
 
 
