@@ -292,8 +292,8 @@ class ReplayBufferMetrics(PerRegistry):
         self.producer_replacements = Counter(
             "rolloutbus_replay_buffer_producer_replacements_total",
             "Transactional producers replaced by a new one with the same transactional id "
-            "(which fences the old and ends its transaction), by cause: fatal, stalled, wedged, or "
-            "abortable/retries_exhausted when the abort itself failed; replacement events",
+            "(which fences the old and ends its transaction) after a failed transaction, by "
+            "its cause (as transaction_aborts_total); replacement events",
             ["cause"],
             registry=registry,
         )

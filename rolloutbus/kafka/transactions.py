@@ -14,7 +14,8 @@ re-reads from its committed offsets. The protocol, numbered as in the replay buf
 **Failures.**
 
 - *Retriable* (a broker restarting, a coordinator moving): the call is retried with backoff.
-- *Abortable*, not retriable, or retries used up: the transaction is aborted.
+- *Abortable*, not retriable, or retries used up: the transaction is aborted (and the
+  producer replaced, below).
 - *Fatal* (the producer is fenced, or its transaction state is beyond repair, e.g.
   ``INVALID_TXN_STATE`` from ``abort_transaction`` after a broker was SIGKILLed; also an
   abort that fails): the producer is **replaced**, never the process ended. A new producer
@@ -31,10 +32,12 @@ re-reads from its committed offsets. The protocol, numbered as in the replay buf
   with its request never leaving the client ("Timed out 0 in-flight, 0 retry-queued, 1
   out-queue": the client lost its coordinator connection and does not find it again), while
   a new client connects at once. So retriable errors are retried on one producer for at
-  most ``stall_s`` (``replay_buffer.txn_stall_s``, 30 s), and transactions that keep
-  failing for ``stall_s`` with no replacement meanwhile also count as stalled: either way
-  the producer is replaced as for a fatal error; the new one's ``init_transactions`` fences
-  it and aborts its open transaction.
+  most ``stall_s`` (``replay_buffer.txn_stall_s``, 30 s); then the producer is replaced as
+  for a fatal error; the new one's ``init_transactions`` fences it and aborts its open
+  transaction.
+- *Any* failed transaction, even one aborted cleanly, hands the next one to a new producer:
+  after a broker restart a producer that aborted cleanly still wedged its next
+  ``send_offsets_to_transaction``, and a replacement costs one ``init_transactions``.
 - *Authorization* errors are permanent: they raise :class:`BrokerError` at once.
 - A broker that lets no transaction commit for ``broker_retry_s`` raises ``BrokerError``.
 
@@ -110,7 +113,7 @@ class TransactionAborted(RolloutBusError):
     ):
         super().__init__(f"{action}: {detail}")
         self.cause = cause  # abortable, retries_exhausted, stalled, wedged or fatal (a label)
-        self.replaced = replaced  # the producer was replaced (fatal, stalled or wedged)
+        self.replaced = replaced  # the producer was replaced (after every failed transaction)
         self.fenced = fenced  # a newer producer with this transactional id exists
 
 
@@ -150,12 +153,10 @@ class TransactionalProducer:
         self.settings = settings or TransactionSettings()
         self._stop = stop or threading.Event()  # set: stop retrying, fail fast
         self._producer = self._new_producer()
-        self._producer_since = time.monotonic()  # when the producer in use was made
         self._wedged: list[Producer] = []  # a thread may still be inside one: never destroyed
         self._failing_since: float | None = None  # first of consecutive failed transactions
         self._fenced_in_a_row = 0  # fencings since the last commit
         self._aborted_in_a_row = 0  # failed transactions since the last commit
-        self._replaced_in_a_row = 0  # producers replaced since the last commit
 
     # -- the seam ----------------------------------------------------------------------------
     def init(self) -> None:
@@ -207,14 +208,14 @@ class TransactionalProducer:
         """A transaction committed: the failures before it are over (one line saying so)."""
         if self._failing_since is not None:
             log.warning(
-                "%s: transactions commit again after %.1f s (%d failed, %d producers replaced)",
+                "%s: transactions commit again after %.1f s (%d failed, each followed by a "
+                "new producer)",
                 self.transactional_id,
                 time.monotonic() - self._failing_since,
                 self._aborted_in_a_row,
-                self._replaced_in_a_row,
             )
         self._failing_since = None
-        self._fenced_in_a_row = self._aborted_in_a_row = self._replaced_in_a_row = 0
+        self._fenced_in_a_row = self._aborted_in_a_row = 0
 
     def close(self) -> None:
         """Best effort on the way out: the error that ended the run, if any, is the one to
@@ -325,50 +326,34 @@ class TransactionalProducer:
 
     # -- after a failure -------------------------------------------------------------------------
     def _aborted(self, failure: TransactionAborted) -> TransactionAborted:
-        """Abort the failed transaction, or replace the producer where it cannot abort; wait
-        a backoff; the failure as the caller gets it (BrokerError once failing too long)."""
+        """Abort the failed transaction where the producer can, then replace the producer;
+        wait a backoff; the failure as the caller gets it (BrokerError once failing too
+        long)."""
         log.warning("%s: %s (%s)", self.transactional_id, failure, failure.cause)
         self._check_fenced(failure)
         now = time.monotonic()
         self._failing_since = self._failing_since or now
         self._aborted_in_a_row += 1
-        failure = self._stalled_across_transactions(failure, now)
-        replaced = failure.cause in REPLACING_CAUSES
-        if not replaced:
+        if failure.cause not in REPLACING_CAUSES:
             try:
                 self._call(
                     "aborting the transaction",
                     lambda: self._producer.abort_transaction(self.settings.call_timeout_s),
                 )
             except TransactionAborted as again:
-                log.warning("%s: %s; replacing the producer", self.transactional_id, again)
-                failure, replaced = again, True
-        if replaced:
-            self._replaced_in_a_row += 1
-            self._replace(wedged=failure.cause == "wedged")
+                log.warning("%s: %s", self.transactional_id, again)
+                failure = again
+        # A producer that failed a transaction does not get the next one: after a broker
+        # restart one that aborted cleanly still wedged the next send_offsets (seen in the
+        # broker-restart row), and a new one costs an init_transactions
+        self._replace(wedged=failure.cause == "wedged")
         if now - self._failing_since > self.settings.broker_retry_s:
             raise BrokerError(
                 f"{self.transactional_id}: no transaction committed for "
                 f"{self.settings.broker_retry_s:.0f} s; the last one failed: {failure}"
             )
         self._stop.wait(self.settings.retry_backoff_s)
-        return TransactionAborted(
-            failure.cause, "transaction aborted", str(failure), replaced=replaced
-        )
-
-    def _stalled_across_transactions(
-        self, failure: TransactionAborted, now: float
-    ) -> TransactionAborted:
-        """Transactions failing one after another for ``stall_s`` on a producer that was
-        not replaced meanwhile stall as much as one call retried that long: replace it."""
-        failing_for = now - max(self._failing_since or now, self._producer_since)
-        if failure.cause in REPLACING_CAUSES or failing_for <= self.settings.stall_s:
-            return failure
-        detail = (
-            f"{self._aborted_in_a_row} transactions failed, the last {failing_for:.0f} s on one "
-            f"producer (stall limit {self.settings.stall_s:.0f} s), the last: {failure}"
-        )
-        return TransactionAborted("stalled", "transactions keep failing", detail)
+        return TransactionAborted(failure.cause, "transaction aborted", str(failure), replaced=True)
 
     def _check_fenced(self, failure: TransactionAborted) -> None:
         self._fenced_in_a_row += failure.fenced
@@ -388,7 +373,6 @@ class TransactionalProducer:
 
     def _swap_producer(self, *, wedged: bool) -> None:
         old, self._producer = self._producer, self._new_producer()
-        self._producer_since = time.monotonic()
         if wedged:
             self._wedged.append(old)  # a thread is inside it: keep it, never destroy it
         else:  # destroyed off this thread: librdkafka's teardown may wait on its brokers
