@@ -51,6 +51,7 @@ READY_TIMEOUT_S = 300.0  # seconds for k replay buffers to start and share the p
 class Broker:
     bootstrap: str
     pid: int | None  # the JVM's pid when this run started it (its CPU is then reported)
+    data: Path | None = None  # its data folder when this run started it (bytes on disk)
 
 
 def add_common_args(parser: argparse.ArgumentParser) -> None:
@@ -74,7 +75,7 @@ def broker(bootstrap: str | None) -> Iterator[Broker]:
     cfg, pid = _start_on_free_ports(data, start_broker)
     print(f"started a broker on {cfg.kafka.bootstrap_servers}", file=sys.stderr)
     try:
-        yield Broker(cfg.kafka.bootstrap_servers, pid)
+        yield Broker(cfg.kafka.bootstrap_servers, pid, data)
     finally:
         gc.collect()  # clients the benchmark dropped are destroyed while their broker runs
         stop_broker(cfg)

@@ -4,6 +4,7 @@ replica (a test double: no model, fixed tokens). Used by tests and the throughpu
 from __future__ import annotations
 
 import asyncio
+import random
 import uuid
 
 from rolloutbus.schemas.agent_loop import AgentLoopMetrics, AgentLoopOutput, TokenOutput
@@ -23,13 +24,26 @@ N, TURNS, GEN_TOKENS, OBS_TOKENS, PROMPT_TOKENS = 4, 3, 128, 32, 256
 SETTINGS = GroupSettings(prompt_length=1024, response_length=512)
 
 
-class InstantReplica:
-    """Test double for a replica: answers at once with fixed tokens and logprobs."""
+VOCAB = 151_936  # Qwen3's vocabulary size, for varied token ids
 
-    def __init__(self, gen_tokens: int = GEN_TOKENS):
+
+class InstantReplica:
+    """Test double for a replica: answers at once with fixed tokens and logprobs, or, with
+    ``varied``, seeded ones shaped like a model's (token ids heavy on the frequent end of a
+    real vocabulary, logprobs mostly near 0 with a tail): what compresses like a rollout."""
+
+    def __init__(self, gen_tokens: int = GEN_TOKENS, varied: random.Random | None = None):
         self.gen_tokens = gen_tokens
+        self.varied = varied
 
     async def generate(self, request_id, *, prompt_ids, sampling_params, **kw):
+        if self.varied is not None:
+            rng = self.varied
+            return TokenOutput(
+                token_ids=[int(rng.paretovariate(0.6)) % VOCAB for _ in range(self.gen_tokens)],
+                log_probs=[-rng.expovariate(3.0) for _ in range(self.gen_tokens)],
+                stop_reason="completed",
+            )
         return TokenOutput(
             token_ids=list(range(1000, 1000 + self.gen_tokens)),
             log_probs=[-0.5] * self.gen_tokens,
@@ -44,7 +58,11 @@ def settings_for(gen_tokens: int) -> GroupSettings:
 
 
 async def _session_events(
-    uid: str, session_id: int, attempt: str, gen_tokens: int = GEN_TOKENS
+    uid: str,
+    session_id: int,
+    attempt: str,
+    gen_tokens: int = GEN_TOKENS,
+    varied: random.Random | None = None,
 ) -> list[tuple[str, bytes]]:
     events: list = []
 
@@ -53,7 +71,7 @@ async def _session_events(
 
     ids = {"uid": uid, "session_id": session_id, "attempt": attempt}
     events.append(SessionStarted(**ids, agent_name="tool_agent"))
-    rec = RecordingLLMClient(InstantReplica(gen_tokens), emit, **ids)
+    rec = RecordingLLMClient(InstantReplica(gen_tokens, varied), emit, **ids)
     stream = list(range(PROMPT_TOKENS))
     mask: list[int] = []
     for turn in range(TURNS):
@@ -80,10 +98,13 @@ async def _session_events(
 
 
 def group_events(
-    uid: str, attempt: str = "a", gen_tokens: int = GEN_TOKENS
+    uid: str,
+    attempt: str = "a",
+    gen_tokens: int = GEN_TOKENS,
+    varied: random.Random | None = None,
 ) -> list[tuple[str, str, bytes]]:
     """(uid, key, value) for every event of one group of N sessions, in log order;
-    ``gen_tokens`` sampled tokens per turn."""
+    ``gen_tokens`` sampled tokens per turn (varied ones drawn from ``varied``)."""
     started = GroupStarted(
         uid=uid,
         attempt=attempt,
@@ -93,13 +114,17 @@ def group_events(
     )
     out = [(uid, uid, encode_turn_event(started))]
     for s in range(N):
-        session = asyncio.run(_session_events(uid, s, attempt, gen_tokens))
+        session = asyncio.run(_session_events(uid, s, attempt, gen_tokens, varied))
         out.extend((uid, k, v) for k, v in session)
     return out
 
 
-def make_events(groups: int, gen_tokens: int = GEN_TOKENS) -> list[tuple[str, str, bytes]]:
+def make_events(
+    groups: int, gen_tokens: int = GEN_TOKENS, *, varied_seed: int | None = None
+) -> list[tuple[str, str, bytes]]:
+    """``groups`` groups' events; with ``varied_seed``, seeded varied tokens and logprobs."""
+    varied = None if varied_seed is None else random.Random(varied_seed)
     out = []
     for _ in range(groups):
-        out.extend(group_events(uuid.uuid4().hex, gen_tokens=gen_tokens))
+        out.extend(group_events(uuid.uuid4().hex, gen_tokens=gen_tokens, varied=varied))
     return out

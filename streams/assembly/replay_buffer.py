@@ -149,7 +149,7 @@ def transaction_settings(cfg: Config) -> TransactionSettings:
         call_timeout_s=cfg.replay_buffer.txn_stall_s / CALLS_PER_STALL,
         producer_overrides={
             "linger.ms": LINGER_MS,
-            "compression.type": "lz4",
+            "compression.type": cfg.replay_buffer.compression,
             "transaction.timeout.ms": int(cfg.replay_buffer.transaction_timeout_s * 1000),
         },
         fenced_hint=FENCED_HINT,

@@ -42,6 +42,7 @@ WITH_BROKER = {
     "durability_tax.py": r"ratio bus/in-process sessions/s: \d",
     "recovery.py": r"sessions +1 +\d",
     "capacity.py": r"replay buffers +\d",
+    "compression.py": r"lz4 +\d",
     "soak.py": r"groups published \d+, released \d+",
     "learning_curve.py": r"\| async \| \d+",
 }
