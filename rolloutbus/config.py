@@ -301,6 +301,15 @@ class SessionsConfig(_Section):
     # it exits 75 for its supervisor to restart it (streams/sessions/consumer_watch.py).
     # Above the group's session timeout and a rebalance on a busy host.
     consumer_stall_s: float = Field(default=120.0, gt=0)
+    # tokens; a turn is sampled in requests of at most this many tokens, each but the last
+    # logged as a generation_chunk event as soon as it is sampled, so a session resumed
+    # after a crash continues its turn from the logged chunks and samples again at most
+    # one chunk (streams/sessions/chunking.py). 0: off, a turn is one request and logged
+    # when it ends (a crash samples the whole turn again). Off by default: each chunk is
+    # one more request (the replica prefills prompt and chunks again, which vLLM's prefix
+    # cache makes cheap) and its tokens are logged twice (chunk, then the turn's
+    # generation); set it (e.g. 256) for long reasoning turns.
+    chunk_tokens: int = Field(default=0, ge=0)
     # Faust's local folder (it keeps no tables here, but creates one): {data_dir}/{app_id}.
     # Faust's default, "{app_id}-data" in the working directory, littered checkouts.
     data_dir: Path = Path("var/faust")

@@ -22,6 +22,7 @@ from rolloutbus.schemas.trajectories import (
 )
 from rolloutbus.schemas.turns import (
     Generation,
+    GenerationChunk,
     GroupSettings,
     GroupStarted,
     Observation,
@@ -44,6 +45,7 @@ __all__ = [
     "DatasetRow",
     "DeadLetter",
     "Generation",
+    "GenerationChunk",
     "GroupSamplingParams",
     "GroupSettings",
     "GroupStarted",

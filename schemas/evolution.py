@@ -74,13 +74,15 @@ def upcaster_steps(kind: str) -> set[int]:
     return {n for k, n in _UPCASTERS if k == kind}
 
 
-def check_record_version(kind: str, record_version: Any) -> int:
-    """The record's version as an int; SchemaError if it is not one or is newer than ours."""
+def check_record_version(kind: str, record_version: Any, record_type: Any = None) -> int:
+    """The record's version as an int; SchemaError if it is not one or is newer than ours.
+    ``record_type`` (an event's ``type``), when given, is named in the error."""
+    what = f"{kind} record" if record_type is None else f"{kind} record of type {record_type!r}"
     if isinstance(record_version, bool) or not isinstance(record_version, int):
-        raise SchemaError(f"a {kind} record's schema version is {record_version!r}, not an integer")
+        raise SchemaError(f"a {what}'s schema version is {record_version!r}, not an integer")
     if record_version > version.SCHEMA_VERSION:
         raise SchemaError(
-            f"a {kind} record was written with schema version {record_version}, newer than "
+            f"a {what} was written with schema version {record_version}, newer than "
             f"this reader's {version.SCHEMA_VERSION}: upgrade the reader (the record is kept "
             "unchanged on its topic and in the dead-letter topic)"
         )
@@ -126,7 +128,7 @@ def decode_json_record(adapter: TypeAdapter[T], data: bytes | str, kind: str) ->
         record = adapter.validate_json(data)
     except ValidationError as exc:
         return _decode_other_version(adapter, data, kind, exc)
-    if getattr(record, "schema_version", version.SCHEMA_VERSION) == version.SCHEMA_VERSION:
+    if getattr(record, "schema_version", version.SCHEMA_VERSION) == _written_version(record):
         return record
     return _decode_other_version(adapter, data, kind, None)
 
@@ -140,7 +142,7 @@ def _decode_other_version(
             raise SchemaError(f"a {kind} record is not a JSON object")
         raise error
     record_version = check_record_version(
-        kind, fields.get("schema_version", version.SCHEMA_VERSION)
+        kind, fields.get("schema_version", version.SCHEMA_VERSION), fields.get("type")
     )
     if record_version < version.SCHEMA_VERSION:
         return adapter.validate_json(json.dumps(upcast(kind, fields, record_version)))
@@ -151,6 +153,15 @@ def _decode_other_version(
         raise error  # not (only) a newer writer's fields: the record is bad
     warn_ignored(kind, [".".join(str(step) for step in loc) for loc in unknown])
     return adapter.validate_json(json.dumps(fields))
+
+
+def _written_version(record: object) -> Any:
+    """The version this code writes ``record``'s model with: ``SCHEMA_VERSION``, or a newer
+    one for an event type that a reader of ``SCHEMA_VERSION`` must refuse rather than skip
+    (``turns.GenerationChunk``: its model's own ``schema_version`` default)."""
+    fields = getattr(type(record), "model_fields", {})
+    stamp = fields.get("schema_version")
+    return version.SCHEMA_VERSION if stamp is None else stamp.default
 
 
 def _json_object(data: bytes | str) -> dict[str, Any] | None:

@@ -138,6 +138,34 @@ class Generation(_SessionEvent):
     routed_experts: RoutedExperts | None = None
 
 
+# The schema version a ``generation_chunk`` is written with. The event is add-only for this
+# reader (no other record changes), but a reader of version 1 must not skip it: chunks take
+# seq numbers, so skipping them leaves a gap that holds back the session's later events.
+# Stamped 2, it is refused by every version-1 reader with a SchemaError that names version 2
+# (``evolution.check_record_version``); every other record is still written as version 1.
+GENERATION_CHUNK_VERSION = 2
+
+
+class GenerationChunk(_SessionEvent):
+    """Part of the turn in flight (``sessions.chunk_tokens``): ``token_ids`` are the turn's
+    sampled tokens ``start .. start + len(token_ids)``, logged before the turn ends so that a
+    session resumed after a crash continues the turn from them instead of sampling it again.
+    The turn's ``generation`` event, once logged, holds every token of the turn (chunks
+    included): the fold takes the tokens from it and only the policy versions from the
+    chunks (``streams/assembly/session_fold.py``)."""
+
+    schema_version: int = GENERATION_CHUNK_VERSION
+    type: Literal["generation_chunk"] = "generation_chunk"
+    segment: int = Field(ge=0)
+    turn: int = Field(ge=0)
+    index: int = Field(ge=0)  # the chunk's place in its turn, from 0
+    start: int = Field(ge=0)  # the turn's tokens logged before this chunk
+    token_ids: TokenIds
+    logprobs: Logprobs | None = None
+    policy_version: Int64 | None = None  # the version that sampled the chunk's last token
+    replica: str = ""
+
+
 class Observation(_SessionEvent):
     type: Literal["observation"] = "observation"
     segment: int = Field(ge=0)
@@ -194,6 +222,7 @@ TurnEvent = Annotated[
     | SessionStarted
     | SegmentStarted
     | Generation
+    | GenerationChunk
     | Observation
     | SessionFinished
     | SessionFailed,

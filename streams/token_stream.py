@@ -7,6 +7,7 @@ logprobs and policy versions by construction.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,12 +39,22 @@ class SegmentStream:
         version: int | None,
         first_version: int | None = None,
         routed_experts: RoutedExperts | None = None,
+        chunk_versions: Sequence[tuple[int, int | None]] = (),
     ) -> None:
         """``version`` sampled the turn's last token; ``first_version``, when another, its
         first (the weights changed mid-turn): recorded as a span ending at the first token,
-        so any output holding the turn counts both in its min/max policy version."""
+        so any output holding the turn counts both in its min/max policy version.
+
+        ``chunk_versions``: ``(end, version)`` of each chunk logged while the turn was in
+        flight (``end``: the turn's tokens through the chunk). A chunk sampled by another
+        version than the turn's last token (a turn resumed after a crash, the weights
+        changed in between) is recorded as a span ending at its last token; chunks of the
+        turn's own version add nothing, so a chunked turn folds as an unchunked one."""
         if first_version is not None and first_version != version and token_ids:
             self.versions.append((len(self.tokens) + 1, first_version))
+        for end, chunk_version in chunk_versions:
+            if chunk_version is not None and chunk_version != version and 0 < end <= len(token_ids):
+                self.versions.append((len(self.tokens) + end, chunk_version))
         self.tokens.extend(token_ids)
         self.mask.extend([1] * len(token_ids))
         self.logprobs.extend(logprobs if logprobs is not None else [0.0] * len(token_ids))

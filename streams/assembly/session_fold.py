@@ -29,6 +29,7 @@ from typing import Any
 from rolloutbus.errors import SchemaError
 from rolloutbus.schemas.turns import (
     Generation,
+    GenerationChunk,
     Observation,
     SegmentStarted,
     SessionFailed,
@@ -52,6 +53,9 @@ class SessionFold:
     error: str | None = None  # why this attempt's log cannot be folded; it settles as failed
     last_seq: int = -1  # seq of the last event applied
     ignored: int = 0  # duplicates and events held back after a gap
+    # the chunks logged of the turn in flight, until its generation event (which holds all
+    # its tokens) arrives: they give it their policy versions (``token_stream``)
+    chunks: list[GenerationChunk] = field(default_factory=list)
 
     def apply(self, event: Any) -> bool:
         """Fold one event; False when it was ignored (a duplicate, or after a gap)."""
@@ -106,14 +110,40 @@ class SessionFold:
         elif isinstance(event, Generation):
             first, last = generation_versions(event.policy_version, event.extra_fields)
             self._segment(event).add_generation(
-                event.token_ids, event.logprobs, last, first, event.routed_experts
+                event.token_ids,
+                event.logprobs,
+                last,
+                first,
+                event.routed_experts,
+                self._chunk_versions(event),
             )
+        elif isinstance(event, GenerationChunk):
+            self._segment(event)  # a chunk of a segment that never started breaks the log
+            if self.chunks and (self.chunks[0].segment, self.chunks[0].turn) != (
+                event.segment,
+                event.turn,
+            ):
+                self.chunks = []  # a turn that ended without its generation: not in the fold
+            self.chunks.append(event)
         elif isinstance(event, Observation):
             self._segment(event).add_observation(event.token_ids)
         else:
             raise SchemaError(f"unexpected event type {type(event).__name__} in session fold")
 
-    def _segment(self, event: Generation | Observation) -> SegmentStream:
+    def _chunk_versions(self, event: Generation) -> list[tuple[int, int | None]]:
+        """``(end, version)`` of the logged chunks of ``event``'s turn that its tokens
+        begin with (the generation is the truth; a chunk it does not hold is dropped)."""
+        chunks, self.chunks = self.chunks, []
+        spans = []
+        for chunk in chunks:
+            end = chunk.start + len(chunk.token_ids)
+            if (chunk.segment, chunk.turn) == (event.segment, event.turn) and list(
+                event.token_ids[chunk.start : end]
+            ) == list(chunk.token_ids):
+                spans.append((end, chunk.policy_version))
+        return spans
+
+    def _segment(self, event: Generation | GenerationChunk | Observation) -> SegmentStream:
         try:
             return self.segments[event.segment]
         except KeyError:

@@ -41,12 +41,14 @@ from rolloutbus.schemas.control import as_policy_version
 from rolloutbus.schemas.routed_experts import RoutedExperts
 from rolloutbus.schemas.turns import (
     Generation,
+    GenerationChunk,
     Observation,
     OutputSummary,
     SegmentStarted,
     SessionIds,
 )
 from rolloutbus.streams.agent_loop.tracing import trace_span
+from rolloutbus.streams.sessions.chunking import ChunkSettings, chunk_event, generate_in_chunks
 from rolloutbus.streams.token_stream import SegmentStream, generation_versions, turn_version
 
 Emit = Callable[[BaseModel], Awaitable[None]]
@@ -67,8 +69,12 @@ class RecordingLLMClient:
         replay: Sequence[Any] = (),
         tokenizer: Any = None,
         routing_replay: bool = False,
+        chunks: ChunkSettings | None = None,
     ):
         self._client = client
+        # None: every turn is one request, logged when it ends; else each turn is sampled
+        # in chunks logged as they come, and a resumed turn goes on from its logged chunks
+        self._chunks = chunks
         self._routing_replay = routing_replay  # keep and log each turn's routed experts
         self._tokenizer = tokenizer  # tells a re-tokenized history from an edited one
         self.rerendered_segments = 0  # segments started by a loop that edited its history
@@ -82,6 +88,7 @@ class RecordingLLMClient:
         # and a logged generation answers generate() instead of the replica.
         self._replay: deque[Any] = deque(replay)
         self.replayed_generations = 0
+        self.replayed_chunks = 0  # chunks of turns in flight taken from the log
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._client, name)  # extra client API (e.g. add_replica) passes through
@@ -96,12 +103,13 @@ class RecordingLLMClient:
     ) -> TokenOutput:
         async with self._lock:
             segment = await self._log_prompt(list(prompt_ids))
+            logged = await self._replay_chunks(segment)
             if self._replay:
                 return await self._replay_generation(segment)
             started = time.monotonic()
             with trace_span("generate", segment=segment, turn=self._turn) as span:
-                out: TokenOutput = await self._client.generate(
-                    request_id, prompt_ids=prompt_ids, sampling_params=sampling_params, **kwargs
+                out = await self._sample(
+                    request_id, list(prompt_ids), sampling_params, segment, logged, kwargs
                 )
                 span.update(prompt_tokens=len(prompt_ids), response_tokens=len(out.token_ids))
             routed = self._routed_experts(out)
@@ -137,6 +145,53 @@ class RecordingLLMClient:
             )
             self._turn += 1
             return out
+
+    async def _sample(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        sampling_params: dict[str, Any],
+        segment: int,
+        logged: list[GenerationChunk],
+        kwargs: dict[str, Any],
+    ) -> TokenOutput:
+        """The turn from the replica: in one request, or in chunks logged as they come."""
+        if self._chunks is None or (self._chunks.chunk_tokens <= 0 and not logged):
+            if logged:
+                raise self._diverged("a turn without chunks", logged[0])
+            out: TokenOutput = await self._client.generate(
+                request_id, prompt_ids=prompt_ids, sampling_params=sampling_params, **kwargs
+            )
+            return out
+
+        async def log_chunk(index: int, start: int, piece: TokenOutput) -> None:
+            await self._emit(chunk_event(self._ids, segment, self._turn, index, start, piece))
+
+        return await generate_in_chunks(
+            self._client,
+            request_id,
+            prompt_ids,
+            sampling_params,
+            self._chunks,
+            log_chunk,
+            logged=logged,
+            **kwargs,
+        )
+
+    async def _replay_chunks(self, segment: int) -> list[GenerationChunk]:
+        """The logged chunks of the turn in flight, logged again under this attempt: the
+        turn goes on after them (or a logged generation of the whole turn follows)."""
+        logged: list[GenerationChunk] = []
+        while self._replay and isinstance(self._replay[0], GenerationChunk):
+            chunk = self._replay[0]
+            start = sum(len(c.token_ids) for c in logged)
+            if (chunk.segment, chunk.index, chunk.start) != (segment, len(logged), start):
+                raise self._diverged(f"chunk {len(logged)} of a turn on segment {segment}", chunk)
+            self._replay.popleft()
+            await self._emit(chunk.model_copy(update={**self._ids, "turn": self._turn}))
+            logged.append(chunk)
+        self.replayed_chunks += len(logged)
+        return logged
 
     def _routed_experts(self, out: TokenOutput) -> RoutedExperts | None:
         """The turn's routed experts as logged; None without routing replay."""

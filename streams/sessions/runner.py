@@ -52,6 +52,7 @@ from rolloutbus.streams.agent_loop.tools import load_tool_catalog
 from rolloutbus.streams.agent_loop.tracing import collect_spans, trace_span
 from rolloutbus.streams.inference.llm_client import ReplicaRequestError
 from rolloutbus.streams.reward import reward_fn_from_config, score_outputs_async
+from rolloutbus.streams.sessions.chunking import ChunkSettings
 from rolloutbus.streams.sessions.recorder import Emit, RecordingLLMClient
 from rolloutbus.streams.sessions.recovery import LoggedAttempt
 
@@ -279,6 +280,7 @@ async def _run_attempt(
             replay=resume.history() if resume else (),
             tokenizer=ctx.tokenizer,
             routing_replay=ctx.config.rollout.enable_rollout_routing_replay,
+            chunks=ChunkSettings(ctx.config.sessions.chunk_tokens, ctx.config.rollout),
         )
         try:
             with collect_spans() as spans:
