@@ -39,7 +39,14 @@ from pydantic import (
 )
 
 from rolloutbus.config_loading import ENV_PREFIX as ENV_PREFIX
-from rolloutbus.config_loading import KeyTree, read_tree, suggest, to_our_layout
+from rolloutbus.config_loading import (
+    KeyTree,
+    Where,
+    read_sources,
+    suggest,
+    to_our_layout,
+    where_of,
+)
 from rolloutbus.errors import ConfigError
 from rolloutbus.verl_keys import VERL_KEYS_ACCEPTED_NOT_USED as VERL_KEYS_ACCEPTED_NOT_USED
 from rolloutbus.verl_keys import VERL_KEYS_IGNORED as VERL_KEYS_IGNORED
@@ -700,18 +707,19 @@ _KNOWN_KEYS = key_tree()
 
 
 def load_config(
-    path: str | Path | None = None,
+    path: str | Path | Sequence[str | Path] | None = None,
     env: Mapping[str, str] | None = None,
     overrides: Sequence[str] = (),
 ) -> Config:
-    """Read a YAML file (ours, or a whole verl trainer config), apply ``ROLLOUTBUS__*``
-    environment variables, then ``key=value`` overrides (ours or verl's names), and validate
-    once. Precedence: file < environment < overrides. See ``rolloutbus.config_loading``."""
+    """Read YAML files (ours, or a whole verl trainer config; several merge in order, the
+    later winning key by key), apply ``ROLLOUTBUS__*`` environment variables, then
+    ``key=value`` overrides (ours or verl's names), and validate once. Precedence: files <
+    environment < overrides. See ``rolloutbus.config_loading``."""
     env = os.environ if env is None else env
-    where = f" in {path}" if path is not None else ""
-    tree = read_tree(path, env, overrides)
-    loaded = to_our_layout(tree, _KNOWN_KEYS, where, env)
-    cfg = _validate(loaded.raw, where, loaded.origin)
+    paths = [] if path is None else [path] if isinstance(path, str | Path) else list(path)
+    tree, sources = read_sources(paths, env, overrides)
+    loaded = to_our_layout(tree, _KNOWN_KEYS, sources, env)
+    cfg = _validate(loaded.raw, sources, loaded.origin)
     _log_ignored(loaded.ignored)
     for sentence in loaded.unsupported:
         logger.warning("%s", sentence)
@@ -731,7 +739,7 @@ def with_overrides(cfg: Config, overrides: dict[str, Any]) -> Config:
     return _validate(raw, "", {})
 
 
-def _validate(raw: dict[str, Any], where: str, origin: Mapping[str, str]) -> Config:
+def _validate(raw: dict[str, Any], where: Where, origin: Mapping[str, str]) -> Config:
     try:
         return Config.model_validate(raw)
     except ValidationError as exc:
@@ -807,7 +815,7 @@ def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
 
 
 def _describe_validation_error(
-    exc: ValidationError, where: str, origin: Mapping[str, str] | None = None
+    exc: ValidationError, where: Where, origin: Mapping[str, str] | None = None
 ) -> str:
     lines = []
     for err in exc.errors():
@@ -817,9 +825,9 @@ def _describe_validation_error(
             parent, _, leaf = key.rpartition(".")
             nearest = suggest(leaf, _section_keys(parent))
             hint = f": did you mean `{nearest}`?" if nearest else ""
-            lines.append(f"unknown config key '{written}'{where}{hint}")
+            lines.append(f"unknown config key '{written}'{where_of(where, written)}{hint}")
         else:
-            lines.append(f"config key '{written}'{where}: {err['msg']}")
+            lines.append(f"config key '{written}'{where_of(where, written)}: {err['msg']}")
     return "; ".join(lines)
 
 

@@ -3,7 +3,10 @@ layout, ready for the config models (``rolloutbus.config.load_config`` validates
 
 1. The file is read with OmegaConf, as verl reads its own: relative (``${.x}``), absolute
    (``${a.b}``) and nested interpolations, ``${oc.env:HOME}``, ``${oc.select:a.b,default}``.
-   ``???`` (missing) values are fine wherever nothing reads them.
+   ``???`` (missing) values are fine wherever nothing reads them. Several files (``-c a.yaml
+   -c b.yaml``) merge in order, as Hydra's and kubectl's do: each key of a later file is
+   set where the tree keeps that setting (our name or verl's), so the later file wins key
+   by key and a section it does not name is kept.
 2. Overrides are set into that tree before anything is resolved, so an interpolation sees
    them: first ``ROLLOUTBUS__SECTION__KEY`` environment variables, then command-line
    ``key=value`` (hydra's syntax; ``+key=value`` and ``++key=value`` too). Precedence: file
@@ -64,6 +67,43 @@ class LoadedTree:
     origin: dict[str, str] = field(default_factory=dict)
 
 
+@dataclass
+class Sources:
+    """Where each key of a tree was set, so a message names the real source: the file, a
+    later file, an environment variable or a command-line override."""
+
+    files: list[Path] = field(default_factory=list)
+    # a key as placed in the tree -> " in b.yaml", " (from override 'rollout.n=abc')", ...
+    set_by: dict[str, str] = field(default_factory=dict)
+
+    def record(self, placed: str, where: str) -> None:
+        """``placed`` (and everything under it) was set last by ``where``."""
+        for key in [k for k in self.set_by if k.startswith(placed + ".")]:
+            del self.set_by[key]
+        self.set_by[placed] = where
+
+    def where(self, written: str) -> str:
+        """ " in FILE", " (from ...)" or "" for a key as written in the tree."""
+        parts = written.split(".")
+        for i in range(len(parts), 0, -1):
+            found = self.set_by.get(".".join(parts[:i]))
+            if found is not None:
+                return found
+        # a section (or a value) whose contents one source set: ``rollout.n.x=1``
+        below = {w for k, w in self.set_by.items() if k.startswith(written + ".")}
+        if len(below) == 1:
+            return below.pop()
+        return f" in {self.files[0]}" if self.files else ""
+
+
+Where = str | Sources  # a fixed " in FILE" (or ""), or the sources of a tree
+
+
+def where_of(where: Where, written: str) -> str:
+    """The source of ``written`` for a message: " in FILE", " (from ...)" or ""."""
+    return where.where(written) if isinstance(where, Sources) else where
+
+
 def is_override(token: str) -> bool:
     """Whether a command-line token is a ``dotted.key=value`` override."""
     return OVERRIDE.match(token) is not None
@@ -79,13 +119,15 @@ def parse_override(token: str) -> tuple[str, Any]:
     return key, _yaml_value(text, f"override {token!r}") if text != "" else ""
 
 
-def env_overrides(env: Mapping[str, str]) -> list[tuple[str, Any]]:
-    """``ROLLOUTBUS__ROLLOUT__N=8`` -> ("rollout.n", 8); an empty value is null."""
+def env_overrides(env: Mapping[str, str]) -> list[tuple[str, str, Any]]:
+    """``ROLLOUTBUS__ROLLOUT__N=8`` -> ("ROLLOUTBUS__ROLLOUT__N", "rollout.n", 8); an empty
+    value is null."""
     out = []
     for name, text in env.items():
         if name.startswith(ENV_PREFIX):
             key = name[len(ENV_PREFIX) :].lower().replace("__", ".")
-            out.append((key, _yaml_value(text, f"environment variable {name}") if text else None))
+            value = _yaml_value(text, f"environment variable {name}") if text else None
+            out.append((name, key, value))
     return out
 
 
@@ -105,13 +147,44 @@ def read_tree(
     overrides: Iterable[str] = (),
 ) -> DictConfig:
     """The file (or nothing) with the environment's, then the command line's, overrides."""
-    tree = _read_file(Path(path)) if path is not None else OmegaConf.create({})
-    for key, value in env_overrides(env):
-        set_override(tree, key, value, f"environment variable {ENV_PREFIX}...{key}")
+    return read_sources([] if path is None else [path], env, overrides)[0]
+
+
+def read_sources(
+    paths: Sequence[str | Path],
+    env: Mapping[str, str],
+    overrides: Iterable[str] = (),
+) -> tuple[DictConfig, Sources]:
+    """The files merged in order, then the environment's and the command line's overrides;
+    with where each key was set."""
+    sources = Sources(files=[Path(p) for p in paths])
+    tree = _read_file(sources.files[0]) if sources.files else OmegaConf.create({})
+    for later in sources.files[1:]:
+        _merge_file(tree, later, sources)
+    for name, key, value in env_overrides(env):
+        what = f"environment variable {name}"
+        sources.record(set_override(tree, key, value, what), f" (from {what})")
     for token in overrides:
         key, value = parse_override(token)
-        set_override(tree, key, value, f"override {token!r}")
-    return tree
+        what = f"override {token!r}"
+        sources.record(set_override(tree, key, value, what), f" (from {what})")
+    return tree, sources
+
+
+def _merge_file(tree: DictConfig, path: Path, sources: Sources) -> None:
+    """Every leaf of a later file set into ``tree`` (interpolations kept as written)."""
+    later = OmegaConf.to_container(_read_file(path), resolve=False)
+    assert isinstance(later, dict)  # _read_file refuses a list
+    for key, value in _leaves(later, ""):
+        sources.record(set_override(tree, key, value, f"config file {path}"), f" in {path}")
+
+
+def _leaves(node: Mapping[Any, Any], prefix: str) -> Iterable[tuple[str, Any]]:
+    for key, value in node.items():
+        if isinstance(value, Mapping) and value:
+            yield from _leaves(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
 
 
 def _read_file(path: Path) -> DictConfig:
@@ -134,13 +207,14 @@ def _read_file(path: Path) -> DictConfig:
     return tree
 
 
-def set_override(tree: DictConfig, key: str, value: Any, what: str) -> None:
-    """Set ``key`` where the file keeps that setting (our name or verl's)."""
+def set_override(tree: DictConfig, key: str, value: Any, what: str) -> str:
+    """Set ``key`` where the file keeps that setting (our name or verl's); returns where."""
     placed = placement(tree, key)
     try:
         OmegaConf.update(tree, placed, value, merge=False, force_add=True)
     except (OmegaConfBaseException, ValueError) as exc:
         raise ConfigError(f"{what}: cannot set {placed}: {_first_line(exc)}") from exc
+    return placed
 
 
 def placement(tree: DictConfig, key: str) -> str:
@@ -180,12 +254,15 @@ def _holds(tree: DictConfig, dotted: str) -> bool:
 
 
 def to_our_layout(
-    tree: DictConfig, known: KeyTree, where: str = "", env: Mapping[str, str] = os.environ
+    tree: DictConfig, known: KeyTree, where: Where = "", env: Mapping[str, str] = os.environ
 ) -> LoadedTree:
-    """Read ``tree`` into our layout (see the module docstring). ``where``: " in FILE";
-    ``env``: where verl's file logger finds its path."""
+    """Read ``tree`` into our layout (see the module docstring). ``where``: " in FILE", or
+    the tree's ``Sources``; ``env``: where verl's file logger finds its path."""
     if _holds(tree, "rollout") and _holds(tree, ROLLOUT_BLOCK):
-        raise ConfigError(f"config{where} has both 'rollout' and '{ROLLOUT_BLOCK}': keep one")
+        raise ConfigError(
+            f"config{where_of(where, ROLLOUT_BLOCK)} has both 'rollout' and '{ROLLOUT_BLOCK}': "
+            "keep one"
+        )
     walk = _Walk(tree, known, where)
     walk.section(tree, "")
     if walk.unknown:
@@ -197,7 +274,7 @@ def to_our_layout(
 
 
 class _Walk:
-    def __init__(self, tree: DictConfig, known: KeyTree, where: str):
+    def __init__(self, tree: DictConfig, known: KeyTree, where: Where):
         self.tree = tree
         self.known = known
         self.where = where
@@ -236,17 +313,20 @@ class _Walk:
                 value = OmegaConf.to_container(value, resolve=True, throw_on_missing=True)
         except MissingMandatoryValue as exc:
             raise ConfigError(
-                f"config key '{written}'{self.where} is '???' (required): give it a value"
+                f"config key '{written}'{where_of(self.where, written)} is '???' (required): "
+                "give it a value"
             ) from exc
         except OmegaConfBaseException as exc:
-            raise ConfigError(f"config key '{written}'{self.where}: {_first_line(exc)}") from exc
+            raise ConfigError(
+                f"config key '{written}'{where_of(self.where, written)}: {_first_line(exc)}"
+            ) from exc
         return value
 
     def put(self, target: str, value: Any, written: str) -> None:
         if target in self.loaded.origin:
             raise ConfigError(
-                f"config keys '{self.loaded.origin[target]}' and '{written}'{self.where} both "
-                f"set {target}: keep one"
+                f"config keys '{self.loaded.origin[target]}' and '{written}'"
+                f"{where_of(self.where, written)} both set {target}: keep one"
             )
         self.loaded.origin[target] = written
         *parents, leaf = target.split(".")
@@ -256,7 +336,7 @@ class _Walk:
         out[leaf] = value
 
     def describe_unknown(self, written: str, name: str) -> str:
-        message = f"unknown config key '{written}'{self.where}"
+        message = f"unknown config key '{written}'{where_of(self.where, written)}"
         parent, _, leaf = name.rpartition(".")
         nearest = suggest(leaf, _siblings(self.known, parent))
         return message + (f": did you mean `{nearest}`?" if nearest else "")

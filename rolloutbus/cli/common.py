@@ -24,10 +24,13 @@ def add_config(p: argparse.ArgumentParser) -> None:
         "-c",
         "--config",
         type=Path,
+        action="append",
         default=None,
-        help="YAML config file: ours, or a whole verl trainer config; ROLLOUTBUS__SECTION__KEY "
-        "env vars override it, and KEY=VALUE arguments (anywhere on the line, our or verl's "
-        "key names: rollout.n=8, actor_rollout_ref.rollout.n=8) override both",
+        help="YAML config file: ours, or a whole verl trainer config; repeatable: files merge "
+        "in order, a later one winning key by key (as Hydra and kubectl); "
+        "ROLLOUTBUS__SECTION__KEY env vars override them, and KEY=VALUE arguments (anywhere "
+        "on the line, our or verl's key names: rollout.n=8, actor_rollout_ref.rollout.n=8) "
+        "override all",
     )
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging on stderr")
 

@@ -342,9 +342,18 @@ def test_override_values_are_yaml_and_hydras_prefixes_are_accepted():
 @pytest.mark.parametrize(
     "override, message",
     [
-        ("rollout.nn=8", r"unknown config key 'rollout.nn': did you mean `n`\?"),
-        ("rollout.n=zero", r"config key 'rollout.n': Input should be a valid integer"),
-        ("rollout.n.x=1", r"config key 'rollout.n': Input should be a valid integer"),
+        (
+            "rollout.nn=8",
+            r"unknown config key 'rollout.nn' \(from override 'rollout.nn=8'\): did you mean `n`\?",
+        ),
+        (
+            "rollout.n=zero",
+            r"config key 'rollout.n' \(from override 'rollout.n=zero'\): Input should be a valid",
+        ),
+        (
+            "rollout.n.x=1",
+            r"config key 'rollout.n' \(from override 'rollout.n.x=1'\): Input should be a valid",
+        ),
         ("rollout.n=[1", r"not valid YAML"),
     ],
 )
