@@ -289,6 +289,13 @@ class ReplayBufferMetrics(PerRegistry):
             ["cause"],
             registry=registry,
         )
+        self.consumer_replacements = Counter(
+            "rolloutbus_replay_buffer_consumer_replacements_total",
+            "Turn-log consumers replaced because recovering a partition failed for "
+            "replay_buffer.txn_stall_s (coordinator requests stuck after a broker restart); "
+            "replacement events",
+            registry=registry,
+        )
         self.producer_replacements = Counter(
             "rolloutbus_replay_buffer_producer_replacements_total",
             "Transactional producers replaced by a new one with the same transactional id "

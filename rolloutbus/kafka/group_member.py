@@ -14,7 +14,9 @@ transaction carrying the old one's group metadata is refused (KIP-447).
 
 A second live process with the same ``group.instance.id`` fences this one again and again;
 after ``FENCED_LIMIT`` replacements with no commit between (:meth:`committed` resets the
-count) that ends in :class:`BrokerError` naming the setting.
+count) that ends in :class:`BrokerError` naming the setting. A consumer that is not fatal
+but stuck (its coordinator requests time out after a broker restart) is replaced the same
+way when its processor says so (:meth:`GroupMember.replace_stalled`).
 """
 
 from __future__ import annotations
@@ -132,6 +134,16 @@ class GroupMember:
             self.group_id,
             err.str(),
         )
+        self._swap()
+
+    def replace_stalled(self, reason: str) -> None:
+        """Replace a consumer that is alive but stuck: after a broker restart its requests
+        to the group coordinator can time out for minutes while a new client's are answered
+        at once. Replaced as for a fatal error, not counted toward the fencing limit."""
+        log.warning("consumer of group %r: %s: replacing the consumer", self.group_id, reason)
+        self._swap()
+
+    def _swap(self) -> None:
         old, self.consumer = self.consumer, self._new_consumer()
         threading.Thread(target=_close_quietly, args=(old,), daemon=True).start()
         self._on_replaced()

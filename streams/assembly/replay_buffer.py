@@ -189,8 +189,13 @@ class ReplayBuffer:
         self._transactions = TransactionalProducer(
             cfg.kafka, self.transactional_id, transaction_settings(cfg), stop=self._stop
         )
+        # each committed-offset and watermark query of a recovery: within the stall limit
+        self._query_timeout_s = min(
+            OFFSET_QUERY_TIMEOUT_S, cfg.replay_buffer.txn_stall_s / CALLS_PER_STALL
+        )
         self._dirty = False
         self._last_commit = time.monotonic()
+        self._consumer_since = time.monotonic()  # when the consumer in use was made
 
     # -- lifecycle -------------------------------------------------------------------------
     def stop(self) -> None:
@@ -418,11 +423,15 @@ class ReplayBuffer:
         for part, since in sorted(self._pending.items()):
             try:
                 fold, released = recover_partition(
-                    self._member.consumer, self.cfg, part, self.limits
+                    self._member.consumer, self.cfg, part, self.limits, self._query_timeout_s
                 )
             except BrokerError as exc:
-                if time.monotonic() - since > BROKER_RETRY_S:
+                waited = time.monotonic() - since
+                if waited > BROKER_RETRY_S:
                     raise
+                if waited > self.cfg.replay_buffer.txn_stall_s and since > self._consumer_since:
+                    self._replace_stalled_consumer(part, exc, waited)
+                    return  # its assignment is gone; the new consumer's comes to _on_assign
                 log.warning(
                     "replay buffer: recovering %s[%d] failed (%s); retrying",
                     self.topics.turns,
@@ -438,6 +447,18 @@ class ReplayBuffer:
             self._paused.discard(part)
             self.metrics.recoveries.inc()
 
+    def _replace_stalled_consumer(self, part: int, exc: BrokerError, waited: float) -> None:
+        """A partition that could not be recovered for replay_buffer.txn_stall_s: the
+        consumer's coordinator requests are stuck (seen after a broker restart: committed
+        offsets timing out for a minute while a new client is answered at once)."""
+        self.metrics.consumer_replacements.inc()
+        self._consumer_since = time.monotonic()
+        self._member.replace_stalled(
+            f"recovering {self.topics.turns}[{part}] has failed for {waited:.0f} s "
+            f"(replay_buffer.txn_stall_s {self.cfg.replay_buffer.txn_stall_s:.0f} s; the last "
+            f"error: {exc})"
+        )
+
     def _update_gauges(self) -> None:
         self.metrics.open_groups.set(sum(len(f.open) for f in self.partitions.values()))
         self.metrics.released_uids.set(sum(len(f.released) for f in self.partitions.values()))
@@ -445,7 +466,11 @@ class ReplayBuffer:
 
 
 def recover_partition(
-    consumer: Consumer, cfg: Config, part: int, limits: FoldLimits
+    consumer: Consumer,
+    cfg: Config,
+    part: int,
+    limits: FoldLimits,
+    timeout_s: float = OFFSET_QUERY_TIMEOUT_S,
 ) -> tuple[PartitionFold, ReleasedRead]:
     """The fold of turn-log partition ``part`` as of its committed offset: the uids already
     released on it (the released topic, with the claims the turn log must still back and
@@ -453,8 +478,8 @@ def recover_partition(
     topics = Topics.from_config(cfg.kafka)
     tp = TopicPartition(topics.turns, part)
     with translate_kafka_errors("reading the committed offset", topic=tp.topic, partition=part):
-        [committed] = consumer.committed([tp], timeout=OFFSET_QUERY_TIMEOUT_S)
-    low, _ = watermark_offsets(consumer, tp, OFFSET_QUERY_TIMEOUT_S)
+        [committed] = consumer.committed([tp], timeout=timeout_s)
+    low, _ = watermark_offsets(consumer, tp, timeout_s)
     if committed.error is not None:
         raise broker_error(
             committed.error, "reading the committed offset", topic=tp.topic, partition=part

@@ -14,15 +14,22 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from confluent_kafka import KafkaError, KafkaException
+from confluent_kafka import Consumer, KafkaError, KafkaException
 from confluent_kafka.admin import NewTopic
+from prometheus_client import CollectorRegistry
 
 import rolloutbus.streams.assembly.released as released_module
 from rolloutbus.config import BrokerConfig, Config, KafkaConfig, with_overrides
 from rolloutbus.errors import BrokerError, ConfigError
 from rolloutbus.kafka.admin import check_partition_counts, delete_topics, ensure_topics
 from rolloutbus.kafka.broker import start_broker, stop_broker
-from rolloutbus.kafka.clients import admin_client, idempotent_producer
+from rolloutbus.kafka.clients import (
+    admin_client,
+    idempotent_producer,
+    read_committed_consumer_settings,
+)
+from rolloutbus.kafka.group_member import GroupMember
+from rolloutbus.metrics import ReplayBufferMetrics
 from rolloutbus.schemas.trajectories import batch_to_trajectories, decode_trajectory_batch
 from rolloutbus.schemas.turns import (
     Generation,
@@ -514,6 +521,49 @@ def test_a_pinned_transactional_id_in_two_processes_ends_one_with_one_line(
     last_line = logs[gone].read_text().strip().splitlines()[-1]
     assert last_line.startswith("rolloutbus: ") and "fatal" in last_line
     assert "replay_buffer.transactional_id" in last_line
+
+
+class StuckCoordinator(Consumer):
+    """Fault injector (a test double): a real consumer whose committed-offset queries time
+    out, as a consumer's coordinator requests did for a minute after a broker restart in the
+    broker-restart row. Everything else is the real consumer's."""
+
+    queries = 0
+
+    def committed(self, *args, **kwargs):
+        type(self).queries += 1
+        raise KafkaException(KafkaError(KafkaError._TIMED_OUT, "injected: coordinator stuck"))
+
+
+@pytest.mark.slow
+def test_a_consumer_stuck_on_its_coordinator_is_replaced_after_the_stall_limit(
+    kafka_config: KafkaConfig, replay_buffer_thread, monkeypatch
+):
+    """The first consumer can never read a committed offset: after replay_buffer.txn_stall_s
+    of failed recoveries it is replaced, and the new one releases every group once."""
+    made: list = []
+    real_new_consumer = GroupMember._new_consumer
+
+    def first_is_stuck(member):
+        if made:
+            made.append(real_new_consumer(member))
+        else:
+            settings = read_committed_consumer_settings(
+                member.kafka, member.group_id, overrides=member._overrides
+            )
+            made.append(StuckCoordinator(settings))
+        return made[-1]
+
+    monkeypatch.setattr(GroupMember, "_new_consumer", first_is_stuck)
+    cfg = _config(kafka_config, **{"replay_buffer.txn_stall_s": 3.0})
+    uids = [f"s{uuid.uuid4().hex[:10]}" for _ in range(6)]
+    _produce(kafka_config, [e for uid in uids for e in group_events(uid)])
+    metrics = ReplayBufferMetrics(CollectorRegistry())
+    with replay_buffer_thread(cfg, metrics):
+        keys = _wait_for_keys(cfg, _expected_keys(uids))
+    assert len(made) == 2 and StuckCoordinator.queries >= 2, made  # retried, replaced once
+    assert metrics.consumer_replacements._value.get() == 1
+    assert not _dupes(keys) and set(keys) == _expected_keys(uids)
 
 
 @pytest.mark.slow
