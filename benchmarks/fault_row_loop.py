@@ -33,7 +33,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST_SUITE = ["-m", "not kafka and not slow and not contract"]
-RESULT = re.compile(r"^tests/\S+\.py::(\S+)\[r(\d+)\] (PASSED|FAILED|ERROR)", re.M)
+# pytest -rA's summary lines ("PASSED tests/...::name[r3]"): the verbose lines are split
+# when a row prints (-s)
+RESULT = re.compile(r"^(PASSED|FAILED|ERROR) tests/\S+\.py::(\S+)\[r(\d+)\]$", re.M)
 STALL = re.compile(r"stall: ([0-9.]+) s")
 
 
@@ -88,7 +90,7 @@ def main() -> int:
 
 
 def report(output: str, times: int, total_s: float, code: int) -> int:
-    results = {int(index): status for _, index, status in RESULT.findall(output)}
+    results = {int(index): status for status, _, index in RESULT.findall(output)}
     passed = sum(status == "PASSED" for status in results.values())
     table = (
         output[output.find("fault injection") :].splitlines() if "fault injection" in output else []
