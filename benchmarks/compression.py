@@ -15,9 +15,10 @@ trajectory (it decompresses); and the trajectory topic's bytes on disk (the brok
 segments; only when this run started the broker), per trajectory and as a ratio to
 ``none``.
 
-The synthetic log's tokens are varied (``tests/synthetic.py``, seeded): token ids heavy on
-the frequent end of a 152k vocabulary, logprobs mostly near 0 with a tail, like a model's.
-The bytes saved are a property of the data (a real run's text may compress more or less);
+The synthetic log's sampled tokens are real text's: windows at seeded offsets of this
+repository's docs and code run through the Qwen3 tokenizer (``tests/synthetic.py``'s
+``VariedTokens``), with seeded logprobs (float32, mostly near 0 with a tail, like a model's).
+The bytes saved are a property of the data (a run's own text may compress more or less);
 the CPU costs are the codec's.
 
     python benchmarks/compression.py [--codecs none lz4 zstd] [--groups 500] [--gen-tokens 512]
@@ -26,6 +27,7 @@ the CPU costs are the codec's.
 from __future__ import annotations
 
 import argparse
+import random
 import sys
 import tempfile
 import uuid
@@ -33,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench_harness import (
+    ROOT,
     CpuMeter,
     add_common_args,
     broker,
@@ -43,11 +46,12 @@ from bench_harness import (
 )
 from capacity import _receive_all, _wait_folded
 
-from rolloutbus.config import Config, KafkaConfig, ReplayBufferConfig
+from rolloutbus.config import Config, KafkaConfig, ModelConfig, ReplayBufferConfig
 from rolloutbus.kafka.admin import ensure_topics
+from rolloutbus.models.tokenizers import load_tokenizer
 from rolloutbus.topics import Topics
 from tests.pipeline import spawn, stop, write_config
-from tests.synthetic import N, make_events
+from tests.synthetic import N, VariedTokens, make_events
 
 PARTITIONS = 2
 SEED = 7  # of the varied tokens: every codec and every run folds the same log
@@ -126,6 +130,14 @@ def topic_bytes_on_disk(data: Path | None, topic: str) -> int | None:
     return sum(f.stat().st_size for f in data.glob(f"**/{topic}-*/*.log"))
 
 
+def text_token_pool() -> list[int]:
+    """Token ids of real text: the repository's docs and Python sources, Qwen3-tokenized."""
+    tokenizer = load_tokenizer(ModelConfig(name="tiny-qwen3"))  # the real Qwen3 tokenizer
+    files = sorted(ROOT.glob("docs/*.md")) + sorted(ROOT.glob("streams/**/*.py"))
+    text = "\n".join(f.read_text() for f in files)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
@@ -139,7 +151,8 @@ def main() -> int:
         args.groups, args.gen_tokens, args.codecs = 20, 64, ["none", "lz4"]
     if "none" not in args.codecs:
         args.codecs.insert(0, "none")  # the baseline of the ratios
-    events = make_events(args.groups, gen_tokens=args.gen_tokens, varied_seed=SEED)
+    varied = VariedTokens(text_token_pool(), random.Random(SEED))
+    events = make_events(args.groups, gen_tokens=args.gen_tokens, varied=varied)
     runs: dict[str, CodecRun] = {}
     with broker(args.bootstrap) as bus, tempfile.TemporaryDirectory() as tmp:
         for codec in args.codecs:

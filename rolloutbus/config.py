@@ -353,11 +353,11 @@ class ReplayBufferConfig(_Section):
     # this bounds how long releases stall once the broker answers again. Each call waits
     # a third of it, and one that never returns (librdkafka#5456) is given up 5 s later
     txn_stall_s: float = Field(default=30.0, gt=0)
-    # librdkafka's compression of the trajectory records (each one an Arrow IPC stream of
-    # token and logprob columns): lz4 costs the replay buffer and the trainer client a few
-    # µs per record and halves the bytes on disk (benchmarks/compression.py); none keeps
-    # the records as written
-    compression: Literal["none", "lz4", "zstd", "snappy", "gzip"] = "lz4"
+    # librdkafka's compression of the trajectory records (each an Arrow IPC stream of token
+    # columns): zstd stored them in 0.12 of the bytes (lz4: 0.31) and cost the replay
+    # buffer, the broker and the trainer client less CPU than none, by fewer bytes to move
+    # (benchmarks/compression.py; docs/capacity.md); none keeps them as written
+    compression: Literal["none", "lz4", "zstd", "snappy", "gzip"] = "zstd"
     # Open groups per turn-log partition; past it the oldest is released with its unsettled
     # sessions as failed records ("too many open groups") and a dead letter. An open group
     # holds its sessions' token streams, ~80 bytes per token (8 sessions x 4k tokens is

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import random
 import uuid
+from dataclasses import dataclass
 
 from rolloutbus.schemas.agent_loop import AgentLoopMetrics, AgentLoopOutput, TokenOutput
 from rolloutbus.schemas.turns import (
@@ -24,26 +25,33 @@ N, TURNS, GEN_TOKENS, OBS_TOKENS, PROMPT_TOKENS = 4, 3, 128, 32, 256
 SETTINGS = GroupSettings(prompt_length=1024, response_length=512)
 
 
-VOCAB = 151_936  # Qwen3's vocabulary size, for varied token ids
+@dataclass
+class VariedTokens:
+    """Sampled turns that compress like a model's: windows of ``pool`` (real text's token
+    ids, e.g. a tokenizer run over documents) at seeded offsets, and seeded logprobs mostly
+    near 0 with a tail."""
+
+    pool: list[int]
+    rng: random.Random
+
+    def turn(self, tokens: int) -> TokenOutput:
+        start = self.rng.randrange(max(1, len(self.pool) - tokens))
+        ids = (self.pool[start : start + tokens] * (tokens // max(1, len(self.pool)) + 1))[:tokens]
+        logprobs = [-self.rng.expovariate(3.0) for _ in range(tokens)]
+        return TokenOutput(token_ids=ids, log_probs=logprobs, stop_reason="completed")
 
 
 class InstantReplica:
-    """Test double for a replica: answers at once with fixed tokens and logprobs, or, with
-    ``varied``, seeded ones shaped like a model's (token ids heavy on the frequent end of a
-    real vocabulary, logprobs mostly near 0 with a tail): what compresses like a rollout."""
+    """Test double for a replica: answers at once with fixed tokens and logprobs, or with
+    ``varied`` ones (:class:`VariedTokens`)."""
 
-    def __init__(self, gen_tokens: int = GEN_TOKENS, varied: random.Random | None = None):
+    def __init__(self, gen_tokens: int = GEN_TOKENS, varied: VariedTokens | None = None):
         self.gen_tokens = gen_tokens
         self.varied = varied
 
     async def generate(self, request_id, *, prompt_ids, sampling_params, **kw):
         if self.varied is not None:
-            rng = self.varied
-            return TokenOutput(
-                token_ids=[int(rng.paretovariate(0.6)) % VOCAB for _ in range(self.gen_tokens)],
-                log_probs=[-rng.expovariate(3.0) for _ in range(self.gen_tokens)],
-                stop_reason="completed",
-            )
+            return self.varied.turn(self.gen_tokens)
         return TokenOutput(
             token_ids=list(range(1000, 1000 + self.gen_tokens)),
             log_probs=[-0.5] * self.gen_tokens,
@@ -62,7 +70,7 @@ async def _session_events(
     session_id: int,
     attempt: str,
     gen_tokens: int = GEN_TOKENS,
-    varied: random.Random | None = None,
+    varied: VariedTokens | None = None,
 ) -> list[tuple[str, bytes]]:
     events: list = []
 
@@ -101,7 +109,7 @@ def group_events(
     uid: str,
     attempt: str = "a",
     gen_tokens: int = GEN_TOKENS,
-    varied: random.Random | None = None,
+    varied: VariedTokens | None = None,
 ) -> list[tuple[str, str, bytes]]:
     """(uid, key, value) for every event of one group of N sessions, in log order;
     ``gen_tokens`` sampled tokens per turn (varied ones drawn from ``varied``)."""
@@ -120,10 +128,9 @@ def group_events(
 
 
 def make_events(
-    groups: int, gen_tokens: int = GEN_TOKENS, *, varied_seed: int | None = None
+    groups: int, gen_tokens: int = GEN_TOKENS, *, varied: VariedTokens | None = None
 ) -> list[tuple[str, str, bytes]]:
-    """``groups`` groups' events; with ``varied_seed``, seeded varied tokens and logprobs."""
-    varied = None if varied_seed is None else random.Random(varied_seed)
+    """``groups`` groups' events; with ``varied``, its tokens and logprobs."""
     out = []
     for _ in range(groups):
         out.extend(group_events(uuid.uuid4().hex, gen_tokens=gen_tokens, varied=varied))
