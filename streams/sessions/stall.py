@@ -48,6 +48,8 @@ def waits_on(event: Any) -> str:
         return f"the agent loop after turn {event.turn} (a tool, the reward or the next request)"
     if kind in ("session_started", "segment_started", "observation"):
         return "the replica's answer to its next turn"
+    if kind == "generation_chunk":
+        return f"the replica's next chunk of turn {event.turn}"
     return f"the agent loop after {kind or 'an event'}"
 
 
