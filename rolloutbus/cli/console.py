@@ -74,8 +74,12 @@ def _no_progress_bars() -> None:
 def sigterm_as_ctrl_c() -> None:
     """SIGTERM (what CI, ``timeout``, ``docker stop`` and systemd send) does what Ctrl-C
     does: raise KeyboardInterrupt, so every ``finally`` runs and a command that installs a
-    handler of its own (train, dispatch, the workers) treats both alike."""
+    handler of its own (train, dispatch, the workers) treats both alike. SIGINT is restored
+    too: a non-interactive shell starts a background job (``cmd &``) with SIGINT ignored, and
+    a user who sends it means it."""
     signal.signal(signal.SIGTERM, signal.default_int_handler)
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def stop_on_signals(stop: threading.Event, what: str, stream: IO[str] | None = None) -> None:

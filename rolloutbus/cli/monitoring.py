@@ -30,6 +30,9 @@ def cmd_lag_exporter(args: argparse.Namespace, cfg: Config) -> int:
 
 
 def cmd_top(args: argparse.Namespace, cfg: Config) -> int:
+    import signal
+    import threading
+
     from rolloutbus.monitoring.scrape import metrics_targets
     from rolloutbus.monitoring.top import run_top
 
@@ -37,10 +40,12 @@ def cmd_top(args: argparse.Namespace, cfg: Config) -> int:
     for extra in args.target or []:
         job, _, url = extra.rpartition("=")
         targets[job or url] = url
-    try:
-        run_top(targets, once=args.once, interval_s=args.interval)
-    except KeyboardInterrupt:
-        pass
+    # Ctrl-C or SIGTERM ends the view at once, between two scrapes (a handler of our own:
+    # a shell starts a background job with SIGINT ignored)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    run_top(targets, once=args.once, interval_s=args.interval, stop=stop)
     return 0
 
 

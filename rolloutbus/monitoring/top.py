@@ -3,12 +3,15 @@
 Two scrapes ``interval`` seconds apart give the rates; :func:`summarize` turns them into
 sections of (label, value) rows (pure, tested), :func:`render` lays those out with rich.
 ``--once`` prints one snapshot and exits (for scripts: plain text when stdout is not a
-terminal); without it the view refreshes in place until Ctrl-C. Works on a plain terminal:
-no colours are needed to read it.
+terminal); without it the view refreshes in place on a terminal, and is printed again
+every interval, one snapshot after another, when stdout is a file or a pipe (as
+``top -b``), until Ctrl-C or SIGTERM (``stop``). Works on a plain terminal: no colours are
+needed to read it. Counters show their rate and their total since the process started.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -47,10 +50,11 @@ def summarize(before: Scrape, after: Scrape) -> list[Section]:
 
 
 def _rate(before: Scrape, after: Scrape, dt: float, name: str, **match: str) -> str:
+    """The rate over the interval, and the total the processes report."""
     a, b = before.total(name, **match), after.total(name, **match)
     if b is None:
         return "-"
-    return f"{max(0.0, b - (a or 0.0)) / dt:.2f}/s"
+    return f"{max(0.0, b - (a or 0.0)) / dt:.2f}/s, {b:.0f} in all"
 
 
 def _num(value: float | None, fmt: str = "{:.0f}") -> str:
@@ -181,18 +185,32 @@ def render(sections: list[Section], at: float) -> Group:
 
 
 def run_top(
-    targets: dict[str, str], *, once: bool, interval_s: float, console: Console | None = None
+    targets: dict[str, str],
+    *,
+    once: bool,
+    interval_s: float,
+    console: Console | None = None,
+    stop: threading.Event | None = None,
 ) -> None:
+    """Scrape every ``interval_s`` and show the view until ``stop`` is set (or once)."""
     console = console or Console()
+    stop = stop or threading.Event()
     before = scrape_all(targets)
     if once:
-        time.sleep(interval_s)
+        stop.wait(interval_s)
         after = scrape_all(targets)
         console.print(render(summarize(before, after), after.at))
         return
+    if not console.is_terminal:  # a file or a pipe: one snapshot after another
+        while not stop.wait(interval_s):
+            after = scrape_all(targets)
+            console.print(render(summarize(before, after), after.at))
+            console.print()
+            console.file.flush()
+            before = after
+        return
     with Live(console=console, auto_refresh=False, screen=False) as live:
-        while True:
-            time.sleep(interval_s)
+        while not stop.wait(interval_s):
             after = scrape_all(targets)
             live.update(render(summarize(before, after), after.at), refresh=True)
             before = after

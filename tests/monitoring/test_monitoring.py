@@ -252,7 +252,7 @@ def _scrape(at: float, trajectories: float, lag: float) -> Scrape:
 
 def test_top_summarizes_rates_lag_health_and_failures():
     sections = {s.title: dict(s.rows) for s in summarize(_scrape(0, 10, 1), _scrape(2, 30, 5))}
-    assert sections["flow"]["trajectories"] == "10.00/s"
+    assert sections["flow"]["trajectories"] == "10.00/s, 30 in all"
     assert sections["consumer lag"]["trainer"] == "5 records, oldest 4.0 s, 0 consumers"
     assert sections["consumer lag"]["sessions"] == "- (no lag exporter)"
     assert sections["replicas"]["http://r:8000"].startswith("UNHEALTHY")
