@@ -32,9 +32,10 @@ ROOT_MODULES = {
     "demo",
 }
 # The packages in rolloutbus/: the Kafka boundary, models and tokenizers, the command line,
-# and monitoring (the lag exporter, top, inspect: tools that read every layer below the CLI).
+# monitoring (the lag exporter, top, inspect: tools that read every layer below the CLI),
+# and verl (the plug-ins verl's own trainer loads: they publish and consume like a user).
 # The replica, a second service, has a room of its own (the top-level replica/ folder).
-ROOT_PACKAGES = {"kafka", "models", "cli", "monitoring"}
+ROOT_PACKAGES = {"kafka", "models", "cli", "monitoring", "verl"}
 # The folders mapped into the package ([tool.setuptools.package-dir]): the data flow, and the
 # replica.
 MAPPED_ROOMS = {"schemas", "streams", "producers", "consumers", "replica"}
@@ -76,6 +77,7 @@ ALLOWED: dict[str, set[str]] = {
     "consumers": FOUNDATION | {"schemas", "kafka", "streams.assembly"},
     "consumers.training": FOUNDATION | {"schemas", "kafka", "models", "consumers"},
     "monitoring": FOUNDATION | {"schemas", "kafka", "models", "producers", "streams.agent_loop"},
+    "verl": FOUNDATION | {"schemas", "kafka", "models", "producers", "consumers"},
 }
 # streams is a room per subpackage; consumers has one subroom, the trainer
 CONSUMER_SUBROOMS = {"training"}

@@ -1,0 +1,51 @@
+"""verl's own trainer on the bus: plug-ins that verl 0.9.1 loads by dotted path
+(docs/verl-trainer.md).
+
+* ``BusAgentLoopManagerV0``: ``trainer.use_v1=false`` (RayPPOTrainer); blocking
+  ``generate_sequences(DataProto) -> DataProto`` through the bus, in verl's own layout.
+* ``BusAgentLoopManager``: the V1 trainer's slot; publishes verl's prompts as groups
+  (the TransferQueue side is not built yet).
+* ``v0_output`` and ``rows_in_input_order``: the pure conversion behind V0.
+
+Importing this package needs no verl: names load on first use, and a plug-in that needs
+verl's types raises ``VerlNotInstalledError`` saying ``pip install rolloutbus[verl]``.
+"""
+
+from __future__ import annotations
+
+import typing
+
+from rolloutbus.runtime import lazy_exports
+
+if typing.TYPE_CHECKING:
+    from rolloutbus.verl.extra import INSTALL_HINT, VerlNotInstalledError, require_verl
+    from rolloutbus.verl.manager import BusAgentLoopManager
+    from rolloutbus.verl.settings import bus_config
+    from rolloutbus.verl.v0_batch import V0Output, rows_in_input_order, v0_output
+    from rolloutbus.verl.v0_manager import BusAgentLoopManagerV0
+
+__all__ = [
+    "INSTALL_HINT",
+    "BusAgentLoopManager",
+    "BusAgentLoopManagerV0",
+    "V0Output",
+    "VerlNotInstalledError",
+    "bus_config",
+    "require_verl",
+    "rows_in_input_order",
+    "v0_output",
+]
+
+_LAZY = {
+    "INSTALL_HINT": "rolloutbus.verl.extra",
+    "BusAgentLoopManager": "rolloutbus.verl.manager",
+    "BusAgentLoopManagerV0": "rolloutbus.verl.v0_manager",
+    "V0Output": "rolloutbus.verl.v0_batch",
+    "VerlNotInstalledError": "rolloutbus.verl.extra",
+    "bus_config": "rolloutbus.verl.settings",
+    "require_verl": "rolloutbus.verl.extra",
+    "rows_in_input_order": "rolloutbus.verl.v0_batch",
+    "v0_output": "rolloutbus.verl.v0_batch",
+}
+
+__getattr__ = lazy_exports(__name__, _LAZY)
