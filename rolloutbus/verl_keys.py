@@ -1,8 +1,12 @@
 """What each key of a verl trainer config means here: read (and under which of our names),
 accepted and ignored (with the reason), or kept but not acted on.
 
-A whole verl 0.9.1 trainer file loads (``verl/trainer/config/_generated_ppo_trainer.yaml``
-or a user's GRPO yaml): ``rolloutbus.config_loading`` walks it with these tables. Keys are
+A whole verl trainer file loads (``verl/trainer/config/_generated_ppo*_trainer.yaml`` of
+verl 0.7.0 through 0.9.1 and main 1dda039, or a user's GRPO yaml): ``rolloutbus.config_loading``
+walks it with these tables. Every key those releases generate is in them (checked by
+``tests/verl_compat/test_verl_releases.py`` against the key lists that
+``ops/verl_release_keys.py`` makes from the releases' files), so a verl key is never taken
+for a typo; a key only an older release has says so in a comment. Keys are
 named as written in verl's layout, except that ``actor_rollout_ref.rollout`` is read as our
 ``rollout`` section (a verl rollout block may also be pasted under ``rollout:``), so its
 keys are named ``rollout.x`` here. A key names its whole subtree. ``_target_`` (hydra's
@@ -134,7 +138,9 @@ VERL_KEYS_IGNORED: dict[str, str] = {
     **_under(
         "rollout",
         "log_prob_micro_batch_size log_prob_micro_batch_size_per_gpu log_prob_use_dynamic_bsz "
-        "log_prob_max_token_len_per_gpu checkpoint_engine profiler",
+        "log_prob_max_token_len_per_gpu checkpoint_engine profiler "
+        # verl 0.7.0; under checkpoint_engine from 0.7.1
+        "update_weights_bucket_megabytes",
         _TRAINER,
     ),
     **_under(
@@ -151,6 +157,11 @@ VERL_KEYS_IGNORED: dict[str, str] = {
     "rollout.multi_turn.tokenization_sanity_check_mode": "assistant tokens are never "
     "re-tokenized here, so there is nothing to check",
     "rollout.multi_turn.num_repeat_rollouts": "removed from verl's loop (interactions)",
+    "rollout.multi_turn.interaction_config_path": "verl 0.7's interactions (a scripted user "
+    "answering in the tool loop; gone from verl 0.8's config) are not supported here",
+    # rollout dumps: rollout.skip_rollout/skip_dump_dir (verl 0.7), rollout.skip (0.8), the
+    # top-level skip (0.9)
+    **_under("rollout", "skip skip_rollout skip_dump_dir", _OFF),
     # -- actor_rollout_ref.{actor,model,ref} ----------------------------------------------
     "actor_rollout_ref.hybrid_engine": _PARALLEL,
     "actor_rollout_ref.nccl_timeout": _PARALLEL,
@@ -161,7 +172,9 @@ VERL_KEYS_IGNORED: dict[str, str] = {
         "ppo_max_token_len_per_gpu use_torch_compile ulysses_sequence_parallel_size "
         "entropy_from_logits_with_chunking entropy_from_logits_chunk_size entropy_checkpointing "
         "pad_to_length use_remove_padding use_fused_kernels qat freeze_vision_tower "
-        "use_prefix_grouper data_loader_seed shuffle megatron torchtitan veomni",
+        "use_prefix_grouper data_loader_seed shuffle megatron torchtitan veomni "
+        # verl 0.7.1
+        "sum_pi_squared_checkpointing",
         _PARALLEL,
     ),
     **_under(
@@ -176,6 +189,11 @@ VERL_KEYS_IGNORED: dict[str, str] = {
     "actor_rollout_ref.actor.checkpoint": "what verl's checkpoints contain: here always the "
     "weights, the AdamW state and the trajectory position",
     "actor_rollout_ref.actor.profiler": _RAY,
+    # verl 0.7.0 to 0.9.0 (and main 1dda039); under actor.megatron/veomni from 0.9.1
+    "actor_rollout_ref.actor.router_replay": "the training engine's MoE router replay "
+    "(R2/R3 mode): `rolloutbus train` does not replay routes; R3's rollout side, recording "
+    "the experts into the trajectory, is rollout.enable_rollout_routing_replay",
+    "actor_rollout_ref.actor.load_weight": _MODEL,  # verl 0.7.0 to 0.8.0
     **_under(
         "actor_rollout_ref.actor.optim",
         "optimizer optimizer_impl lr_warmup_steps_ratio total_training_steps lr_warmup_steps "
@@ -208,6 +226,7 @@ VERL_KEYS_IGNORED: dict[str, str] = {
     "distillation": _OFF,
     "transfer_queue": _OFF,
     "skip": _OFF,
+    "reward_manager": _REWARD_LOOP,  # verl 0.7.0; reward.reward_manager from 0.7.1
     "global_profiler": _RAY,
     "ray_kwargs": _RAY,
     # -- reward ---------------------------------------------------------------------------
@@ -223,14 +242,18 @@ VERL_KEYS_IGNORED: dict[str, str] = {
     ),
     **_under(
         "algorithm.rollout_correction",
-        "rollout_rs rollout_rs_threshold bypass_mode loss_type rollout_is_batch_normalize",
+        "rollout_rs rollout_rs_threshold bypass_mode loss_type rollout_is_batch_normalize "
+        # verl 0.7.0
+        "rollout_rs_threshold_lower rollout_token_veto_threshold",
         _CORRECTION,
     ),
     # -- trainer --------------------------------------------------------------------------
     **_under(
         "trainer",
         "nnodes n_gpus_per_node device balance_batch ray_wait_register_center_timeout use_v1 v1 "
-        "esi_redundant_time",
+        "esi_redundant_time "
+        # verl 0.7: which of verl's worker implementations runs
+        "use_legacy_worker_impl",
         _PARALLEL,
     ),
     **_under(
@@ -253,9 +276,14 @@ VERL_KEYS_IGNORED: dict[str, str] = {
         "return_raw_chat return_full_prompt shuffle seed dataloader_num_workers image_patch_size "
         "validation_shuffle filter_overlong_prompts filter_overlong_prompts_workers truncation "
         "trust_remote_code custom_cls return_multi_modal_inputs tool_config_path "
-        "function_tool_path",
+        "function_tool_path "
+        # verl 0.7: the curriculum sampler's class, a dataset that generates rows
+        "sampler datagen",
         _DATALOADER,
     ),
+    "data.continuous_token": "verl 0.9.0's switch for Continuous Token (off by default "
+    "there); here a multi-turn session always keeps the sampled token stream, as verl 0.9.1's "
+    "agent loop always does",
     "data.reward_fn_key": "read by verl's legacy batch reward managers only; its streaming "
     "reward loop (naive manager), which the session workers follow, reads data_source",
     **dict.fromkeys(
@@ -295,6 +323,7 @@ VERL_VALUES_NOT_SUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "reward_model.enable": ((False, None), "rewards are rule-based (no reward model)"),
     "reward.reward_model.enable": ((False, None), "rewards are rule-based (no reward model)"),
     "reward.reward_manager.name": (("naive", None), "sessions are scored as by verl's naive"),
+    "reward_manager.name": (("naive", None), "sessions are scored as by verl's naive"),
 }
 
 # the tracking backends verl's trainer.logger accepts (verl.utils.tracking.Tracking); here
