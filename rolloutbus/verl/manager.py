@@ -72,7 +72,8 @@ class BusAgentLoopManager:
         requests = []
         for columns in rows:
             row = dataset_row({k: v for k, v in columns.items() if k not in _BATCH_COLUMNS})
-            n = int(row.get("__rollout_n__", n_default))
+            asked = row.get("__rollout_n__")
+            n = n_default if asked is None else int(asked)
             row["__rollout_n__"] = n
             requests.append(PromptRequest(uid=str(row["uid"]), row=row, n=n))
         return publish_requests(
