@@ -62,10 +62,8 @@ from rolloutbus.config import Config
 from rolloutbus.errors import BrokerError, RolloutBusError, SchemaError
 from rolloutbus.kafka.admin import check_partition_counts
 from rolloutbus.kafka.clients import (
-    broker_error,
     record_position,
     translate_kafka_errors,
-    watermark_offsets,
 )
 from rolloutbus.kafka.group_member import GroupMember
 from rolloutbus.kafka.transactions import OutgoingRecord as Outgoing
@@ -77,13 +75,16 @@ from rolloutbus.kafka.transactions import (
 from rolloutbus.metrics import ReplayBufferMetrics, start_metrics_server
 from rolloutbus.schemas.turns import decode_turn_event
 from rolloutbus.streams.assembly.partition_fold import FoldLimits, PartitionFold
+from rolloutbus.streams.assembly.partition_recovery import (
+    CALLS_PER_STALL,
+    StuckConsumerWatch,
+    recover_partition,
+)
 from rolloutbus.streams.assembly.release_metrics import observe_open_groups
 from rolloutbus.streams.assembly.release_records import ReleaseRecords
 from rolloutbus.streams.assembly.released import (
     ReleasedClaims,
-    ReleasedRead,
     TurnLogProbe,
-    read_released,
 )
 from rolloutbus.streams.assembly.session_fold import short_error
 from rolloutbus.streams.assembly.trajectories import max_record_bytes
@@ -94,10 +95,8 @@ log = logging.getLogger(__name__)
 POLL_BATCH = 500  # records per consume() call
 POLL_TIMEOUT_S = 0.5  # seconds a poll waits for the first record of a batch; the idle cadence
 COMMIT_IDLE_S = 5.0  # seconds between watermark-only commits when nothing is released
-OFFSET_QUERY_TIMEOUT_S = 30.0  # seconds for each committed-offset and watermark query
 BROKER_RETRY_S = 300.0  # seconds of a broker failing every retry before the worker gives up
 RETRY_BACKOFF_S = 0.5  # seconds before retrying a partition's recovery
-CALLS_PER_STALL = 3  # a transactional call's timeout is replay_buffer.txn_stall_s / this
 LINGER_MS = 5  # ms a record waits to batch; small, since each batch is flushed by its commit
 GC_THRESHOLD_ALLOCATIONS = 50_000  # net allocations between young collections (default 700)
 LETTER_REASON_CHARS = 4000  # characters of a decoder's error kept in a dead letter's reason
@@ -189,13 +188,9 @@ class ReplayBuffer:
         self._transactions = TransactionalProducer(
             cfg.kafka, self.transactional_id, transaction_settings(cfg), stop=self._stop
         )
-        # each committed-offset and watermark query of a recovery: within the stall limit
-        self._query_timeout_s = min(
-            OFFSET_QUERY_TIMEOUT_S, cfg.replay_buffer.txn_stall_s / CALLS_PER_STALL
-        )
+        self._stuck = StuckConsumerWatch(cfg, self._member, self.metrics)
         self._dirty = False
         self._last_commit = time.monotonic()
-        self._consumer_since = time.monotonic()  # when the consumer in use was made
 
     # -- lifecycle -------------------------------------------------------------------------
     def stop(self) -> None:
@@ -423,14 +418,12 @@ class ReplayBuffer:
         for part, since in sorted(self._pending.items()):
             try:
                 fold, released = recover_partition(
-                    self._member.consumer, self.cfg, part, self.limits, self._query_timeout_s
+                    self._member.consumer, self.cfg, part, self.limits, self._stuck.query_timeout_s
                 )
             except BrokerError as exc:
-                waited = time.monotonic() - since
-                if waited > BROKER_RETRY_S:
+                if time.monotonic() - since > BROKER_RETRY_S:
                     raise
-                if waited > self.cfg.replay_buffer.txn_stall_s and since > self._consumer_since:
-                    self._replace_stalled_consumer(part, exc, waited)
+                if self._stuck.replaced(part, since, exc):
                     return  # its assignment is gone; the new consumer's comes to _on_assign
                 log.warning(
                     "replay buffer: recovering %s[%d] failed (%s); retrying",
@@ -447,60 +440,10 @@ class ReplayBuffer:
             self._paused.discard(part)
             self.metrics.recoveries.inc()
 
-    def _replace_stalled_consumer(self, part: int, exc: BrokerError, waited: float) -> None:
-        """A partition that could not be recovered for replay_buffer.txn_stall_s: the
-        consumer's coordinator requests are stuck (seen after a broker restart: committed
-        offsets timing out for a minute while a new client is answered at once)."""
-        self.metrics.consumer_replacements.inc()
-        self._consumer_since = time.monotonic()
-        self._member.replace_stalled(
-            f"recovering {self.topics.turns}[{part}] has failed for {waited:.0f} s "
-            f"(replay_buffer.txn_stall_s {self.cfg.replay_buffer.txn_stall_s:.0f} s; the last "
-            f"error: {exc})"
-        )
-
     def _update_gauges(self) -> None:
         self.metrics.open_groups.set(sum(len(f.open) for f in self.partitions.values()))
         self.metrics.released_uids.set(sum(len(f.released) for f in self.partitions.values()))
         observe_open_groups(self.metrics, self.partitions.values(), self.cfg.deadlines.group_s)
-
-
-def recover_partition(
-    consumer: Consumer,
-    cfg: Config,
-    part: int,
-    limits: FoldLimits,
-    timeout_s: float = OFFSET_QUERY_TIMEOUT_S,
-) -> tuple[PartitionFold, ReleasedRead]:
-    """The fold of turn-log partition ``part`` as of its committed offset: the uids already
-    released on it (the released topic, with the claims the turn log must still back and
-    the records that were bad), then ``consumer`` sought back to that offset."""
-    topics = Topics.from_config(cfg.kafka)
-    tp = TopicPartition(topics.turns, part)
-    with translate_kafka_errors("reading the committed offset", topic=tp.topic, partition=part):
-        [committed] = consumer.committed([tp], timeout=timeout_s)
-    low, _ = watermark_offsets(consumer, tp, timeout_s)
-    if committed.error is not None:
-        raise broker_error(
-            committed.error, "reading the committed offset", topic=tp.topic, partition=part
-        )
-    start = max(committed.offset, low) if committed.offset >= 0 else low
-    released = read_released(cfg.kafka, topics.released, part, limits.max_released, start)
-    fold = PartitionFold(start, released=released.uids, limits=limits)
-    with translate_kafka_errors(
-        "seeking to the committed offset", topic=tp.topic, partition=part, offset=start
-    ):
-        consumer.seek(TopicPartition(tp.topic, part, start))
-        consumer.resume([tp])
-    log.info(
-        "recovered %s[%d] at offset %d: %d released groups remembered (of %d read)",
-        tp.topic,
-        part,
-        start,
-        len(released.uids),
-        released.read,
-    )
-    return fold, released
 
 
 def run_replay_buffer(cfg: Config) -> None:

@@ -1,0 +1,93 @@
+"""Recovering a turn-log partition when the replay buffer is assigned it: the fold as of
+the committed offset (recover_partition), and the rule that replaces a consumer whose
+recoveries keep failing because its own coordinator requests are stuck (StuckConsumerWatch).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from confluent_kafka import Consumer, TopicPartition
+
+from rolloutbus.config import Config
+from rolloutbus.errors import BrokerError
+from rolloutbus.kafka.clients import broker_error, translate_kafka_errors, watermark_offsets
+from rolloutbus.kafka.group_member import GroupMember
+from rolloutbus.metrics import ReplayBufferMetrics
+from rolloutbus.streams.assembly.partition_fold import FoldLimits, PartitionFold
+from rolloutbus.streams.assembly.released import ReleasedRead, read_released
+from rolloutbus.topics import Topics
+
+log = logging.getLogger(__name__)
+
+OFFSET_QUERY_TIMEOUT_S = 30.0  # seconds for each committed-offset and watermark query
+CALLS_PER_STALL = 3  # a broker call's timeout is replay_buffer.txn_stall_s / this
+
+
+def recover_partition(
+    consumer: Consumer,
+    cfg: Config,
+    part: int,
+    limits: FoldLimits,
+    timeout_s: float = OFFSET_QUERY_TIMEOUT_S,
+) -> tuple[PartitionFold, ReleasedRead]:
+    """The fold of turn-log partition ``part`` as of its committed offset: the uids already
+    released on it (the released topic, with the claims the turn log must still back and
+    the records that were bad), then ``consumer`` sought back to that offset."""
+    topics = Topics.from_config(cfg.kafka)
+    tp = TopicPartition(topics.turns, part)
+    with translate_kafka_errors("reading the committed offset", topic=tp.topic, partition=part):
+        [committed] = consumer.committed([tp], timeout=timeout_s)
+    low, _ = watermark_offsets(consumer, tp, timeout_s)
+    if committed.error is not None:
+        raise broker_error(
+            committed.error, "reading the committed offset", topic=tp.topic, partition=part
+        )
+    start = max(committed.offset, low) if committed.offset >= 0 else low
+    released = read_released(cfg.kafka, topics.released, part, limits.max_released, start)
+    fold = PartitionFold(start, released=released.uids, limits=limits)
+    with translate_kafka_errors(
+        "seeking to the committed offset", topic=tp.topic, partition=part, offset=start
+    ):
+        consumer.seek(TopicPartition(tp.topic, part, start))
+        consumer.resume([tp])
+    log.info(
+        "recovered %s[%d] at offset %d: %d released groups remembered (of %d read)",
+        tp.topic,
+        part,
+        start,
+        len(released.uids),
+        released.read,
+    )
+    return fold, released
+
+
+class StuckConsumerWatch:
+    """A partition that could not be recovered for replay_buffer.txn_stall_s means the
+    consumer's coordinator requests are stuck (seen after a broker restart: committed
+    offsets timing out for a minute while a new client is answered at once): the consumer
+    is replaced, once per consumer."""
+
+    def __init__(self, cfg: Config, member: GroupMember, metrics: ReplayBufferMetrics):
+        self.stall_s = cfg.replay_buffer.txn_stall_s
+        self.topic = Topics.from_config(cfg.kafka).turns
+        # each committed-offset and watermark query of a recovery: within the stall limit
+        self.query_timeout_s = min(OFFSET_QUERY_TIMEOUT_S, self.stall_s / CALLS_PER_STALL)
+        self._member = member
+        self._metrics = metrics
+        self._consumer_since = time.monotonic()  # when the consumer in use was made
+
+    def replaced(self, part: int, since: float, exc: BrokerError) -> bool:
+        """Replace the consumer if ``part``, pending since ``since`` (monotonic), has failed
+        for longer than the stall limit on this consumer; True if it was replaced."""
+        waited = time.monotonic() - since
+        if waited <= self.stall_s or since <= self._consumer_since:
+            return False
+        self._metrics.consumer_replacements.inc()
+        self._consumer_since = time.monotonic()
+        self._member.replace_stalled(
+            f"recovering {self.topic}[{part}] has failed for {waited:.0f} s "
+            f"(replay_buffer.txn_stall_s {self.stall_s:.0f} s; the last error: {exc})"
+        )
+        return True
