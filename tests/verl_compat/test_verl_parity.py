@@ -28,8 +28,8 @@ from rolloutbus.schemas.agent_loop import AgentLoopMetrics, AgentLoopOutput, Tok
 from rolloutbus.streams.agent_loop.continuous_token import ContinuousTokenError
 from rolloutbus.streams.agent_loop.tool_agent import ToolAgentLoop
 from rolloutbus.streams.reward import default_compute_score
-from rolloutbus.verl_keys import ignored_reason, read_as, verl_sections
-from tests.source_tree import ROOT
+from rolloutbus.verl_keys import ignored_reason, layout_name, read_as, verl_sections
+from tests.source_tree import ROOT, TEST_DATA
 
 PROBE = ROOT / "tests" / "programs" / "verl_parity_probe.py"
 
@@ -338,9 +338,20 @@ def test_every_verl_rollout_key_is_read_or_listed_as_ignored(verl, source):
     assert both == [], "a key cannot be both read and ignored"
 
 
+def _in_an_older_release(key: str) -> bool:
+    """The key, or a section holding it, is in an older release's generated configs
+    (tests/data/verl/keys/: the keys that 0.9.1 no longer has are listed for those)."""
+    lists = sorted((TEST_DATA / "verl" / "keys").glob("verl_*.txt"))
+    assert lists, "no release key lists under tests/data/verl/keys/"
+    names = {layout_name(k) for path in lists for k in path.read_text().split()}
+    return any(name == key or name.startswith(key + ".") for name in names)
+
+
 def test_ignored_keys_all_exist_in_verl(verl):
     verl_keys = set(verl["keys"]["yaml"]) | set(verl["keys"]["dataclasses"])
-    assert sorted(set(VERL_KEYS_IGNORED) - verl_keys) == []
+    older = [key for key in VERL_KEYS_IGNORED if key not in verl_keys]
+    assert [key for key in older if not _in_an_older_release(key)] == []
+    assert len(older) < len(VERL_KEYS_IGNORED) / 4, older  # 0.9.1's keys are most of them
     assert sorted(set(VERL_KEYS_ACCEPTED_NOT_USED) - verl_keys) == []
 
 
