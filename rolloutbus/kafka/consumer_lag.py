@@ -7,11 +7,14 @@ each partition's last stable offset (what a ``read_committed`` reader can reach)
 group's live members, and, for a partition that lags, the first record after the commit
 (its timestamp dates the oldest unconsumed work).
 
-Transactional topics hold control markers that take offsets but are no records. A group
-whose committed offset is followed only by markers (a trainer that read everything the
-replay buffer committed) has nothing to consume: reported as lag 0, not as the markers'
-count. Elsewhere ``lag_records`` counts offsets, markers included (at most one per
-transaction).
+Transactional topics hold control markers (one per transaction and partition) and aborted
+records that take offsets but are nothing a reader gets. ``lag_records`` counts the records
+a ``read_committed`` reader would get: a group whose committed offset is followed only by
+markers (a trainer that read everything the replay buffer committed) lags 0, and one that
+has 16 trajectories left lags 16, not 16 plus the markers between them. The records are
+counted by reading them when at most ``EXACT_COUNT_OFFSETS`` offsets lag; beyond that the
+count is the offsets (markers included: an upper bound, off by at most one per transaction),
+and ``lag_seconds``, the alerting signal, is exact either way.
 """
 
 from __future__ import annotations
@@ -45,6 +48,9 @@ __all__ = ["GroupLag", "LagReader", "PartitionLag"]
 LAG_READER_GROUP = "rolloutbus-lag-reader"  # assigns partitions, never commits or joins
 FIRST_RECORD_POLL_S = 0.5  # seconds per poll while fetching the first unconsumed records
 NO_TIMESTAMP = -1.0  # a record without a timestamp: lagging, of unknown age
+# offsets behind the end up to which the unconsumed records are read and counted exactly
+# (a trajectory is a few KB to a few MB: a reading stays small); past it, offsets
+EXACT_COUNT_OFFSETS = 256
 
 
 @dataclass(frozen=True)
@@ -164,67 +170,73 @@ class LagReader:
         return low
 
     def _dated(self, rows: list[GroupLag]) -> list[GroupLag]:
-        """Each lagging partition with the timestamp of its first unconsumed record (0 lag
-        where only transaction markers follow the commit)."""
-        starts = {
-            (p.topic, p.partition, p.end - p.lag_records)
+        """Each lagging partition with the timestamp of its first unconsumed record, and its
+        records counted where few lag (0 where only transaction markers follow the commit)."""
+        spans = {
+            (p.topic, p.partition, p.end - p.lag_records, p.end)
             for row in rows
             for p in row.partitions
             if p.lag_records > 0
         }
-        first = self._first_records(starts)
+        # one position per partition at a time: several groups on one partition in turn
+        found = {span: self._unconsumed(*span) for span in sorted(spans)}
         return [
             GroupLag(
                 row.group,
                 row.topic,
                 row.members,
                 [
-                    _with_first(p, first.get((p.topic, p.partition, p.end - p.lag_records)))
+                    _counted(p, found.get((p.topic, p.partition, p.end - p.lag_records, p.end)))
                     for p in row.partitions
                 ],
             )
             for row in rows
         ]
 
-    def _first_records(
-        self, starts: set[tuple[str, int, int]]
-    ) -> dict[tuple[str, int, int], float | None]:
-        """(topic, partition, offset) → timestamp in seconds of the first record at or
-        after the offset, or None when the partition ends first (markers only). One
-        position per partition at a time: several groups on one partition are read in turn."""
-        found: dict[tuple[str, int, int], float | None] = {}
-        for start in sorted(starts):
-            found[start] = self._first_record_ts(*start)
-        return found
-
-    def _first_record_ts(self, topic: str, partition: int, offset: int) -> float | None:
+    def _unconsumed(self, topic: str, partition: int, offset: int, end: int) -> Unconsumed:
+        """The records from ``offset`` to ``end`` as a read_committed reader gets them: the
+        first one's timestamp, and how many (read to the end when few lag, else None)."""
         with translate_kafka_errors(
             "reading the first unconsumed record", topic=topic, partition=partition, offset=offset
         ):
             self._consumer.assign([TopicPartition(topic, partition, offset)])
         deadline = time.monotonic() + self.timeout_s
+        first: float | None = None
+        records = 0
         try:
             while time.monotonic() < deadline:
                 msg = poll_record(self._consumer, FIRST_RECORD_POLL_S)
                 if isinstance(msg, PartitionEnd):
-                    return None
-                if msg is not None and record_position(msg)[0] == partition:
+                    return Unconsumed(first, records)
+                if msg is None or record_position(msg)[0] != partition:
+                    continue
+                if first is None:
                     kind, ms = msg.timestamp()
-                    return ms / 1000 if kind != 0 and ms > 0 else NO_TIMESTAMP
+                    first = ms / 1000 if kind != 0 and ms > 0 else NO_TIMESTAMP
+                    if end - offset > EXACT_COUNT_OFFSETS:
+                        return Unconsumed(first, None)
+                records += 1
         finally:
             with translate_kafka_errors(
                 "unassigning", topic=topic, partition=partition, offset=offset
             ):
                 self._consumer.unassign()
         raise BrokerError(
-            f"reading the first unconsumed record of {topic}[{partition}]@{offset}: "
-            f"nothing within {self.timeout_s:g} s"
+            f"reading the unconsumed records of {topic}[{partition}] from offset {offset}: "
+            f"no end within {self.timeout_s:g} s"
         )
 
 
-def _with_first(p: PartitionLag, ts: float | None) -> PartitionLag:
-    if p.lag_records == 0:
+@dataclass(frozen=True)
+class Unconsumed:
+    first_ts: float | None  # None: only transaction markers (or aborted records) follow
+    records: int | None  # None: not counted (too many lag); the offsets stand
+
+
+def _counted(p: PartitionLag, seen: Unconsumed | None) -> PartitionLag:
+    if p.lag_records == 0 or seen is None:
         return p
-    if ts is None:  # only transaction markers after the commit: nothing to consume
+    if seen.first_ts is None:  # only transaction markers after the commit: nothing to consume
         return PartitionLag(p.group, p.topic, p.partition, p.committed, p.end, 0, None)
-    return PartitionLag(p.group, p.topic, p.partition, p.committed, p.end, p.lag_records, ts)
+    records = p.lag_records if seen.records is None else seen.records
+    return PartitionLag(p.group, p.topic, p.partition, p.committed, p.end, records, seen.first_ts)

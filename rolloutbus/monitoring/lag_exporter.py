@@ -10,7 +10,7 @@ Why not ``kafka_exporter`` (danielqsj/kafka_exporter, the Kafka ecosystem's usua
 exporter): it is a separate Go binary to install, it reports lag in offsets only (no age
 of the oldest unconsumed record), it counts transaction markers as lag (a caught-up
 trainer on the transactional trajectory topic would show a lag of one per partition), and
-it knows nothing of which group is which stage. This exporter is ~200 lines on the
+it knows nothing of which group is which stage. This exporter is ~250 lines on the
 project's own Kafka boundary (same SASL/SSL settings, same error translation) and labels
 each group with its stage. kafka_exporter remains a fine addition for broker-level series
 (under-replicated partitions, topic sizes); the two do not collide (other metric names).
@@ -66,7 +66,9 @@ class LagCollector:
         now = time.time()
         records = GaugeMetricFamily(
             "rolloutbus_consumer_lag_records",
-            "Offsets a consumer group has not consumed yet (end offset minus committed); records",
+            "Records a consumer group has not consumed yet, as a read_committed reader gets "
+            "them (transaction markers and aborted records not counted while at most 256 "
+            "offsets lag; beyond, offsets); records",
             labels=["group", "stage", "topic", "partition"],
         )
         seconds = GaugeMetricFamily(
