@@ -79,7 +79,7 @@ ACL_ROLES: tuple[str, ...] = ("publisher", "sessions", "replay_buffer", "trainer
 
 
 class KafkaConfig(_Section):
-    # host:port list of the cluster (the embedded broker's port)
+    # host:port list of the cluster; unset: the embedded broker's (broker.host, port, nodes)
     bootstrap_servers: str = "127.0.0.1:9092"
     topic_prefix: str = "rollout"  # topics are {prefix}.prompts, .turns, .trajectories, ...
     # One count for every rollout topic: a uid maps to the same partition number on
@@ -263,7 +263,7 @@ class ReplicaServerConfig(_Section):
 class ReplicasConfig(_Section):
     """Where the workers send generate() calls and how they route them."""
 
-    # the replicas the workers call
+    # the replicas the workers call; unset: the embedded one (replica_server.host, port)
     urls: list[str] = Field(default_factory=lambda: ["http://127.0.0.1:8000"])
     # the replica's HTTP API
     backend: Literal["vllm_completions", "vllm_generate", "sglang"] = "vllm_completions"
@@ -656,6 +656,10 @@ class MonitoringConfig(_Section):
     # seconds between two reads of the committed offsets and watermarks: the freshness of
     # the lag figures; one read costs an offset query per group and a fetch per partition
     lag_poll_s: float = Field(default=5.0, gt=0)
+    # seconds between the progress lines of the session workers and replay buffers (what
+    # each did since the last line, with rates, and what is open; one line when idle, then
+    # quiet until work comes); 0: none
+    progress_log_s: float = Field(default=60.0, ge=0)
 
 
 class Config(_Section):
@@ -683,6 +687,22 @@ class Config(_Section):
     )
     reward: RewardConfig = Field(default_factory=RewardConfig)
 
+    @model_validator(mode="after")
+    def _derive_addresses(self) -> Config:
+        # A key left unset follows the embedded service it points at, so a second stack on
+        # one machine moves each port once: kafka.bootstrap_servers from broker.host/port
+        # (every node's), replicas.urls from replica_server.host/port. Set directly (not
+        # through the fields-set), so a copy with another port derives again.
+        if "bootstrap_servers" not in self.kafka.model_fields_set and (
+            self.broker.model_fields_set & {"host", "port", "nodes"}
+        ):
+            _set_derived(self, "kafka", "bootstrap_servers", embedded_bootstrap(self.broker))
+        if "urls" not in self.replicas.model_fields_set and (
+            self.replica_server.model_fields_set & {"host", "port"}
+        ):
+            _set_derived(self, "replicas", "urls", [embedded_replica_url(self.replica_server)])
+        return self
+
     @property
     def reward_function(self) -> CustomRewardFunctionConfig:
         """The custom reward function in effect (verl's legacy key first, as verl)."""
@@ -696,6 +716,27 @@ class Config(_Section):
         """verl's path to the rollout section: ``config.actor_rollout_ref.rollout.n`` works
         in a ported custom loop exactly as ``config.rollout.n``."""
         return SimpleNamespace(rollout=self.rollout)
+
+
+def embedded_bootstrap(broker: BrokerConfig) -> str:
+    """bootstrap.servers of the embedded broker: node i listens on port + 2i."""
+    return ",".join(f"{_dialable(broker.host)}:{broker.port + 2 * i}" for i in range(broker.nodes))
+
+
+def embedded_replica_url(server: ReplicaServerConfig) -> str:
+    return f"http://{_dialable(server.host)}:{server.port}"
+
+
+def _dialable(host: str) -> str:
+    """A listening address a client can dial: a wildcard means this machine."""
+    return LOOPBACK if host in ("0.0.0.0", "::", "") else host
+
+
+def _set_derived(cfg: Config, section: str, key: str, value: Any) -> None:
+    """Set a derived value on the frozen config, leaving it out of the fields-set."""
+    copy = getattr(cfg, section).model_copy()
+    object.__setattr__(copy, key, value)
+    object.__setattr__(cfg, section, copy)
 
 
 def key_tree(model: type[BaseModel] = Config) -> KeyTree:

@@ -73,6 +73,7 @@ from rolloutbus.kafka.transactions import (
     TransactionSettings,
 )
 from rolloutbus.metrics import ReplayBufferMetrics, start_metrics_server
+from rolloutbus.progress import ProgressLine
 from rolloutbus.schemas.turns import decode_turn_event
 from rolloutbus.streams.assembly.partition_fold import FoldLimits, PartitionFold
 from rolloutbus.streams.assembly.partition_recovery import (
@@ -189,6 +190,8 @@ class ReplayBuffer:
             cfg.kafka, self.transactional_id, transaction_settings(cfg), stop=self._stop
         )
         self._stuck = StuckConsumerWatch(cfg, self._member, self.metrics)
+        self._progress = ProgressLine("replay buffer", cfg.monitoring.progress_log_s, log)
+        self._folded = 0  # turn events folded since the last commit
         self._dirty = False
         self._last_commit = time.monotonic()
 
@@ -222,10 +225,14 @@ class ReplayBuffer:
         outgoing, self._recovery_letters = self._recovery_letters, []
         for msg in messages:
             self._fold_message(msg, outgoing)
+        self._folded += len(messages)
         idle_commit = self._dirty and time.monotonic() - self._last_commit > COMMIT_IDLE_S
         if outgoing or idle_commit:
             self._commit(outgoing)
         self._update_gauges()
+        self._progress.maybe_log(
+            {"open groups": sum(len(f.open) for f in self.partitions.values())}
+        )
         return len(messages)
 
     # -- polling ---------------------------------------------------------------------------
@@ -361,6 +368,8 @@ class ReplayBuffer:
         self._member.committed()
         self._dirty = False
         self._last_commit = time.monotonic()
+        count_committed(self._progress, self.topics, outgoing, self._folded)
+        self._folded = 0
 
     def _offsets(self) -> list[TopicPartition]:
         return [
@@ -371,6 +380,7 @@ class ReplayBuffer:
     def _rewind(self, failure: TransactionAborted) -> None:
         """Nothing of the batch committed: re-read every partition from its committed
         offset (the fold state of the aborted batch is discarded)."""
+        self._folded = 0  # re-read and folded again
         self.metrics.transaction_aborts.labels(cause=failure.cause).inc()
         if failure.replaced:
             self.metrics.producer_replacements.labels(cause=failure.cause).inc()
@@ -444,6 +454,16 @@ class ReplayBuffer:
         self.metrics.open_groups.set(sum(len(f.open) for f in self.partitions.values()))
         self.metrics.released_uids.set(sum(len(f.released) for f in self.partitions.values()))
         observe_open_groups(self.metrics, self.partitions.values(), self.cfg.deadlines.group_s)
+
+
+def count_committed(
+    progress: ProgressLine, topics: Topics, committed: list[Outgoing], folded: int
+) -> None:
+    """A committed transaction in the progress line: groups, trajectories, events folded."""
+    written = [record.topic for record in committed]
+    progress.add("groups", written.count(topics.released))
+    progress.add("trajectories", written.count(topics.trajectories))
+    progress.add("turn events", folded)
 
 
 def run_replay_buffer(cfg: Config) -> None:

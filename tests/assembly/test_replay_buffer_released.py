@@ -7,6 +7,8 @@ run`` processes."""
 
 from __future__ import annotations
 
+import logging
+import re
 import threading
 import time
 import uuid
@@ -19,6 +21,7 @@ from confluent_kafka.admin import NewTopic
 from prometheus_client import CollectorRegistry
 
 import rolloutbus.streams.assembly.released as released_module
+import rolloutbus.streams.assembly.replay_buffer as replay_buffer_module
 from rolloutbus.config import BrokerConfig, Config, KafkaConfig, with_overrides
 from rolloutbus.errors import BrokerError, ConfigError
 from rolloutbus.kafka.admin import check_partition_counts, delete_topics, ensure_topics
@@ -148,6 +151,27 @@ def test_a_new_group_id_releases_nothing_twice(kafka_config: KafkaConfig, replay
         r.trajectories == N and r.partition == partition_for(r.uid, kafka_config.partitions)
         for r in released
     )
+
+
+def test_the_progress_line_counts_what_was_committed(
+    kafka_config: KafkaConfig, replay_buffer_thread, caplog
+):
+    """The replay buffer's progress lines (monitoring.progress_log_s) add up to the groups,
+    trajectories and turn events it committed."""
+    cfg = _config(kafka_config, **{"monitoring.progress_log_s": 0.5})
+    uids = [f"g{uuid.uuid4().hex[:10]}" for _ in range(5)]
+    events = [e for uid in uids for e in group_events(uid)]
+    _produce(kafka_config, events)
+    with caplog.at_level(logging.INFO, logger=replay_buffer_module.__name__):
+        with replay_buffer_thread(cfg):
+            _wait_for_keys(cfg, _expected_keys(uids))
+            time.sleep(1.5)  # the next line carries the last commit
+    lines = [m for m in caplog.messages if m.startswith("replay buffer: ")]
+    counted: Counter[str] = Counter()
+    for line in lines:
+        for n, what in re.findall(r"(\d+) (groups|trajectories|turn events) \(", line):
+            counted[what] += int(n)
+    assert counted == {"groups": 5, "trajectories": 5 * N, "turn events": len(events)}, lines
 
 
 # --- 2b. a released record is obeyed only where the turn log backs it -----------------------
