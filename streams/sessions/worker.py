@@ -47,6 +47,7 @@ from rolloutbus.kafka.clients import record_location
 from rolloutbus.kafka.dead_letters import DeadLetterWriter
 from rolloutbus.metrics import SessionMetrics, start_metrics_server
 from rolloutbus.models.tokenizers import load_tokenizer
+from rolloutbus.progress import ProgressLine
 from rolloutbus.schemas.prompts import PromptGroup, decode_prompt_group
 from rolloutbus.schemas.turns import SessionFailed, SessionFinished
 from rolloutbus.streams.agent_loop import registry
@@ -103,6 +104,8 @@ class SessionWorker:
         self.metrics = SessionMetrics()
         self.stalls = StallWatch(cfg.sessions.stall_warn_s, self.metrics)
         self._background: set[asyncio.Task[Any]] = set()
+        self.progress = ProgressLine("sessions", cfg.monitoring.progress_log_s, log)
+        self._groups_running = 0
         # set once an assignment is in place, cleared when a rebalance revokes: a prompt is
         # never let go (acknowledged) in between, when it cannot be known whose it will be
         self.assignment_settled = asyncio.Event()
@@ -120,7 +123,14 @@ class SessionWorker:
             start_metrics_server(self.cfg.sessions.metrics_port, self.cfg.sessions.metrics_host)
         self._background.add(asyncio.ensure_future(self.stalls.run()))
         self._background.add(asyncio.ensure_future(self.consumer_watch.run()))
+        if self.cfg.monitoring.progress_log_s > 0:
+            self._background.add(asyncio.ensure_future(self._log_progress()))
         self.ready.set()
+
+    async def _log_progress(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.monitoring.progress_log_s)
+            self.progress.maybe_log({"groups in flight": self._groups_running})
 
     def _consumer_stalled(self, reason: str) -> None:
         """Flush what the sessions logged, then leave for the supervisor to restart us."""
@@ -322,14 +332,17 @@ class SessionWorker:
 
     async def _run_logged(self, group: PromptGroup, attempt: str, resume: Any) -> None:
         before = _stats(self.ctx)
+        self._groups_running += 1
         try:
             with self.metrics.track_group():
                 results = await run_sessions(self.ctx, group, attempt, self._emit, resume)
             for result in results:
                 self.metrics.count_session(failed=isinstance(result, SessionFailed))
+            self.progress.add("groups", 1)
         except EmitError as exc:
             _exit_unwritable(exc)
         finally:
+            self._groups_running -= 1
             self.metrics.count_recovery(before, _stats(self.ctx))
 
     async def _emit(self, event: BaseModel) -> None:
@@ -340,6 +353,9 @@ class SessionWorker:
         kind = getattr(event, "type", "event")
         self.stalls.waiting(uid, key, f"the turn log (writing its {kind})")
         await self.turn_log.emit(event)
+        if kind == "generation":
+            self.progress.add("turns", 1)
+            self.progress.add("tokens sampled", len(event.token_ids))  # type: ignore[attr-defined]
         if isinstance(event, SessionFinished | SessionFailed):
             self.stalls.settled(uid, key)
         else:

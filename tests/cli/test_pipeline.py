@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 import subprocess
 import sys
 import time
@@ -80,6 +81,7 @@ def pipeline(kafka_bootstrap: str, tmp_path_factory: pytest.TempPathFactory):
                 "transactional_id": unique_name("rbtx"),
                 "metrics_port": free_port(),
             },
+            "monitoring": {"progress_log_s": 2},
         }
     )
     ensure_topics(cfg.kafka)
@@ -331,8 +333,14 @@ def _replay_cli(tmp: Path, *argv: str) -> subprocess.CompletedProcess:
     )
 
 
+def _progress(log: Path, name: str, what: str) -> int:
+    """The sum of ``what`` over the progress lines of ``name`` in a process's log."""
+    pattern = rf"{name}: .*?(\d+) {what} \("
+    return sum(int(n) for line in log.read_text().splitlines() for n in re.findall(pattern, line))
+
+
 def test_workers_serve_prometheus_metrics_of_the_work_done(pipeline):
-    cfg, _, _ = pipeline
+    cfg, _, logs = pipeline
     sessions = httpx.get(f"http://127.0.0.1:{cfg.sessions.metrics_port}/metrics", timeout=5).text
     buffer = httpx.get(f"http://127.0.0.1:{cfg.replay_buffer.metrics_port}/metrics", timeout=5).text
 
@@ -346,6 +354,12 @@ def test_workers_serve_prometheus_metrics_of_the_work_done(pipeline):
     assert value(sessions, "rolloutbus_client_requests_total{") > 0  # the router's view
     assert value(buffer, "rolloutbus_replay_buffer_groups_released_total") > 0
     assert value(buffer, 'rolloutbus_replay_buffer_trajectories_total{status="failed"}') > 0
+    # the progress lines (monitoring.progress_log_s: 2) say the same, at most a line behind
+    time.sleep(2.5)
+    sampled = value(sessions, 'rolloutbus_sessions_tokens_total{kind="sampled"}')
+    assert 0 < _progress(logs["sessions"], "sessions", "tokens sampled") <= sampled
+    released = value(buffer, "rolloutbus_replay_buffer_groups_released_total")
+    assert 0 < _progress(logs["replay"], "replay buffer", "groups") <= released
 
 
 def test_malformed_prompt_group_on_the_topic_is_dead_lettered_and_the_worker_goes_on(pipeline):
