@@ -46,6 +46,11 @@ __all__ = ["Probe", "ReplicaFleet", "ReplicaState", "TurnWait", "get_health"]
 log = logging.getLogger(__name__)
 
 UNAVAILABLE_PROBE_S = 1.0  # seconds between probes while turns wait for a routable replica
+UNAVAILABLE_WARN_EVERY_S = 30.0  # seconds between two "no replica" lines while turns wait
+WEIGHT_SYNC_HINT = (
+    "`rolloutbus weight-sync` loads the current weights into a replica that comes up: is it "
+    "running?"
+)
 
 
 @dataclass
@@ -72,6 +77,7 @@ class ReplicaState:
     paused_warned_at: float | None = None  # time.monotonic()
     has_weight_info: bool = True  # GET /weight_info answered (no 404) so far
     has_is_paused: bool = True
+    routed_once: bool = False  # routed to since the client started: "back", not "up"
 
 
 class TurnWait:
@@ -178,6 +184,8 @@ class ReplicaFleet:
         self._waiting: set[TurnWait] = set()
         self._probing: asyncio.Future[dict[str, bool]] | None = None
         self._probed_at = float("-inf")  # time.monotonic() of the last probe round's end
+        # the last "no replica can take a turn" line: (when, whether turns were waiting)
+        self._unavailable_said: tuple[float, bool] | None = None
         for replica in balancer.replicas:
             self._track(replica)
 
@@ -301,17 +309,21 @@ class ReplicaFleet:
         """Probe every replica; log each that cannot be reached, by name and why."""
         await self.check_health()
         problems = {r: s.problem if not s.up else None for r, s in self._states.items()}
-        for replica, problem in problems.items():
-            if problem is not None:
-                log.error("replica %s is unreachable: %s", replica, problem)
         reachable = sum(1 for p in problems.values() if p is None)
+        unreachable = "; ".join(
+            f"replica {r} is unreachable: {p}" for r, p in problems.items() if p is not None
+        )
         if problems and not reachable:
             log.error(
-                "no replica is reachable (%d configured in replicas.urls): every turn waits up "
-                "to replicas.unavailable_wait_s = %g s for one, then its session fails",
+                "%s; no replica is reachable (%d configured in replicas.urls): every turn "
+                "waits up to replicas.unavailable_wait_s = %g s for one, then its session fails",
+                unreachable,
                 len(problems),
                 self._config.unavailable_wait_s,
             )
+            self._unavailable_said = (time.monotonic(), False)  # said once is enough
+        elif unreachable:
+            log.error("%s; %d of %d replicas reachable", unreachable, reachable, len(problems))
         else:
             log.info("%d of %d replicas reachable", reachable, len(problems))
         return problems
@@ -320,7 +332,7 @@ class ReplicaFleet:
         was_routable, was_up = self._balancer.is_healthy(state.url), state.up
         state.up, state.problem = probe.up, probe.problem
         if not probe.up:
-            if was_up:
+            if was_up and state.routed_once:  # one never routed to is named by the start probe
                 log.warning("replica %s is unhealthy: %s", state.url, probe.problem)
             if self._versions is not None:  # admit_stale_s counts from when it is back
                 state.admitted, state.held_since = False, None
@@ -328,7 +340,8 @@ class ReplicaFleet:
             self._publish(state.url)
             return
         if self._versions is not None and not was_up:
-            self._hold_back(state, "is back (maybe restarted on other weights)")
+            back = "is back (maybe restarted on other weights)" if state.routed_once else "is up"
+            self._hold_back(state, back)
         elif self._versions is not None and _went_back(state.label, probe):
             self._hold_back(state, f"now serves {probe.label!r} after {state.label!r}")
         if probe.reports_version:
@@ -338,8 +351,11 @@ class ReplicaFleet:
             self._admit_if_ready(state, probe)
         if state.admitted:
             self._balancer.mark_healthy(state.url)
-            if not was_routable:
+            if not was_routable and state.routed_once:
                 log.warning("replica %s is back", state.url)
+            elif not was_routable:
+                log.info("replica %s is routable", state.url)
+            state.routed_once = True
         self._publish(state.url)
 
     # -- admission and pauses --------------------------------------------------------
@@ -351,10 +367,11 @@ class ReplicaFleet:
         self._balancer.mark_unhealthy(state.url)
         log.info(
             "replica %s %s: not routed to until it serves the current policy version "
-            "(at most replicas.admit_stale_s = %g s)",
+            "(at most replicas.admit_stale_s = %g s); %s",
             state.url,
             why,
             self._config.admit_stale_s,
+            WEIGHT_SYNC_HINT,
         )
 
     def _admit_if_ready(self, state: ReplicaState, probe: Probe) -> None:
@@ -372,15 +389,18 @@ class ReplicaFleet:
         state.admitted, state.held_since = True, None
         self._metrics.admissions.labels(state.url, reason).inc()
         current = self._versions.current_version()
-        level = logging.WARNING if reason == "stale_timeout" else logging.INFO
+        stale = reason == "stale_timeout"
         log.log(
-            level,
-            "replica %s admitted after %.1f s (%s): serves %r, current policy version %s",
+            logging.WARNING if stale else logging.INFO,
+            "replica %s admitted after %.1f s (%s): serves %r, current policy version %s%s",
             state.url,
             waited_s,
             reason,
             probe.label,
             current,
+            f"; the trainer's staleness bound may drop its groups. {WEIGHT_SYNC_HINT}"
+            if stale
+            else "",
         )
 
     def _watch_pause(self, state: ReplicaState, probe: Probe) -> None:
@@ -419,16 +439,28 @@ class ReplicaFleet:
             self.warn_if_unavailable()
 
     def warn_if_unavailable(self) -> None:
+        """While no replica is routable: one line when it starts, one when turns start
+        waiting, then one every UNAVAILABLE_WARN_EVERY_S while they wait (none while
+        nothing waits)."""
         if self._balancer.healthy_replicas or not self._states:
+            self._unavailable_said = None
             return
+        now, waiting = time.monotonic(), bool(self._waiting)
+        said = self._unavailable_said
+        if said is not None and said[1] == waiting:
+            if not waiting or now - said[0] < UNAVAILABLE_WARN_EVERY_S:
+                return
+        self._unavailable_said = (now, waiting)
+        held = any(s.up and not s.admitted for s in self._states.values())
         oldest = max((w.waited_s for w in self._waiting), default=0.0)
         log.warning(
             "no replica can take a turn (%s); %d sessions waiting for one, the longest for "
-            "%.0f s; a session fails after replicas.unavailable_wait_s = %g s of waiting",
+            "%.0f s; a session fails after replicas.unavailable_wait_s = %g s of waiting%s",
             self.describe_unroutable(),
             len(self._waiting),
             oldest,
             self._config.unavailable_wait_s,
+            f". {WEIGHT_SYNC_HINT}" if held else "",
         )
 
     def _publish(self, replica: str) -> None:

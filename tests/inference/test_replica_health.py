@@ -176,6 +176,56 @@ async def test_waiting_turns_are_reported_then_fail_within_unavailable_wait_s(ca
     assert _sample(client, "rolloutbus_client_turns_waiting") == 0
 
 
+async def test_a_dead_replica_with_nothing_waiting_is_reported_once_not_every_probe(caplog):
+    """A dead replica URL and no turn: the start line, then nothing (it used to log "no
+    replica can take a turn ... 0 sessions waiting" every health_interval_s forever); a turn
+    that starts waiting is reported at once."""
+    client = _client([_dead_url()], unavailable_wait_s=30)
+    try:
+        with caplog.at_level(logging.INFO):
+            await client.probe_replicas()
+            for _ in range(3):
+                await client.check_health()
+                client.fleet.warn_if_unavailable()
+            quiet = [r for r in caplog.records if r.levelno >= logging.WARNING]
+            turn = asyncio.ensure_future(
+                client.generate("t", prompt_ids=[1], sampling_params=SAMPLING)
+            )
+            await _until(lambda: "1 sessions waiting" in caplog.text)
+            turn.cancel()
+    finally:
+        await client.close()
+    assert len(quiet) == 1 and "no replica is reachable" in quiet[0].getMessage(), quiet
+
+
+async def test_a_replica_that_comes_up_after_the_worker_is_up_not_back(caplog):
+    """A first start: the replica is still loading when the worker probes it. Its coming up
+    is an INFO line, not "unhealthy" then "is back" warnings (it was never away)."""
+    port = free_port()
+    client = _client(
+        [f"http://127.0.0.1:{port}"], versions=FixedVersions(current=None), admit_stale_s=600
+    )
+    replica = None
+    try:
+        with caplog.at_level(logging.INFO):
+            await client.probe_replicas()
+            await client.check_health()
+            engine = ScriptedEngine(lambda prompt: [11, 12])
+            replica = await start_replica(
+                Config(replica_server=ReplicaServerConfig(port=port)), engine
+            )
+            await client.check_health()
+        assert client.balancer.is_healthy(replica.url)
+    finally:
+        await client.close()
+        if replica is not None:
+            await replica.stop()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == [], warnings
+    assert f"replica {replica.url} is up" in caplog.text
+    assert f"replica {replica.url} is routable" in caplog.text
+
+
 @register("one_turn_health_test")
 class OneTurnLoop(AgentLoopBase):
     """One generate() call through the real LLM client, its tokens as the response."""
@@ -340,6 +390,7 @@ async def test_a_replica_that_never_catches_up_is_admitted_after_admit_stale_s(c
     reasons = {"replica": replica.url, "reason": "stale_timeout"}
     assert _sample(client, "rolloutbus_client_replica_admissions_total", reasons) == 1
     assert f"replica {replica.url} admitted after" in caplog.text and "stale_timeout" in caplog.text
+    assert "`rolloutbus weight-sync` loads the current weights" in caplog.text  # what to do
 
 
 async def test_a_replica_that_restarted_between_two_probes_is_held_back():
