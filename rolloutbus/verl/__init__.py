@@ -6,6 +6,8 @@
 * ``BusAgentLoopManager``: the V1 trainer's slot; publishes verl's prompts as groups
   (the TransferQueue side is not built yet).
 * ``v0_output`` and ``rows_in_input_order``: the pure conversion behind V0.
+* ``BusCheckpointCallback``: ``trainer.checkpoint_callback_class`` (V1 only in verl);
+  writes ``rolloutbus.json`` (run id, consumer position) beside ``global_step_N/``.
 
 Importing this package needs no verl: names load on first use, and a plug-in that needs
 verl's types raises ``VerlNotInstalledError`` saying ``pip install rolloutbus[verl]``.
@@ -18,6 +20,12 @@ import typing
 from rolloutbus.runtime import lazy_exports
 
 if typing.TYPE_CHECKING:
+    from rolloutbus.verl.checkpoint import (
+        BusCheckpointCallback,
+        BusCheckpointState,
+        read_bus_state,
+        write_bus_state,
+    )
     from rolloutbus.verl.extra import INSTALL_HINT, VerlNotInstalledError, require_verl
     from rolloutbus.verl.manager import BusAgentLoopManager
     from rolloutbus.verl.settings import bus_config
@@ -28,24 +36,32 @@ __all__ = [
     "INSTALL_HINT",
     "BusAgentLoopManager",
     "BusAgentLoopManagerV0",
+    "BusCheckpointCallback",
+    "BusCheckpointState",
     "V0Output",
     "VerlNotInstalledError",
     "bus_config",
+    "read_bus_state",
     "require_verl",
     "rows_in_input_order",
     "v0_output",
+    "write_bus_state",
 ]
 
 _LAZY = {
     "INSTALL_HINT": "rolloutbus.verl.extra",
     "BusAgentLoopManager": "rolloutbus.verl.manager",
     "BusAgentLoopManagerV0": "rolloutbus.verl.v0_manager",
+    "BusCheckpointCallback": "rolloutbus.verl.checkpoint",
+    "BusCheckpointState": "rolloutbus.verl.checkpoint",
     "V0Output": "rolloutbus.verl.v0_batch",
     "VerlNotInstalledError": "rolloutbus.verl.extra",
     "bus_config": "rolloutbus.verl.settings",
+    "read_bus_state": "rolloutbus.verl.checkpoint",
     "require_verl": "rolloutbus.verl.extra",
     "rows_in_input_order": "rolloutbus.verl.v0_batch",
     "v0_output": "rolloutbus.verl.v0_batch",
+    "write_bus_state": "rolloutbus.verl.checkpoint",
 }
 
 __getattr__ = lazy_exports(__name__, _LAZY)
