@@ -26,11 +26,26 @@ two cost (the logged latencies of re-sampled turns, plus lost tokens at the run'
 seconds per token). Goal: 0 tokens re-sampled, 0 generation-seconds lost.
 
     python benchmarks/recovery.py [--targets sessions replay-buffer] [--kills 3] [--interval 30]
+
+``--long-turns`` measures instead one session-worker SIGKILL in the middle of long turns
+(``--n`` sessions of one group, one ``ignore_eos`` turn of ``--long-tokens`` tokens each),
+on a pipeline of its own per mode: chunking off, then ``sessions.chunk_tokens`` =
+each of ``--chunk-tokens`` (``streams/sessions/chunking.py``). The kill comes once the
+replica has sampled ``--kill-at`` (0.55) of every turn: 563 of 1,024 tokens, 51 into a
+chunk of 64 or of 128. Per mode: tokens sampled again per in-flight
+session (the replica's ``generation_tokens`` minus the released turns' tokens: what the
+killed worker's requests sampled and nobody logged), kill -> the replica's first token for
+a resumed session (its counter moves again after the killed worker's requests were
+aborted), and what chunking costs the turn log: events and bytes per released token.
+Medians over ``--repeats`` runs per mode, each beside its ratio to chunking off.
+
+    python benchmarks/recovery.py --long-turns [--n 2] [--long-tokens 1024] [--chunk-tokens 64 128]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import tempfile
@@ -45,7 +60,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from soak import Dispatcher
 
 from rolloutbus.kafka.partition_reader import read_partition
-from rolloutbus.schemas.turns import decode_turn_event
+from rolloutbus.schemas.turns import Generation, decode_turn_event
 from tests.faults import Pipeline, Workload
 
 SETTLE_TIMEOUT_S = 600.0  # seconds for every published group to be released after the kills
@@ -208,6 +223,207 @@ def _s(value: float | None) -> str:
     return "-" if value is None or value != value else f"{value:.2f}"
 
 
+# --- one kill in the middle of long turns, chunking off and on (--long-turns) ---
+
+LONG_POLL_S = 0.1  # seconds between reads of the replica's /metrics while a long run waits
+RUNNING = "requests_running"  # the replica's gauge (its /metrics)
+QUIET_S = 1.0  # seconds the replica stands still after a kill before a resumed token counts
+
+
+@dataclass
+class LongTurnOutcome:
+    chunk_tokens: int  # sessions.chunk_tokens; 0: off
+    sessions: int = 0
+    again_per_session: float = 0.0  # tokens sampled and never released, per in-flight session
+    first_resumed_s: float | None = None  # kill -> the replica samples for a resumed session
+    events_per_ktoken: float = 0.0  # turn-log events per 1,000 released tokens
+    bytes_per_token: float = 0.0  # turn-log bytes per released token
+    wall_s: float = 0.0
+
+
+def replica_metric(pipeline: Pipeline, suffix: str) -> float:
+    text = httpx.get(f"http://127.0.0.1:{pipeline.port}/metrics", timeout=10).text
+    return sum(
+        s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name.endswith(suffix)
+    )
+
+
+def _long_pipeline(chunk_tokens: int, args, work: Path) -> Pipeline:
+    """A pipeline whose every process (and every restart of it: Service copies os.environ
+    when it is made) reads ``sessions.chunk_tokens`` and the long response length."""
+    env = {
+        "ROLLOUTBUS__SESSIONS__CHUNK_TOKENS": str(chunk_tokens),
+        "ROLLOUTBUS__ROLLOUT__RESPONSE_LENGTH": str(args.long_tokens),
+    }
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    try:  # the session worker and replay buffer are made in start(): keep env until then
+        pipeline = Pipeline(
+            bootstrap=args.bus,
+            workdir=work,
+            partitions=1,
+            concurrency=args.n,
+            replica_batch=args.n,
+        )
+        pipeline.start()
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    return pipeline
+
+
+def run_long_turns(chunk_tokens: int, args, work: Path) -> LongTurnOutcome:
+    """SIGKILL the session worker once the replica has sampled ``kill_at`` of every turn; the
+    supervisor restarts it and the sessions resume from the turn log."""
+    workload = Workload(
+        groups=1, n=args.n, turns=1, tokens_per_turn=args.long_tokens, tool_delay_s=0.0
+    )
+    started = time.monotonic()
+    pipeline = _long_pipeline(chunk_tokens, args, work)
+    try:
+        before = replica_metric(pipeline, GENERATION_TOKENS)
+        pipeline.publish(workload)
+        target = before + args.n * int(args.long_tokens * args.kill_at)
+        _wait_until(
+            f"{args.kill_at:g} of every turn sampled",
+            pipeline,
+            lambda: replica_metric(pipeline, GENERATION_TOKENS) >= target,
+        )
+        killed_at = time.time()
+        pipeline.workers[0].kill(signal.SIGKILL)  # the supervisor restarts it
+        first_resumed_s = _first_resumed_token(pipeline, killed_at)
+        _wait_until(
+            "every trajectory released",
+            pipeline,
+            lambda: sum(pipeline.watcher.keys.values()) >= args.n,
+        )
+        sampled = replica_metric(pipeline, GENERATION_TOKENS) - before
+    finally:
+        pipeline.close()
+    outcome = _analyse_long_turns(pipeline, chunk_tokens, int(sampled))
+    outcome.first_resumed_s = first_resumed_s
+    outcome.wall_s = time.monotonic() - started
+    pipeline.delete_topics()
+    return outcome
+
+
+def _wait_until(what: str, pipeline: Pipeline, ready) -> None:
+    """Every wait of the run has a deadline: a run that cannot go on says why and exits
+    (the attempt before this one waited for half of 1,024-token turns from workers that
+    never read the long response length: they were made after the env was restored)."""
+    deadline = time.monotonic() + SETTLE_TIMEOUT_S
+    while not ready():
+        if time.monotonic() > deadline:
+            tails = "\n".join(s.log_tail() for s in pipeline.services())
+            raise SystemExit(f"{what}: not within {SETTLE_TIMEOUT_S:g} s\n{tails}")
+        time.sleep(LONG_POLL_S)
+
+
+def _first_resumed_token(pipeline: Pipeline, killed_at: float) -> float:
+    """Seconds from the kill to the replica's first token for a resumed session. The
+    killed worker's requests end when its connections close (the replica aborts a request
+    whose client hung up); once nothing runs and the token counter has stood still for
+    ``QUIET_S`` (a restarted worker takes longer than that to start), the counter moves
+    again only for the new worker's sessions."""
+    idle = -1.0
+
+    def quiet() -> bool:
+        nonlocal idle
+        tokens = replica_metric(pipeline, GENERATION_TOKENS)
+        time.sleep(QUIET_S)
+        still = replica_metric(pipeline, GENERATION_TOKENS) == tokens
+        idle = tokens
+        return still and replica_metric(pipeline, RUNNING) == 0
+
+    _wait_until("the killed worker's requests ended", pipeline, quiet)
+    _wait_until(
+        "a resumed session sampling",
+        pipeline,
+        lambda: replica_metric(pipeline, GENERATION_TOKENS) > idle,
+    )
+    return time.time() - killed_at
+
+
+def _analyse_long_turns(pipeline: Pipeline, chunk_tokens: int, sampled: int) -> LongTurnOutcome:
+    cfg = pipeline.cfg
+    sizes: list[int] = []
+    final: dict[int, Generation] = {}
+    for part in range(cfg.kafka.partitions):
+        for msg in read_partition(cfg.kafka, pipeline.topics.turns, part, 0):
+            sizes.append(len(msg.value() or b""))
+            event = decode_turn_event(msg.value() or b"")
+            if isinstance(event, Generation):
+                final[event.session_id] = event
+    tokens = sum(len(g.token_ids) for g in final.values())
+    return LongTurnOutcome(
+        chunk_tokens=chunk_tokens,
+        sessions=len(final),
+        again_per_session=(sampled - tokens) / max(1, len(final)),
+        events_per_ktoken=1000 * len(sizes) / max(1, tokens),
+        bytes_per_token=sum(sizes) / max(1, tokens),
+    )
+
+
+def report_long_turns(runs: dict[int, list[LongTurnOutcome]], args) -> None:
+    """Medians over the repeats of each mode, and each mode's ratio to chunking off."""
+    print(
+        f"recovery, long turns: one session-worker SIGKILL once {args.kill_at:g} of "
+        f"{args.n} turns of {args.long_tokens} tokens (ignore_eos) is sampled; medians of "
+        f"{args.repeats} run(s) per mode; {machine_line()}"
+    )
+    print(
+        f"{'chunk_tokens':>12} {'re-sampled/session':>18} {'x off':>6} "
+        f"{'-> resumed token s':>18} {'x off':>6} {'events/1k tok':>13} {'x off':>6} "
+        f"{'bytes/tok':>9} {'x off':>6}"
+    )
+    off = _medians(runs[0])
+    for chunk_tokens, outcomes in runs.items():
+        m = _medians(outcomes)
+        cells = []
+        for key, width, fmt in (
+            ("again", 18, ".1f"),
+            ("first", 18, ".2f"),
+            ("events", 13, ".2f"),
+            ("bytes", 9, ".1f"),
+        ):
+            ratio = m[key] / off[key] if off[key] else float("nan")
+            cells.append(f"{m[key]:>{width}{fmt}} {ratio:>6.3f}")
+        print(f"{chunk_tokens or 'off':>12} " + " ".join(cells))
+    print("goal: at most chunk_tokens tokens sampled again per in-flight session")
+
+
+def _medians(outcomes: list[LongTurnOutcome]) -> dict[str, float]:
+    return {
+        "again": median([o.again_per_session for o in outcomes]),
+        "first": median([o.first_resumed_s for o in outcomes if o.first_resumed_s is not None]),
+        "events": median([o.events_per_ktoken for o in outcomes]),
+        "bytes": median([o.bytes_per_token for o in outcomes]),
+    }
+
+
+def main_long_turns(args) -> int:
+    if args.quick:
+        args.long_tokens, args.chunk_tokens, args.repeats = 256, [32], 1
+    runs: dict[int, list[LongTurnOutcome]] = {}
+    with broker(args.bootstrap) as bus, tempfile.TemporaryDirectory() as tmp:
+        args.bus = bus.bootstrap
+        for repeat in range(args.repeats):
+            for chunk_tokens in (0, *args.chunk_tokens):  # interleaved: the load drifts
+                work = Path(tmp) / f"chunks{chunk_tokens}-{repeat}"
+                work.mkdir()
+                outcome = run_long_turns(chunk_tokens, args, work)
+                print(f"[recovery] chunk_tokens={chunk_tokens}: {outcome}", file=sys.stderr)
+                runs.setdefault(chunk_tokens, []).append(outcome)
+    report_long_turns(runs, args)
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
@@ -226,8 +442,22 @@ def main() -> int:
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--tokens-per-turn", type=int, default=8)
     ap.add_argument("--tool-delay", type=float, default=0.5, help="seconds between turns (0.5)")
+    ap.add_argument("--long-turns", action="store_true", help="one kill mid-way, long turns")
+    ap.add_argument("--long-tokens", type=int, default=1024, help="tokens per long turn (1024)")
+    ap.add_argument(
+        "--chunk-tokens", type=int, nargs="+", default=[64, 128], help="sessions.chunk_tokens"
+    )
+    ap.add_argument(
+        "--kill-at",
+        type=float,
+        default=0.55,
+        help="the kill comes once this share of every long turn is sampled (0.55: mid-chunk)",
+    )
+    ap.add_argument("--repeats", type=int, default=1, help="long-turn runs per mode (1)")
     add_common_args(ap)
     args = ap.parse_args()
+    if args.long_turns:
+        return main_long_turns(args)
     if args.quick:  # one kill of a session worker (a replay buffer's takes ~80 s to release)
         args.targets, args.kills, args.interval, args.warmup = ["sessions"], 1, 15.0, 8.0
     outcomes = []
