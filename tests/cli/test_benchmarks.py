@@ -114,3 +114,14 @@ def test_benchmark_with_its_own_broker_exits_cleanly() -> None:
     done = run_quick(ON_ITS_OWN_BROKER)
     assert re.search(WITH_BROKER[ON_ITS_OWN_BROKER], done.stdout), done.stdout
     assert not LIBRDKAFKA_ERROR.search(done.stderr), done.stderr[-4000:]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get(ALL_ENV) != "all", reason=f"a heavy benchmark: {ALL_ENV}=all")
+def test_recovery_long_turns_runs_on_the_test_broker(kafka_bootstrap: str) -> None:
+    """``recovery.py --long-turns`` (a kill mid-turn, chunking off then on) at its quick
+    size: 256-token turns, chunks of 32; its table has a row per mode."""
+    done = run_quick("recovery.py", "--long-turns", "--bootstrap", kafka_bootstrap)
+    assert re.search(r"^ +off +\d", done.stdout, re.MULTILINE), done.stdout[-3000:]
+    assert re.search(r"^ +32 +\d", done.stdout, re.MULTILINE), done.stdout[-3000:]
+    assert not LIBRDKAFKA_ERROR.search(done.stderr), done.stderr[-4000:]
