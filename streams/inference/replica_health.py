@@ -309,23 +309,8 @@ class ReplicaFleet:
         """Probe every replica; log each that cannot be reached, by name and why."""
         await self.check_health()
         problems = {r: s.problem if not s.up else None for r, s in self._states.items()}
-        reachable = sum(1 for p in problems.values() if p is None)
-        unreachable = "; ".join(
-            f"replica {r} is unreachable: {p}" for r, p in problems.items() if p is not None
-        )
-        if problems and not reachable:
-            log.error(
-                "%s; no replica is reachable (%d configured in replicas.urls): every turn "
-                "waits up to replicas.unavailable_wait_s = %g s for one, then its session fails",
-                unreachable,
-                len(problems),
-                self._config.unavailable_wait_s,
-            )
+        if _report_start(problems, self._config.unavailable_wait_s):
             self._unavailable_said = (time.monotonic(), False)  # said once is enough
-        elif unreachable:
-            log.error("%s; %d of %d replicas reachable", unreachable, reachable, len(problems))
-        else:
-            log.info("%d of %d replicas reachable", reachable, len(problems))
         return problems
 
     def _apply(self, state: ReplicaState, probe: Probe) -> None:
@@ -481,3 +466,26 @@ def _went_back(before: Any, probe: Probe) -> bool:
         return False
     old, new = as_policy_version(before), as_policy_version(probe.label)
     return old is not None and new is not None and new < old
+
+
+def _report_start(problems: dict[str, str | None], unavailable_wait_s: float) -> bool:
+    """The start probe in one line: each unreachable replica by name and why, and what
+    happens to turns when none is reachable (then True)."""
+    reachable = sum(1 for p in problems.values() if p is None)
+    unreachable = "; ".join(
+        f"replica {r} is unreachable: {p}" for r, p in problems.items() if p is not None
+    )
+    if problems and not reachable:
+        log.error(
+            "%s; no replica is reachable (%d configured in replicas.urls): every turn "
+            "waits up to replicas.unavailable_wait_s = %g s for one, then its session fails",
+            unreachable,
+            len(problems),
+            unavailable_wait_s,
+        )
+        return True
+    if unreachable:
+        log.error("%s; %d of %d replicas reachable", unreachable, reachable, len(problems))
+    else:
+        log.info("%d of %d replicas reachable", reachable, len(problems))
+    return False
