@@ -36,6 +36,11 @@ class ProgressLine:
         """Count ``n`` more of ``what`` (e.g. "groups"); the first add fixes the order."""
         self._counts[what] = self._counts.get(what, 0) + n
 
+    def due(self) -> bool:
+        """Whether the next maybe_log writes a line: a caller on a hot path asks first, and
+        computes its open figures only then."""
+        return self.interval_s > 0 and self._clock() - self._since >= self.interval_s
+
     def maybe_log(self, open_now: dict[str, int] | None = None) -> str | None:
         """Log (and return) the line when the interval has passed; ``open_now``: figures of
         the present (e.g. {"open groups": 3}), shown when non-zero."""

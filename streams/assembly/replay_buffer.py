@@ -230,9 +230,9 @@ class ReplayBuffer:
         if outgoing or idle_commit:
             self._commit(outgoing)
         self._update_gauges()
-        self._progress.maybe_log(
-            {"open groups": sum(len(f.open) for f in self.partitions.values())}
-        )
+        if self._progress.due():  # open groups counted once an interval, not per batch
+            open_groups = sum(len(f.open) for f in self.partitions.values())
+            self._progress.maybe_log({"open groups": open_groups})
         return len(messages)
 
     # -- polling ---------------------------------------------------------------------------

@@ -24,8 +24,9 @@ def test_a_line_per_interval_with_counts_rates_and_what_is_open(caplog):
     progress.add("groups", 12)
     progress.add("trajectories", 48)
     clock.now += 30
-    assert progress.maybe_log({"open groups": 3}) is None  # not yet
+    assert not progress.due() and progress.maybe_log({"open groups": 3}) is None  # not yet
     clock.now += 30
+    assert progress.due()
     with caplog.at_level(logging.INFO):
         line = progress.maybe_log({"open groups": 3, "paused partitions": 0})
     assert line == (
