@@ -15,10 +15,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from rolloutbus.broker.embedded import broker_status, start_broker, stop_broker
+from rolloutbus.broker.properties import PORT_STRIDE
 from rolloutbus.config import BrokerConfig, Config, KafkaConfig
 from rolloutbus.errors import BrokerError
-from rolloutbus.kafka.broker import broker_status, start_broker, stop_broker
-from rolloutbus.kafka.broker_properties import PORT_STRIDE
 from tests.helpers import free_port
 from tests.session_broker import watch_for_killed_session
 

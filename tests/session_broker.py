@@ -11,9 +11,9 @@ import sys
 
 import pytest
 
+from rolloutbus.broker.embedded import start_broker
 from rolloutbus.config import BrokerConfig, Config, KafkaConfig
 from rolloutbus.errors import BrokerError
-from rolloutbus.kafka.broker import start_broker
 from tests.helpers import free_port
 
 __all__ = ["embedded_config", "reap_watchdogs", "start_on_free_ports", "watch_for_killed_session"]

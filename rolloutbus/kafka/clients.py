@@ -304,6 +304,36 @@ def watermark_offsets(consumer: Consumer, tp: TopicPartition, timeout_s: float) 
                 time.sleep(SETTLING_BACKOFF_S)
 
 
+# Errors a group coordinator gives while it settles (a broker just started or restarted, the
+# __consumer_offsets partition moving): a committed-offsets read retries them until its timeout.
+COORDINATOR_SETTLING = frozenset(
+    {
+        KafkaError.NOT_COORDINATOR,
+        KafkaError.COORDINATOR_LOAD_IN_PROGRESS,
+        KafkaError.COORDINATOR_NOT_AVAILABLE,
+    }
+)
+
+
+def committed_offsets(
+    consumer: Consumer, partitions: list[TopicPartition], timeout_s: float
+) -> list[TopicPartition]:
+    """``consumer.committed(partitions)``, retrying a coordinator that is still settling
+    within ``timeout_s`` in all (a trainer started right after its broker got
+    NOT_COORDINATOR and exited); any other error, or one that outlasts it, is raised."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            left = max(SETTLING_BACKOFF_S, deadline - time.monotonic())
+            return list(consumer.committed(partitions, timeout=left))
+        except KafkaException as exc:
+            if kafka_error_code(exc) not in COORDINATOR_SETTLING or (
+                time.monotonic() + SETTLING_BACKOFF_S >= deadline
+            ):
+                raise
+            time.sleep(SETTLING_BACKOFF_S)
+
+
 def kafka_error_code(exc: KafkaException | KafkaError) -> int | None:
     err = _kafka_error(exc)
     return err.code() if err is not None else None

@@ -30,6 +30,7 @@ from rolloutbus.errors import BrokerError, SchemaError
 from rolloutbus.kafka.clients import (
     PartitionEnd,
     broker_error,
+    committed_offsets,
     consume_records,
     message_location,
     poll_record,
@@ -37,9 +38,9 @@ from rolloutbus.kafka.clients import (
     record_position,
     translate_kafka_errors,
 )
+from rolloutbus.kafka.control_metrics import ControlMetrics
 from rolloutbus.kafka.dead_letters import DeadLetterWriter
 from rolloutbus.kafka.version_ledger import Refusal, Verdict, VersionLedger
-from rolloutbus.metrics import ControlMetrics
 from rolloutbus.schemas.control import PolicyVersionPublished, decode_control_event
 from rolloutbus.topics import CONTROL_PARTITION, Topics
 
@@ -213,7 +214,7 @@ class PolicyVersionFollower:
         with translate_kafka_errors(
             "reading the dead-lettered offset", topic=self.topic, partition=CONTROL_PARTITION
         ):
-            [committed] = self._consumer.committed([tp], timeout=READ_TIMEOUT_S)
+            [committed] = committed_offsets(self._consumer, [tp], READ_TIMEOUT_S)
         return max(committed.offset, 0)
 
     def _commit_lettered(self) -> None:

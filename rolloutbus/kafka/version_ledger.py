@@ -16,7 +16,8 @@ agree on what is current:
 * a version of an epoch above the newest run that no ``RunStarted`` announced is refused
   (``unknown_run``), and so is a second run claiming an epoch already taken
   (``conflicting_run``): the trainer writes ``RunStarted`` first, fenced;
-* a record that is no control event at all is ``malformed``.
+* a record that is no control event at all is ``malformed``;
+* ``PolicyVersionApplied`` (the weight sync's "every replica serves it") changes nothing.
 
 Records without run fields (written before runs existed) are run epoch 0: they still
 follow these rules among themselves, and any run supersedes them.
@@ -31,7 +32,12 @@ from collections import Counter
 from dataclasses import dataclass
 from enum import StrEnum
 
-from rolloutbus.schemas.control import PolicyVersionPublished, RunStarted
+from rolloutbus.schemas.control import (
+    AnyControlEvent,
+    PolicyVersionApplied,
+    PolicyVersionPublished,
+    RunStarted,
+)
 
 __all__ = ["DEAD_LETTER_REASONS", "Refusal", "Verdict", "VersionLedger", "supersedes"]
 
@@ -81,7 +87,9 @@ class VersionLedger:
     def run_id(self) -> str:
         return self.run.run_id if self.run is not None else ""
 
-    def fold(self, event: PolicyVersionPublished | RunStarted) -> Verdict:
+    def fold(self, event: AnyControlEvent) -> Verdict:
+        if isinstance(event, PolicyVersionApplied):
+            return UNCHANGED  # the weight sync's report (add-only): it moves no version
         verdict = (
             self._fold_run(event) if isinstance(event, RunStarted) else self._fold_version(event)
         )

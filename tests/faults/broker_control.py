@@ -9,9 +9,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from rolloutbus.broker.embedded import broker_status, start_broker, stop_broker
 from rolloutbus.config import BrokerConfig, Config, KafkaConfig
 from rolloutbus.errors import BrokerError
-from rolloutbus.kafka.broker import broker_status, start_broker, stop_broker
 from tests.helpers import free_port
 
 PORT_RETRIES = 3  # a free port can be taken before the broker's JVM binds it

@@ -27,10 +27,10 @@ from typing import Any
 import pytest
 from confluent_kafka import Consumer, TopicPartition
 
+from rolloutbus.broker.embedded import kill_node, start_broker
 from rolloutbus.config import Config
 from rolloutbus.consumers.client import TrainerClient
 from rolloutbus.errors import RolloutBusError
-from rolloutbus.kafka.broker import kill_node, start_broker
 from rolloutbus.kafka.clients import idempotent_producer, record_location
 from rolloutbus.kafka.control import latest_policy_version
 from rolloutbus.schemas.trajectories import decode_trajectory_batch

@@ -11,17 +11,17 @@ import yaml
 from confluent_kafka import Consumer, TopicPartition
 from confluent_kafka.admin import AdminClient, ConfigResource
 
-from rolloutbus.config import BrokerConfig, Config, KafkaConfig
-from rolloutbus.errors import BrokerError
-from rolloutbus.kafka import broker
-from rolloutbus.kafka.admin import delete_topics, ensure_topics, topic_partitions
-from rolloutbus.kafka.broker import (
+from rolloutbus.broker import embedded as broker
+from rolloutbus.broker import jars
+from rolloutbus.broker.embedded import (
     broker_status,
-    parse_java_major,
     server_properties,
     start_broker,
     stop_broker,
 )
+from rolloutbus.config import BrokerConfig, Config, KafkaConfig
+from rolloutbus.errors import BrokerError
+from rolloutbus.kafka.admin import delete_topics, ensure_topics, topic_partitions
 from rolloutbus.topics import Topics
 from tests.helpers import free_port, run_cli, unique_name
 
@@ -198,20 +198,20 @@ def test_server_properties_allow_large_records(tmp_path: Path) -> None:
 
 def test_missing_tools_are_named(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     real_which = shutil.which
-    monkeypatch.setattr(broker, "kafka_libs_dir", lambda: tmp_path / "libs")  # not fetched
+    monkeypatch.setattr(jars, "kafka_libs_dir", lambda: tmp_path / "libs")  # not fetched
     monkeypatch.setattr(shutil, "which", lambda name: None if name == "mvn" else real_which(name))
     with pytest.raises(BrokerError, match="`mvn` not found"):
-        broker.fetch_kafka_jars()
+        jars.fetch_kafka_jars()
     monkeypatch.setattr(shutil, "which", lambda name: None)
     with pytest.raises(BrokerError, match="`java` not found.*Java 17"):
-        broker.fetch_kafka_jars()
+        jars.fetch_kafka_jars()
 
 
 def test_java_version_parsing() -> None:
-    assert parse_java_major('openjdk version "17.0.15" 2025-04-15') == 17
-    assert parse_java_major('openjdk version "21" 2023-09-19') == 21
-    assert parse_java_major('java version "1.8.0_392"') == 8
-    assert parse_java_major("no version here") is None
+    assert jars.parse_java_major('openjdk version "17.0.15" 2025-04-15') == 17
+    assert jars.parse_java_major('openjdk version "21" 2023-09-19') == 21
+    assert jars.parse_java_major('java version "1.8.0_392"') == 8
+    assert jars.parse_java_major("no version here") is None
 
 
 @pytest.mark.kafka  # launches a Kafka JVM of its own (it exits at start-up)
@@ -275,7 +275,7 @@ def test_restart_keeps_topics_and_records(tmp_path: Path, make_producer) -> None
 
 
 def _props(cfg: Config, data_dir: Path, node_index: int = 0) -> dict[str, str]:
-    from rolloutbus.kafka.broker_properties import broker_nodes
+    from rolloutbus.broker.properties import broker_nodes
 
     nodes = broker_nodes(cfg, data_dir)
     text = server_properties(cfg, data_dir, nodes[node_index], nodes)

@@ -15,6 +15,7 @@ from rolloutbus.kafka.clients import (
     PartitionEnd,
     admin_settings,
     broker_error,
+    committed_offsets,
     idempotent_producer,
     idempotent_producer_settings,
     kafka_error_code,
@@ -264,3 +265,35 @@ def test_each_watermark_attempt_gets_only_the_time_left():
     assert consumer.timeouts[0] <= 5.0
     assert all(later < first for first, later in itertools.pairwise(consumer.timeouts))
     assert consumer.timeouts[-1] <= 5.0 - 3 * 0.2 + 0.05
+
+
+class _SettlingCoordinator:
+    """Test double for a consumer whose group coordinator is still loading (a broker just
+    started): its first ``failures`` committed-offset reads fail with ``code``."""
+
+    def __init__(self, failures: int, code: int = KafkaError.NOT_COORDINATOR):
+        self.failures, self.code, self.calls = failures, code, 0
+
+    def committed(self, partitions, timeout):
+        self.calls += 1
+        if self.calls <= self.failures:
+            raise KafkaException(KafkaError(self.code, "Broker: Not coordinator"))
+        return [TopicPartition(tp.topic, tp.partition, 7) for tp in partitions]
+
+
+def test_a_committed_offsets_read_rides_out_a_settling_coordinator():
+    """A trainer started right after its broker read NOT_COORDINATOR and exited 1 (seen in
+    tests/cli/test_cli_console.py): the read now retries it, and only it."""
+    consumer = _SettlingCoordinator(failures=3)
+    [tp] = committed_offsets(consumer, [TopicPartition("t", 0)], timeout_s=5.0)
+    assert tp.offset == 7 and consumer.calls == 4
+    loading = _SettlingCoordinator(failures=1, code=KafkaError.COORDINATOR_LOAD_IN_PROGRESS)
+    committed_offsets(loading, [TopicPartition("t", 0)], timeout_s=5.0)
+    assert loading.calls == 2
+    denied = _SettlingCoordinator(failures=1, code=KafkaError.GROUP_AUTHORIZATION_FAILED)
+    with pytest.raises(KafkaException):
+        committed_offsets(denied, [TopicPartition("t", 0)], timeout_s=5.0)
+    assert denied.calls == 1
+    stuck = _SettlingCoordinator(failures=10**6)
+    with pytest.raises(KafkaException):
+        committed_offsets(stuck, [TopicPartition("t", 0)], timeout_s=0.5)

@@ -21,11 +21,11 @@ from typing import Any
 import pytest
 from confluent_kafka import KafkaError, KafkaException, Producer
 
+from rolloutbus.broker.acls import apply_acls
+from rolloutbus.broker.embedded import broker_status, server_properties, start_broker, stop_broker
 from rolloutbus.config import LOOPBACK, BrokerConfig, Config, KafkaConfig, with_overrides
 from rolloutbus.errors import BrokerError, ConfigError
-from rolloutbus.kafka.acls import apply_acls
 from rolloutbus.kafka.admin import ensure_topics
-from rolloutbus.kafka.broker import broker_status, server_properties, start_broker, stop_broker
 from rolloutbus.kafka.clients import admin_client
 from rolloutbus.metrics import start_metrics_server
 from rolloutbus.producers.datasets import make_arithmetic_rows
@@ -143,8 +143,8 @@ def test_only_plain_is_offered() -> None:
 def test_each_topic_is_written_by_its_owner_only() -> None:
     from confluent_kafka.admin import AclOperation, ResourceType
 
+    from rolloutbus.broker.acls import role_grants
     from rolloutbus.config import ACL_ROLES
-    from rolloutbus.kafka.acls import role_grants
 
     cfg = Config()
     topics = Topics.from_config(cfg.kafka)
@@ -158,13 +158,13 @@ def test_each_topic_is_written_by_its_owner_only() -> None:
         topics.turns: {"sessions"},
         topics.trajectories: {"replay_buffer"},
         topics.released: {"replay_buffer"},
-        topics.control: {"trainer"},
+        topics.control: {"trainer", "weight_sync"},  # versions; versions applied
         topics.dlq: set(ACL_ROLES),  # bad input is dead-lettered wherever it is found
     }
 
 
 def test_acls_follow_the_config_and_print_as_kafka_acls_commands() -> None:
-    from rolloutbus.kafka.acls import acl_bindings, kafka_acls_commands
+    from rolloutbus.broker.acls import acl_bindings, kafka_acls_commands
 
     cfg = with_overrides(
         Config(),
@@ -198,7 +198,7 @@ def test_acls_need_logins() -> None:
 @pytest.fixture(scope="module")
 def sasl_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Config]:
     """A broker of its own with SASL logins for the admin and one user per role, and the
-    StandardAuthorizer: a role may do only what rolloutbus/kafka/acls.py grants it."""
+    StandardAuthorizer: a role may do only what rolloutbus/broker/acls.py grants it."""
     cfg = None
     for attempt in range(PORT_RETRIES):
         cfg = with_overrides(
@@ -364,7 +364,7 @@ def test_cluster_ids_never_look_like_an_option() -> None:
     """Not security, but the SASL broker's start found it: a random cluster id starting with
     "-" made `kafka-storage format -t ID` fail, one start in 64 (as Kafka's own Uuid does,
     such ids are drawn again)."""
-    from rolloutbus.kafka.broker import _random_cluster_id
+    from rolloutbus.broker.embedded import _random_cluster_id
 
     assert not any(_random_cluster_id().startswith("-") for _ in range(5000))
 
@@ -377,7 +377,7 @@ def test_the_workers_run_end_to_end_with_a_login_per_role(
     """Session worker (Faust and the turn-log producer) and replay buffer as processes, each
     with its own role's login, against the SASL broker with ACLs; the publisher and the
     trainer client with theirs; a scripted replica (test double) answers. The ACLs of
-    rolloutbus/kafka/acls.py are enough for each role to do its whole job."""
+    rolloutbus/broker/acls.py are enough for each role to do its whole job."""
     from rolloutbus.replica.scripted import ScriptedEngine, ScriptedTurn
     from rolloutbus.replica.server import replica_in_thread
     from tests.pipeline import running, spawn, write_config

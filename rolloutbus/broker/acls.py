@@ -8,7 +8,8 @@
   ``replay_buffer.group_id``; its transactional ids.
 - trainer (``rolloutbus train``, the trainer client): writes control; reads trajectories
   and control; group ``trainer.group_id``.
-- weight_sync: reads control.
+- weight_sync: reads control; writes control (``PolicyVersionApplied`` once a version
+  serves on every replica, streams/inference/weight_sync_applied.py).
 
 Every role also writes the dead-letter topic and may describe every rollout topic (the
 partition-count check and ``ensure_topics`` list them; a principal sees only the topics it
@@ -157,6 +158,7 @@ def _trainer(cfg: Config, topics: Topics, role: str) -> list[Grant]:
 def _weight_sync(cfg: Config, topics: Topics, role: str) -> list[Grant]:
     return [
         _topic(role, topics.control, READ),
+        _topic(role, topics.control, WRITE),  # PolicyVersionApplied, idempotently
         # how far its dead letters of the control topic got (kafka/control_reader.py)
         _group(role, CONTROL_DEAD_LETTER_GROUP),
     ]

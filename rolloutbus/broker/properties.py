@@ -115,7 +115,7 @@ def server_properties(
         "share.coordinator.state.topic.num.partitions": "1",
     }
     header = (
-        "# Written by rolloutbus.kafka.broker on every start; edit the config, not this file.\n"
+        "# Written by rolloutbus.broker.embedded on every start; edit the config, not this file.\n"
     )
     return header + "".join(f"{key}={value}\n" for key, value in lines.items())
 

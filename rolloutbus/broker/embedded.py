@@ -26,45 +26,37 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import fcntl
-import hashlib
-import ipaddress
 import logging
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
 import time
 import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from confluent_kafka import KafkaException
 
-from rolloutbus.config import LOOPBACK, Config, KafkaConfig
-from rolloutbus.errors import BrokerError
-from rolloutbus.kafka.broker_properties import (
-    PORT_STRIDE,
+from rolloutbus.broker.addresses import check_listen_address, check_ports_free
+from rolloutbus.broker.jars import fetch_kafka_jars, java_major_version
+from rolloutbus.broker.properties import (
     SASL_LISTENER,
     BrokerNode,
     broker_nodes,
     server_properties,
 )
+from rolloutbus.config import Config, KafkaConfig
+from rolloutbus.errors import BrokerError
 from rolloutbus.kafka.clients import admin_client
 
 __all__ = [
     "BrokerStatus",
     "admin_kafka_config",
     "broker_status",
-    "fetch_kafka_jars",
-    "java_major_version",
-    "kafka_libs_dir",
     "kill_node",
     "node_pid",
-    "parse_java_major",
     "server_properties",
     "start_broker",
     "stop_broker",
@@ -73,19 +65,14 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-POM_PATH = REPO_ROOT / "ops" / "kafka" / "pom.xml"
 LOG4J_CONFIG = REPO_ROOT / "ops" / "kafka" / "log4j2.yaml"
-MIN_JAVA = 17  # Kafka 4.x brokers need Java 17+ (Java 11 is for clients only)
 KAFKA_MAIN_CLASS = "kafka.Kafka"
 STORAGE_TOOL_CLASS = "kafka.tools.StorageTool"
 
 STOP_TIMEOUT_S = 30.0  # seconds; a clean single-node shutdown takes ~1-5 s, then SIGKILL
 FORMAT_TIMEOUT_S = 120.0  # seconds; one short JVM run, slow only on a starved machine
-FETCH_TIMEOUT_S = 900.0  # seconds; ~25 MB of jars from Maven Central on a slow link
 PROBE_TIMEOUT_S = 1.0  # seconds per readiness probe (AdminClient.list_topics)
 LOG_TAIL_LINES = 30  # lines of the broker log quoted in a start failure
-# seconds a restarted node waits for its ports: a killed JVM's sockets free them within ~1 s
-RESTART_PORT_WAIT_S = 10.0
 
 # The same flags as Kafka's kafka-run-class.sh, for the same reasons (short GC pauses).
 JVM_FLAGS = [
@@ -113,122 +100,6 @@ class BrokerStatus:
     data_dir: Path
     # every node's pid while alive, in node order (one entry for a single node)
     node_pids: tuple[int | None, ...] = field(default=(), compare=False)
-
-
-# --- jars -------------------------------------------------------------------------------
-
-
-def kafka_libs_dir() -> Path:
-    """Where the broker's jars live: ``<repo root>/.cache/kafka/libs`` (git-ignored)."""
-    return REPO_ROOT / ".cache" / "kafka" / "libs"
-
-
-def fetch_kafka_jars(quiet: bool = True) -> Path:
-    """Copy Kafka's runtime jars from Maven into :func:`kafka_libs_dir`, once per pom.
-
-    A marker file keyed on the pom's hash records a finished fetch; a changed pom fetches
-    into a fresh folder and replaces the old one, so two Kafka versions never share a
-    classpath. A file lock makes concurrent callers (parallel test sessions) wait.
-    """
-    libs = kafka_libs_dir()
-    marker = libs / f".fetched-{_pom_hash()}"
-    if marker.exists():
-        return libs
-    java_major_version()  # Maven needs Java too; say so before Maven fails obscurely
-    mvn = shutil.which("mvn")
-    if mvn is None:
-        raise BrokerError(
-            "`mvn` not found on PATH: the embedded broker's jars are fetched with Maven "
-            "(install Maven 3.8+, e.g. `apt-get install maven`), or point "
-            "kafka.bootstrap_servers at an existing Kafka cluster"
-        )
-    libs.parent.mkdir(parents=True, exist_ok=True)
-    with _file_lock(libs.parent / "fetch.lock"):
-        if marker.exists():  # another process fetched while we waited for the lock
-            return libs
-        _run_maven_copy(mvn, libs, quiet)
-        marker.touch()
-    return libs
-
-
-def _pom_hash() -> str:
-    if not POM_PATH.exists():
-        raise BrokerError(
-            f"{POM_PATH} is missing: the embedded broker needs the repository's ops/ folder"
-        )
-    return hashlib.sha256(POM_PATH.read_bytes()).hexdigest()[:16]
-
-
-def _run_maven_copy(mvn: str, libs: Path, quiet: bool) -> None:
-    staging = libs.with_name(libs.name + ".staging")
-    shutil.rmtree(staging, ignore_errors=True)
-    cmd = [
-        mvn,
-        *(["-q"] if quiet else []),
-        "-B",
-        "-f",
-        str(POM_PATH),
-        "dependency:copy-dependencies",
-        "-DincludeScope=runtime",
-        f"-DoutputDirectory={staging}",
-    ]
-    try:
-        result = subprocess.run(cmd, capture_output=quiet, text=True, timeout=FETCH_TIMEOUT_S)
-    except subprocess.TimeoutExpired as exc:
-        raise BrokerError(
-            f"fetching Kafka jars with Maven took over {FETCH_TIMEOUT_S:.0f} s"
-        ) from exc
-    if result.returncode != 0 or not any(staging.glob("kafka_2.13-*.jar")):
-        output = _tail_text((result.stdout or "") + (result.stderr or ""), LOG_TAIL_LINES)
-        raise BrokerError(
-            f"fetching Kafka jars failed (exit {result.returncode}): {' '.join(cmd)}\n{output}"
-        )
-    shutil.rmtree(libs, ignore_errors=True)
-    staging.rename(libs)
-
-
-@contextlib.contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
-    with open(path, "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
-def java_major_version() -> int:
-    """The major version of ``java`` on PATH; BrokerError if missing or older than 17."""
-    java = shutil.which("java")
-    if java is None:
-        raise BrokerError(
-            f"`java` not found on PATH: the embedded Kafka broker needs Java {MIN_JAVA}+ "
-            "(e.g. `apt-get install openjdk-17-jre-headless`), or point "
-            "kafka.bootstrap_servers at an existing Kafka cluster"
-        )
-    result = subprocess.run([java, "-version"], capture_output=True, text=True, timeout=60)
-    major = parse_java_major(result.stderr + result.stdout)
-    if major is None:
-        raise BrokerError(
-            f"cannot read the Java version from `java -version`: {result.stderr.strip()!r}"
-        )
-    if major < MIN_JAVA:
-        raise BrokerError(
-            f"Java {major} found at {java}, but Kafka 4.x brokers need Java {MIN_JAVA}+ "
-            "(e.g. `apt-get install openjdk-17-jre-headless`)"
-        )
-    return major
-
-
-def parse_java_major(version_output: str) -> int | None:
-    """17 from 'openjdk version "17.0.15"', 8 from 'java version "1.8.0_392"'."""
-    match = re.search(r'version "(\d+)(?:\.(\d+))?', version_output)
-    if match is None:
-        return None
-    major = int(match.group(1))
-    if major == 1 and match.group(2):  # the pre-9 "1.x" scheme
-        major = int(match.group(2))
-    return major
 
 
 # --- status -----------------------------------------------------------------------------
@@ -418,8 +289,8 @@ def start_broker(cfg: Config) -> BrokerStatus:
     todo = [node for node in nodes if pids[node.node_id] is None]  # 1.
     launched: list[int] = []
     if todo:
-        _check_listen_address(cfg)
-        _check_ports_free(cfg, todo)  # 2.
+        check_listen_address(cfg)
+        check_ports_free(cfg, todo, broker_nodes(cfg, _data_dir(cfg)))  # 2.
         java_major_version()
         libs = fetch_kafka_jars()  # 3.
         cluster_id = _cluster_id(nodes)
@@ -431,92 +302,6 @@ def start_broker(cfg: Config) -> BrokerStatus:
             pids[node.node_id] = pid
             launched.append(pid)
     return _wait_until_ready(cfg, nodes, pids, launched)  # 5.
-
-
-def _check_listen_address(cfg: Config) -> None:
-    host = cfg.broker.host
-    if _is_wildcard(host):
-        raise BrokerError(
-            f"broker.host {host!r} is a wildcard address: the broker advertises broker.host "
-            "to its clients, so set the one address clients should connect to (e.g. this "
-            "machine's LAN address), or 127.0.0.1"
-        )
-    if not _is_loopback(host) and not cfg.broker.sasl_users:
-        log.warning(
-            "the embedded broker listens on %s without authentication: anyone who "
-            "reaches that address can read and write every topic (set broker.sasl_users)",
-            host,
-        )
-
-
-def _is_wildcard(host: str) -> bool:
-    return host in ("", "*") or _ip(host) in (
-        ipaddress.ip_address("0.0.0.0"),
-        ipaddress.ip_address("::"),
-    )
-
-
-def _is_loopback(host: str) -> bool:
-    address = _ip(host)
-    return host == "localhost" if address is None else address.is_loopback
-
-
-def _ip(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
-    try:
-        return ipaddress.ip_address(host)
-    except ValueError:
-        return None  # a host name
-
-
-def _check_ports_free(cfg: Config, nodes: list[BrokerNode]) -> None:
-    stride = f" + {PORT_STRIDE} x node index" if cfg.broker.nodes > 1 else ""
-    for node in nodes:
-        for name, host, port in (
-            ("broker.port", cfg.broker.host, node.port),
-            ("broker.controller_port", LOOPBACK, node.controller_port),
-        ):
-            if not _port_free(host, port, _restart_wait_s(node)):
-                raise BrokerError(
-                    f"port {port} on {host} ({name}{stride}, node {node.node_id}) is already "
-                    "in use: stop what listens there (an earlier broker: `rolloutbus broker "
-                    f"stop`) or set {name} to another port"
-                )
-    everything = broker_nodes(cfg, _data_dir(cfg))
-    ports = [p for n in everything for p in (n.port, n.controller_port)]
-    if len(set(ports)) < len(ports):
-        raise BrokerError(
-            f"broker.port and broker.controller_port give the nodes overlapping ports {ports}: "
-            f"node i uses port + {PORT_STRIDE}i and controller_port + {PORT_STRIDE}i"
-        )
-
-
-def _restart_wait_s(node: BrokerNode) -> float:
-    """A node that ran before (its storage is formatted) may have died a moment ago: the
-    sockets of its connections can hold its ports for a few seconds after a SIGKILL."""
-    formatted = (node.data_dir / "kraft-logs" / "meta.properties").exists()
-    return RESTART_PORT_WAIT_S if formatted else 0.0
-
-
-def _port_free(host: str, port: int, wait_s: float = 0.0) -> bool:
-    deadline = time.monotonic() + wait_s
-    while not _port_bindable(host, port):
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.2)
-    return True
-
-
-def _port_bindable(host: str, port: int) -> bool:
-    # SO_REUSEADDR like the JVM's own server sockets: TIME_WAIT leftovers from a broker
-    # that just stopped do not count as busy, a listening socket does.
-    family = socket.AF_INET6 if isinstance(_ip(host), ipaddress.IPv6Address) else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind((host, port))
-        except OSError:
-            return False
-    return True
 
 
 def _write_server_properties(cfg: Config, node: BrokerNode, nodes: list[BrokerNode]) -> Path:
