@@ -58,6 +58,15 @@ log = logging.getLogger(__name__)
 
 STOP_JOIN_TIMEOUT_S = 30.0  # seconds; one decode step of a 135M model on CPU is < 1 s
 
+# Streaming: hears (token id, its logprob, the weight version that sampled it) on the
+# engine thread after each token a request samples; it must only hand the token over
+# (``call_soon_threadsafe``). Kept per request in DecodeEngine._listeners, by id(seq).
+OnToken = Callable[[int, float, "int | str"], None]
+
+
+def ignore_token(token: int, logprob: float, version: int | str) -> None:
+    """The ``OnToken`` of a request nobody streams."""
+
 
 class DecodeEngine:
     """Serves ``submit()`` calls from a decode loop in its own thread."""
@@ -93,6 +102,7 @@ class DecodeEngine:
         self._control = ControlWork()  # run between steps, e.g. a weight reload
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
+        self._listeners: dict[int, OnToken] = {}
 
     @classmethod
     def from_config(cls, cfg: Config) -> DecodeEngine:
@@ -196,7 +206,9 @@ class DecodeEngine:
             self._cond.notify_all()
         return future
 
-    async def submit(self, request: GenerationRequest) -> GenerationResult:
+    async def submit(
+        self, request: GenerationRequest, on_token: OnToken = ignore_token
+    ) -> GenerationResult:
         check_request_fits(request, self.max_model_len, self.vocab_size)
         self._require_running()
         loop = asyncio.get_running_loop()
@@ -209,6 +221,7 @@ class DecodeEngine:
             | (frozenset() if request.ignore_eos else self.eos_token_ids),
             submitted=time.monotonic(),
         )
+        self._listeners[id(seq)] = on_token
         with self._cond:
             self._waiting.add(seq)
             self._cond.notify_all()
@@ -217,6 +230,8 @@ class DecodeEngine:
         except asyncio.CancelledError:
             seq.aborted = True  # the loop drops it at the next step boundary
             raise
+        finally:
+            self._listeners.pop(id(seq), None)
 
     def _require_running(self) -> None:
         if not self.healthy:
@@ -312,6 +327,7 @@ class DecodeEngine:
         ):
             if seq.finish_reason is None:
                 seq.record(token, logprob, tops[i] if tops else None, version)
+                self._listeners.get(id(seq), ignore_token)(token, logprob, version)
         self.stats.generation_tokens += len(rows)
         return tokens
 

@@ -1,14 +1,17 @@
 """What packages and services share about how they load and run: names a package re-exports
 on first use (so importing a light room does not load torch or httpx), and a service served
-until SIGTERM or SIGINT. Imports nothing of the package."""
+until SIGTERM or SIGINT, or in a background thread for synchronous callers. Imports nothing
+of the package."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import logging
 import signal
-from collections.abc import Awaitable, Callable
+import threading
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from typing import Any, Protocol, TypeVar
 
 log = logging.getLogger(__name__)
@@ -53,3 +56,23 @@ async def serve_until_signalled(
     finally:
         log.info("%s on %s stopping", what, service.url)
         await service.stop()
+
+
+@contextlib.contextmanager
+def serve_in_thread(thread_name: str, start: Callable[[], Coroutine[Any, Any, S]]) -> Iterator[S]:
+    """A service started by ``start`` on its own event loop in a daemon thread named
+    ``thread_name``, for synchronous callers (tests, scripts); stopped, and the loop closed,
+    when the block ends."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name=thread_name, daemon=True)
+    thread.start()
+    try:
+        service = asyncio.run_coroutine_threadsafe(start(), loop).result()
+        try:
+            yield service
+        finally:
+            asyncio.run_coroutine_threadsafe(service.stop(), loop).result()
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join()
+        loop.close()

@@ -264,7 +264,7 @@ async def test_concurrent_requests_are_batched_and_match_solo_runs(replica, clie
         ("/v1/completions", {"prompt": [1, 2], "max_tokens": 0}, "max_tokens"),
         ("/v1/completions", {"prompt": [1, 2], "logprobs": 50}, "logprobs"),
         ("/v1/completions", {"prompt": [1, 2], "n": 2}, "n="),
-        ("/v1/completions", {"prompt": [1, 2], "stream": True}, "stream"),
+        ("/inference/v1/generate", {"token_ids": [1], "stream": True}, "stream"),
         ("/v1/completions", {"prompt": [1, 2], "stop": ["\n"]}, "stop"),
         ("/v1/completions", {"prompt": []}, "prompt"),
         ("/v1/completions", {"prompt": [1, "x"]}, "prompt"),

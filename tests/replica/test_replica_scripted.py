@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import socket
+import threading
 
 import httpx
 import pytest
 
 from rolloutbus.config import Config, ReplicaServerConfig
+from rolloutbus.errors import ReplicaError
 from rolloutbus.replica.scripted import ScriptedEngine, ScriptedTurn
-from rolloutbus.replica.server import start_replica
+from rolloutbus.replica.server import replica_in_thread, start_replica
 
 
 def _config() -> Config:
@@ -153,3 +156,28 @@ async def test_scripted_control_surface_pauses_aborts_and_records_reloads(tmp_pa
         await client.post("/resume")
         later = (await held).json()["choices"][0]
         assert later["finish_reason"] == "length" and len(later["token_ids"]) == 20
+
+
+def _serving_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name == "rolloutbus-replica-http"]
+
+
+def test_replica_in_thread_serves_from_its_own_thread_and_leaves_nothing_behind():
+    engine = ScriptedEngine([[5]])
+    with replica_in_thread(_config(), engine) as replica:
+        assert httpx.get(f"{replica.url}/health").json()["status"] == "ok"
+        assert _serving_threads() == ["rolloutbus-replica-http"]
+    assert not engine.healthy  # stopped by the block's end
+    assert _serving_threads() == []
+
+
+def test_replica_in_thread_that_cannot_listen_raises_and_leaves_no_thread():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cfg = Config(replica_server=ReplicaServerConfig(host="127.0.0.1", port=port))
+        with pytest.raises(ReplicaError, match=f"cannot listen on 127.0.0.1:{port}"):
+            with replica_in_thread(cfg, ScriptedEngine([[5]])):
+                pass
+    assert _serving_threads() == []
