@@ -34,12 +34,16 @@ from rolloutbus.schemas.version import SCHEMA_VERSION
 
 POLICY_VERSION_TYPE: Literal["policy_version"] = "policy_version"
 RUN_STARTED_TYPE: Literal["run_started"] = "run_started"
+POLICY_VERSION_APPLIED_TYPE: Literal["policy_version_applied"] = "policy_version_applied"
 INT64_MAX = 2**63 - 1  # the trajectories' min/max_global_steps columns are int64
 
 __all__ = [
+    "POLICY_VERSION_APPLIED_TYPE",
     "POLICY_VERSION_TYPE",
     "RUN_STARTED_TYPE",
+    "AnyControlEvent",
     "ControlEvent",
+    "PolicyVersionApplied",
     "PolicyVersionPublished",
     "RunStarted",
     "as_policy_version",
@@ -101,6 +105,28 @@ class RunStarted(BaseModel):
     prompt_offsets: dict[int, int] = Field(default_factory=dict)
 
 
+class PolicyVersionApplied(BaseModel):
+    """``rolloutbus weight-sync`` has moved every replica in ``replicas.urls`` to
+    ``policy_version`` of run ``run_epoch`` (the folder ``weights_path``): what an on-policy
+    trainer waits for before it samples again (``rolloutbus.verl.applied``).
+
+    Add-only: the version ledger ignores it (it changes no version), so readers that know
+    it skip it. A reader older than this event refuses its type (schema-evolution.md: new
+    event types need the readers upgraded first).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    schema_version: int = SCHEMA_VERSION
+    type: Literal["policy_version_applied"] = POLICY_VERSION_APPLIED_TYPE
+    policy_version: int = Field(ge=0, le=INT64_MAX)
+    weights_path: str | None = None
+    run_id: str = ""
+    run_epoch: int = Field(default=0, ge=0, le=INT64_MAX)
+    replicas: list[str] = Field(default_factory=list)  # the URLs that serve it
+    applied_at: float = Field(default_factory=time.time)  # seconds since the epoch
+
+
 def _event_type(value: Any) -> str | None:
     """The discriminator: a record without ``type`` is a policy version (the first and,
     for a while, the only control event)."""
@@ -112,17 +138,19 @@ def _event_type(value: Any) -> str | None:
 
 ControlEvent = Annotated[
     Annotated[PolicyVersionPublished, Tag(POLICY_VERSION_TYPE)]
-    | Annotated[RunStarted, Tag(RUN_STARTED_TYPE)],
+    | Annotated[RunStarted, Tag(RUN_STARTED_TYPE)]
+    | Annotated[PolicyVersionApplied, Tag(POLICY_VERSION_APPLIED_TYPE)],
     Discriminator(_event_type),
 ]
-_CONTROL_EVENT: TypeAdapter[PolicyVersionPublished | RunStarted] = TypeAdapter(ControlEvent)
+AnyControlEvent = PolicyVersionPublished | RunStarted | PolicyVersionApplied
+_CONTROL_EVENT: TypeAdapter[AnyControlEvent] = TypeAdapter(ControlEvent)
 
 
-def encode_control_event(event: PolicyVersionPublished | RunStarted) -> bytes:
+def encode_control_event(event: AnyControlEvent) -> bytes:
     return event.model_dump_json().encode()
 
 
-def decode_control_event(value: bytes) -> PolicyVersionPublished | RunStarted:
+def decode_control_event(value: bytes) -> AnyControlEvent:
     """Raises pydantic's ValidationError for a record that is not a control event (an
     unknown ``type`` included), SchemaError for one of a schema version this reader cannot
     read (``evolution.py``)."""

@@ -204,9 +204,12 @@ class VllmCompletionRequest(VllmSamplingFields):
             prompt = prompt[0]
         if not prompt:
             raise ValueError("must hold at least one token id")
-        bad = [p for p in prompt if not isinstance(p, int) or isinstance(p, bool)]
-        if bad:
-            raise ValueError(f"token ids must be integers, got {bad[:3]!r}")
+        # the usual prompt, all plain ints, checked at C speed: this runs on every turn over
+        # the whole context (a Python test per id was ~36 ns, 150 us at 4k tokens; issue 28)
+        if not set(map(type, prompt)) <= {int}:
+            bad = [p for p in prompt if not isinstance(p, int) or isinstance(p, bool)]
+            if bad:
+                raise ValueError(f"token ids must be integers, got {bad[:3]!r}")
         token_ids: list[int] = prompt  # every item checked above
         return token_ids
 

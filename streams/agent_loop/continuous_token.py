@@ -41,6 +41,7 @@ nothing), this one derives the boundary from the template itself.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
@@ -309,6 +310,17 @@ class ContinuousTokenBuilder:
                 return end[k:]
         return list(end)
 
+    @functools.cached_property
+    def _prefix_text(self) -> str:
+        """The synthetic prefix rendered: the same text for every observation of this
+        builder (its tokenizer and template kwargs are fixed), so rendered once (issue 28:
+        about a quarter of an observation's CPU)."""
+        return str(
+            self.tokenizer.apply_chat_template(
+                _SYNTHETIC_PREFIX, tokenize=False, **self.template_kwargs
+            )
+        )
+
     def _suffix_ids(self, new_messages: list[dict[str, Any]]) -> list[int]:
         """Tokens that ``new_messages`` + the generation prompt add after the synthetic prefix.
 
@@ -318,15 +330,12 @@ class ContinuousTokenBuilder:
         prefix's end-of-turn anchor instead. Either way the suffix must also be a token
         suffix of the full render, or we raise.
         """
-        kwargs = self.template_kwargs
-        prefix_text = self.tokenizer.apply_chat_template(
-            _SYNTHETIC_PREFIX, tokenize=False, **kwargs
-        )
+        prefix_text = self._prefix_text
         full_text = self.tokenizer.apply_chat_template(
             [*_SYNTHETIC_PREFIX, *new_messages],
             tokenize=False,
             add_generation_prompt=True,
-            **kwargs,
+            **self.template_kwargs,
         )
         if full_text.startswith(prefix_text):
             suffix_text = full_text[len(prefix_text) :]

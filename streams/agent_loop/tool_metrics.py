@@ -11,9 +11,11 @@ import time
 from collections.abc import Awaitable
 from typing import Any, TypeVar
 
-from rolloutbus.metrics import ToolMetrics
+from prometheus_client import CollectorRegistry, Counter, Histogram
 
-__all__ = ["call_outcome", "timed_tool_call"]
+from rolloutbus.metrics import AGENT_LOOP_SECONDS_BUCKETS, PerRegistry
+
+__all__ = ["ToolMetrics", "call_outcome", "timed_tool_call"]
 
 T = TypeVar("T")
 UNKNOWN_TOOL_LABEL = "(unknown)"  # a name the model made up: not a label of its own
@@ -24,6 +26,26 @@ _OUTCOME_PREFIXES = (
     ("Error executing tool '", "error"),
 )
 _TIMEOUT_MARK = "': timed out after "
+
+
+class ToolMetrics(PerRegistry):
+    """Tool calls of the agent loops in a session worker, by tool."""
+
+    def _init(self, registry: CollectorRegistry) -> None:
+        self.calls = Counter(
+            "rolloutbus_tool_calls_total",
+            "Tool calls by tool and outcome: ok, error (the tool raised), timeout, "
+            "unknown_tool, invalid_arguments; calls",
+            ["tool", "outcome"],
+            registry=registry,
+        )
+        self.seconds = Histogram(
+            "rolloutbus_tool_call_duration_seconds",
+            "Wall time of one tool call, by tool; seconds",
+            ["tool"],
+            buckets=AGENT_LOOP_SECONDS_BUCKETS,
+            registry=registry,
+        )
 
 
 def call_outcome(text: str | None) -> str:

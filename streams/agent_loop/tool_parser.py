@@ -514,7 +514,9 @@ class Gemma4ToolParser(ToolParser):
 
     @property
     def stop_token_ids(self) -> list[int]:
-        return [self.tokenizer.convert_tokens_to_ids("<tool_call|>")]
+        # none when the tokenizer lacks the token (not a Gemma 4 one): [None] would reach
+        # the engine's stop_token_ids and fail every turn
+        return self._special_token_id("<tool_call|>")
 
     @staticmethod
     def _bare(value: str) -> Any:

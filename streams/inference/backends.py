@@ -252,6 +252,15 @@ class VllmCompletionsBackend:
             **_vllm_request_fields(call),
         ).to_json()
 
+    def build_stream_request(self, call: EngineCall) -> dict[str, Any]:
+        """The same request, streamed: server-sent events of the tokens as sampled."""
+        return {**self.build_request(call), "stream": True}
+
+    def parse_stream_event(self, body: Any) -> TokenOutput:
+        """One streamed completion chunk: its new tokens, and the finish reason on the last
+        (``stop_reason`` None until then)."""
+        return self.parse_response({"choices": [{}], **body})
+
     def parse_response(self, body: Any) -> TokenOutput:
         choice = read_response(VllmCompletionResponse, body).choices[0]
         log_probs = None

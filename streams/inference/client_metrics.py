@@ -42,7 +42,7 @@ class ClientMetrics(PerRegistry):
     def _request_series(self, registry: CollectorRegistry) -> None:
         self.in_flight = Gauge(
             "rolloutbus_client_in_flight",
-            "generate calls in flight from this process",
+            "generate calls in flight from this process; calls",
             ["replica"],
             registry=registry,
         )
@@ -50,18 +50,18 @@ class ClientMetrics(PerRegistry):
             "rolloutbus_client_requests",
             "generate calls by replica and outcome "
             "(completed, aborted, timeout, connection_error, server_error, bad_request, "
-            "bad_response)",
+            "bad_response); calls",
             ["replica", "outcome"],
             registry=registry,
         )
         self.retries = Counter(
             "rolloutbus_client_retries",
-            "turns sent again to another replica",
+            "turns sent again to another replica; turns",
             registry=registry,
         )
         self.latency = Histogram(
             "rolloutbus_client_request_latency_seconds",
-            "seconds from sending a generate call to its parsed answer",
+            "time from sending a generate call to its parsed answer; seconds",
             ["replica"],
             buckets=LATENCY_BUCKETS_S,
             registry=registry,
@@ -70,7 +70,7 @@ class ClientMetrics(PerRegistry):
     def _fleet_series(self, registry: CollectorRegistry) -> None:
         self.healthy = Gauge(
             "rolloutbus_client_replica_healthy",
-            "1 while a replica is routed to, else 0",
+            "1 while a replica is routed to, else 0; boolean",
             ["replica"],
             registry=registry,
         )
@@ -91,7 +91,7 @@ class ClientMetrics(PerRegistry):
         )
         self.paused_seconds = Gauge(
             "rolloutbus_client_replica_paused_seconds",
-            "seconds a replica has been paused (0 while it is not)",
+            "time a replica has been paused (0 while it is not); seconds",
             ["replica"],
             registry=registry,
         )
@@ -103,12 +103,12 @@ class ClientMetrics(PerRegistry):
         )
         self.waiting = Gauge(
             "rolloutbus_client_turns_waiting",
-            "turns waiting for a routable replica (none is healthy and admitted)",
+            "turns waiting for a routable replica (none is healthy and admitted); turns",
             registry=registry,
         )
         self.unavailable = Counter(
             "rolloutbus_client_unavailable",
-            "turns that gave up after replicas.unavailable_wait_s with no routable replica",
+            "turns that gave up after replicas.unavailable_wait_s with no routable replica; turns",
             registry=registry,
         )
 

@@ -16,8 +16,9 @@ and the turn is sent again, with the same prompt tokens, to another replica (at 
 ``replicas.max_retries`` times). A 4xx is the request's fault, not the replica's: it is
 raised at once. A background task probes the replicas and brings them back.
 
-This module is the request path; health, admission and pauses are ``replica_health``'s,
-routing is ``routing``'s, the wire formats are ``backends``'.
+This module is the request path; one call to one replica is ``replica_call``'s, health,
+admission and pauses are ``replica_health``'s, routing is ``routing``'s, the wire formats
+are ``backends``'.
 """
 
 from __future__ import annotations
@@ -25,36 +26,43 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-import time
 import uuid
-from typing import Any
+from collections.abc import Awaitable, Callable
+from dataclasses import replace
+from typing import Any, Protocol
 
 import httpx
 from prometheus_client import CollectorRegistry
-from pydantic import ValidationError
 
 from rolloutbus.config import ReplicasConfig, RolloutConfig
 from rolloutbus.errors import ReplicaError
 from rolloutbus.schemas.agent_loop import TokenOutput
 from rolloutbus.schemas.inference import TurnSamplingParams
 from rolloutbus.streams.inference.admission import VersionSource
+from rolloutbus.streams.inference.aiohttp_transport import AiohttpTransport
 from rolloutbus.streams.inference.backends import (
     Backend,
     EngineCall,
     backend_for,
-    error_message,
 )
 from rolloutbus.streams.inference.client_metrics import ClientMetrics
 from rolloutbus.streams.inference.multimodal import (
-    ImagesNotSupportedError,
     check_backend_takes_images,
     image_urls,
     refuse_video_and_audio,
 )
+from rolloutbus.streams.inference.replica_call import DeltaSink, ReplicaCaller, ReplicaRequestError
 from rolloutbus.streams.inference.replica_health import ReplicaFleet, ReplicaProber, TurnWait
 from rolloutbus.streams.inference.routing import LoadBalancer, load_balancer
 
-__all__ = ["ClientMetrics", "LLMClient", "ReplicaRequestError", "per_turn_max_tokens"]
+__all__ = [
+    "ClientMetrics",
+    "DeltaSink",
+    "LLMClient",
+    "ReplicaRequestError",
+    "StreamedTurn",
+    "per_turn_max_tokens",
+]
 
 log = logging.getLogger(__name__)
 
@@ -63,23 +71,18 @@ log = logging.getLogger(__name__)
 CONNECT_TIMEOUT_S = 10.0
 
 
-class ReplicaRequestError(ReplicaError):
-    """One generate call to one replica failed; says which replica and whether to retry."""
+class StreamedTurn(Protocol):
+    """A turn sampled as a stream (``streams/sessions/chunking.py``)."""
 
-    def __init__(
-        self,
-        replica: str,
-        message: str,
-        *,
-        outcome: str,
-        retriable: bool,
-        status_code: int | None = None,
-    ) -> None:
-        super().__init__(f"replica {replica}: {message}")
-        self.replica = replica
-        self.outcome = outcome  # the requests_total label: timeout, server_error, ...
-        self.retriable = retriable
-        self.status_code = status_code
+    def request(self) -> tuple[list[int], dict[str, Any]]:
+        """The prompt and sampling params of the next try (what is not yet kept)."""
+        ...
+
+    async def take(self, delta: TokenOutput) -> None: ...
+
+    async def aborted(self) -> bool:
+        """The engine aborted the try: keep what it sampled; False when no budget is left."""
+        ...
 
 
 def per_turn_max_tokens(
@@ -98,90 +101,6 @@ def per_turn_max_tokens(
     if requested is not None:
         budget = min(budget, requested)
     return max(1, min(budget, max_model_len - prompt_len))
-
-
-class ReplicaCaller:
-    """One generate call to one replica over HTTP: the backend's request, the answer
-    parsed, and every failure translated here, at one boundary, into a
-    ``ReplicaRequestError`` that names the replica and says whether to try another."""
-
-    def __init__(
-        self, http: httpx.AsyncClient, backend: Backend, metrics: ClientMetrics, timeout_s: float
-    ):
-        self._http, self._backend, self._metrics = http, backend, metrics
-        self._timeout_s = timeout_s  # seconds for the whole call, not per read
-
-    async def call(self, replica: str, call: EngineCall) -> TokenOutput:
-        body = self._backend.build_request(call)
-        started = time.monotonic()
-        response = await self._post(replica, body)
-        if response.status_code >= 400:
-            self._raise_for_status(replica, response, call)
-        try:
-            output = self._backend.parse_response(response.json())
-        except (ValueError, ValidationError) as exc:
-            self._count(replica, "bad_response")
-            raise ReplicaRequestError(
-                replica,
-                f"unparseable {self._backend.name} response: {exc}",
-                outcome="bad_response",
-                retriable=False,
-                status_code=response.status_code,
-            ) from exc
-        self._metrics.latency.labels(replica).observe(time.monotonic() - started)
-        self._count(replica, "aborted" if output.stop_reason == "aborted" else "completed")
-        output.extra_fields.update(replica_id=replica, engine_request_id=call.engine_request_id)
-        return output
-
-    async def _post(self, replica: str, body: dict[str, Any]) -> httpx.Response:
-        url = replica + self._backend.path
-        timeout_s = self._timeout_s
-        try:
-            async with asyncio.timeout(timeout_s):  # total, not per read
-                return await self._http.post(url, json=body)
-        except (TimeoutError, httpx.TimeoutException) as exc:
-            self._count(replica, "timeout")
-            raise ReplicaRequestError(
-                replica,
-                f"POST {self._backend.path} timed out after {timeout_s} s",
-                outcome="timeout",
-                retriable=True,
-            ) from exc
-        except httpx.TransportError as exc:
-            self._count(replica, "connection_error")
-            raise ReplicaRequestError(
-                replica,
-                f"POST {self._backend.path} failed: {type(exc).__name__}: {exc}",
-                outcome="connection_error",
-                retriable=True,
-            ) from exc
-
-    def _raise_for_status(self, replica: str, response: httpx.Response, call: EngineCall) -> None:
-        server_side = response.status_code >= 500
-        outcome = "server_error" if server_side else "bad_request"
-        self._count(replica, outcome)
-        if (
-            call.image_urls
-            and response.status_code == 400
-            and _error_param(response) == "content_parts"
-        ):
-            # a replica that cannot read images (the embedded one serves text models): the
-            # session fails for that reason, not as a retriable replica error
-            raise ImagesNotSupportedError(
-                f"replica {replica} refused the turn's {len(call.image_urls)} image(s): "
-                f"{error_message(response.text)}"
-            )
-        raise ReplicaRequestError(
-            replica,
-            f"POST {self._backend.path} answered {response.status_code}: "
-            f"{error_message(response.text)}",
-            outcome=outcome,
-            retriable=server_side,
-            status_code=response.status_code,
-        )
-
-    def _count(self, replica: str, outcome: str) -> None:
-        self._metrics.requests.labels(replica, outcome).inc()
 
 
 class LLMClient:
@@ -210,6 +129,7 @@ class LLMClient:
         self._rollout = rollout
         self._backend: Backend = backend_for(replicas.backend)
         self._metrics = ClientMetrics(registry)
+        transport = transport or AiohttpTransport()
         self._http = httpx.AsyncClient(
             timeout=httpx.Timeout(
                 replicas.request_timeout_s,
@@ -217,6 +137,7 @@ class LLMClient:
             ),
             # No pool cap: concurrency is bounded upstream (sessions.concurrency x n).
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+            # aiohttp's pool: a request's cost does not grow with the requests in flight
             transport=transport,
         )
         balancer = load_balancer(
@@ -235,7 +156,7 @@ class LLMClient:
         )
         self._fleet = ReplicaFleet(replicas, balancer, prober, self._metrics, versions)
         self._caller = ReplicaCaller(
-            self._http, self._backend, self._metrics, replicas.request_timeout_s
+            self._http, self._backend, self._metrics, replicas.request_timeout_s, transport
         )
         self._versions = versions
         self._health_task: asyncio.Task[None] | None = None
@@ -355,32 +276,48 @@ class LLMClient:
         """One turn on one replica, retried on others when a replica fails; waiting for a
         routable replica at most ``replicas.unavailable_wait_s`` over all its tries (and,
         with the turn's ``wait``, over all its pieces)."""
-        last_error: ReplicaRequestError | None = None
-        wait = wait or TurnWait(self._config.unavailable_wait_s)
-        for attempt in range(self._config.max_retries + 1):
-            replica = await self._fleet.acquire(request_id, wait, last_error)
-            call = EngineCall(
-                engine_request_id=self._engine_request_id(request_id),
-                prompt_ids=prompt_ids,
-                sampling=params,
-                max_tokens=max_tokens,
-                model=self._config.model,
-                priority=priority,
-                image_urls=images,
+
+        async def send(replica: str) -> TokenOutput:
+            call = self._call(request_id, prompt_ids, params, max_tokens, priority)
+            return await self._caller.call(replica, replace(call, image_urls=images))
+
+        return await with_retries(self._fleet, self._config, self._metrics, request_id, wait, send)
+
+    @property
+    def streams(self) -> bool:
+        """Whether this client's backend streams a turn (``stream_turn``)."""
+        return hasattr(self._backend, "build_stream_request")
+
+    async def stream_turn(self, request_id: str, turn: StreamedTurn, **kwargs: Any) -> TokenOutput:
+        """Sample one turn as a stream, retried on another replica as ``generate`` is. Each
+        try asks ``turn.request()`` what to send (a cut stream goes on from what the turn
+        kept) and hands ``turn.take`` every event; returns the last event of the last try."""
+        self._ensure_started()
+        priority = int(kwargs.get("priority") or 0)
+
+        async def send(replica: str) -> TokenOutput:
+            prompt_ids, sampling_params = turn.request()
+            params = TurnSamplingParams.model_validate(sampling_params)
+            budget = per_turn_max_tokens(len(prompt_ids), self._rollout, params.max_tokens)
+            call = self._call(request_id, prompt_ids, params, budget, priority)
+            return await self._caller.stream(replica, call, turn.take)
+
+        for resumes in range(self._config.max_abort_resumes + 1):
+            last = await with_retries(
+                self._fleet, self._config, self._metrics, request_id, None, send
             )
-            try:
-                return await self._caller.call(replica, call)
-            except ReplicaRequestError as exc:
-                if not exc.retriable:
-                    raise
-                self._fleet.take_out(replica, exc)
-                last_error = exc
-                if attempt < self._config.max_retries:
-                    self._metrics.retries.inc()
-            finally:
-                self._fleet.release(replica)
-        assert last_error is not None
-        raise last_error
+            if last.stop_reason != "aborted" or not self._config.resume_aborted:
+                break
+            if resumes == self._config.max_abort_resumes or not await turn.aborted():
+                break  # partial rollout as ``generate`` does it: go on after what was sampled
+            await asyncio.sleep(self._config.abort_retry_delay_s)
+        return last
+
+    def _call(
+        self, request_id: str, prompt: list[int], params: TurnSamplingParams, budget: int, pri: int
+    ) -> EngineCall:
+        engine_id = self._engine_request_id(request_id)
+        return EngineCall(engine_id, prompt, params, budget, self._config.model, pri)
 
     def _engine_request_id(self, request_id: str) -> str:
         # verl keeps the caller's id under full determinism, a fresh uuid otherwise.
@@ -464,17 +401,38 @@ class LLMClient:
         await self.close()
 
 
+async def with_retries(
+    fleet: ReplicaFleet,
+    config: ReplicasConfig,
+    metrics: ClientMetrics,
+    request_id: str,
+    wait: TurnWait | None,
+    send: Callable[[str], Awaitable[TokenOutput]],
+) -> TokenOutput:
+    """``send`` to one replica, and to another when that one fails (a retriable error), at
+    most ``replicas.max_retries`` times; waiting for a routable replica at most
+    ``replicas.unavailable_wait_s`` over all tries (or the turn's ``wait``)."""
+    last_error: ReplicaRequestError | None = None
+    wait = wait or TurnWait(config.unavailable_wait_s)
+    for attempt in range(config.max_retries + 1):
+        replica = await fleet.acquire(request_id, wait, last_error)
+        try:
+            return await send(replica)
+        except ReplicaRequestError as exc:
+            if not exc.retriable:
+                raise
+            fleet.take_out(replica, exc)
+            last_error = exc
+            if attempt < config.max_retries:
+                metrics.retries.inc()
+        finally:
+            fleet.release(replica)
+    assert last_error is not None
+    raise last_error
+
+
 def _normalize(url: str) -> str:
     return url.rstrip("/")
-
-
-def _error_param(response: httpx.Response) -> str | None:
-    """The field an OpenAI-style error body names (``error.param``), if any."""
-    try:
-        error = response.json().get("error")
-    except (ValueError, AttributeError):
-        return None
-    return error.get("param") if isinstance(error, dict) else None
 
 
 def _version_range(pieces: list[dict[str, Any]]) -> dict[str, int]:

@@ -33,6 +33,10 @@ replica then resumes on its weights under a truthful label (``replica/pause_gate
 vLLM's pause has no lease, so at start this loop probes every replica, names those it
 cannot reach, and resumes any it finds still paused once it has applied the current version.
 
+When every replica serves the current version, this loop says so on ``rollout.control``:
+``PolicyVersionApplied`` (``weight_sync_applied``), once per version, for on-policy trainers
+that wait for it (``rolloutbus.verl.applied``).
+
 A replica that goes down is re-synced when it is healthy again (a restarted replica serves
 its initial weights): the loop probes ``GET /health`` (and ``GET /weight_info`` on vLLM and
 the embedded replica, which names the version served: a replica restarted between two
@@ -60,9 +64,14 @@ from rolloutbus.config import Config
 from rolloutbus.errors import ReplicaError, SchemaError
 from rolloutbus.kafka.control import PolicyVersionFollower, latest_policy_version
 from rolloutbus.kafka.version_ledger import supersedes
-from rolloutbus.metrics import WeightSyncMetrics
-from rolloutbus.schemas.control import PolicyVersionPublished, as_policy_version
+from rolloutbus.schemas.control import (
+    PolicyVersionApplied,
+    PolicyVersionPublished,
+    as_policy_version,
+)
 from rolloutbus.streams.inference.replica_health import get_health
+from rolloutbus.streams.inference.weight_sync_applied import AppliedAnnouncer
+from rolloutbus.streams.inference.weight_sync_metrics import WeightSyncMetrics
 
 __all__ = [
     "ReplicaSyncState",
@@ -192,9 +201,11 @@ class WeightSync:
         self._lock = asyncio.Lock()  # one sync at a time: a probe never interleaves an apply
         self.lease_s = cfg.replicas.pause_lease_s
         self._found_paused: set[str] = set()  # replicas paused when this process started
+        self.announcer = AppliedAnnouncer(cfg)  # PolicyVersionApplied, from run()
 
     async def aclose(self) -> None:
         await self._http.aclose()
+        await asyncio.to_thread(self.announcer.close)
 
     async def __aenter__(self) -> WeightSync:
         return self
@@ -400,9 +411,16 @@ class WeightSync:
                 if time.monotonic() >= next_probe:
                     await self.sync_once()
                     next_probe = time.monotonic() + self.cfg.replicas.health_interval_s
+                await self.announce_if_served()
         finally:
             await asyncio.to_thread(follower.close)
         return self.report
+
+    async def announce_if_served(self) -> PolicyVersionApplied | None:
+        """``PolicyVersionApplied`` for the current version once every replica serves it
+        (``weight_sync_applied``); what was written, or None."""
+        applied = {url: r.applied for url, r in self.replicas.items()}
+        return await asyncio.to_thread(self.announcer.announce_if_served, self.current, applied)
 
     # -- start-up: who answers, who was left paused -------------------------------------
 

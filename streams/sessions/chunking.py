@@ -1,31 +1,41 @@
-"""A turn sampled in chunks, each logged as soon as it is sampled (``sessions.chunk_tokens``).
+"""A turn logged in chunks as it is sampled (``sessions.chunk_tokens``, ``sessions.chunk_s``).
 
 Without chunks a turn is one request, logged when it ends: a worker killed in the middle
 of a 16k-token turn loses every token of it, and the resumed session samples the turn
-again. With ``chunk_tokens`` > 0 the recorder asks the replica for at most that many
-tokens at a time; each piece that does not end the turn is logged at once as a
-``generation_chunk`` event (its token ids, logprobs and policy version), and the next
-request continues from prompt ‖ the turn's tokens so far. A resumed session gets the
-chunks back from the log and continues the turn after them (``generate_in_chunks`` with
-``logged``): it keeps their tokens and logprobs and samples only what was not logged, so a
-kill costs at most one chunk of sampling.
+again. With ``chunk_tokens`` > 0 the tokens sampled so far are logged as a
+``generation_chunk`` event (token ids, logprobs, policy version) every ``chunk_tokens``
+tokens, or every ``chunk_s`` seconds, whichever comes first; the tokens that end the turn
+go with its ``generation`` only. Two ways to sample:
+
+- a client that streams (``vllm_completions``; ``generate_streamed``): one streamed
+  request per turn, a chunk logged every ``chunk_tokens`` tokens or ``chunk_s`` seconds;
+- one that does not (other backends, a turn with images; ``generate_in_chunks``): one
+  request per chunk of at most ``chunk_tokens`` tokens, each piece but the last logged.
+
+A resumed session gets the chunks back from the log and continues the turn after them: it
+asks for prompt ‖ the logged tokens, keeps their logprobs and samples only what was not
+logged, so a kill costs at most one chunk of sampling. A stream cut mid-way (the replica
+died) is retried as a failed request is, from the chunks logged before the cut.
 
 The turn's budget (verl's per-turn ``max_tokens`` from ``response_length`` and
 ``max_model_len``, or a smaller one the loop asked for) counts the logged tokens: every
 request asks for what is left of it. The pieces are joined into one ``TokenOutput`` as the
-loop would get it from one request: tokens and logprobs concatenated, the last piece's
+loop would get it from one request: tokens and logprobs concatenated, the last request's
 finish reason and extra fields, preemptions summed, verl's ``min_global_steps`` /
 ``max_global_steps`` over every piece and logged chunk (the weights may have changed
 between them).
 
-Each chunk is one more request: the replica prefills prompt ‖ tokens again (vLLM's prefix
-cache makes that cheap; the embedded replica recomputes it). A seeded turn (a fixture's
-``seed``) gives each chunk request the seed plus the chunk's start, so a continuation does
-not replay the first chunk's random draws and a resumed turn draws what the lost one drew.
+Seeds (a fixture's ``seed``): a request that continues a turn ``start`` tokens in gets the
+seed plus ``start``, so it does not replay the first request's random draws. Streamed, one
+request draws the whole turn with the seed itself (the same tokens as without chunks); a
+resumed or retried continuation draws with seed + its start. Unstreamed, every chunk
+request after the first is such a continuation, so a resumed turn draws what the lost
+request drew.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,7 +46,14 @@ from rolloutbus.schemas.turns import GenerationChunk, SessionIds
 from rolloutbus.streams.inference.llm_client import per_turn_max_tokens
 from rolloutbus.streams.token_stream import turn_version
 
-__all__ = ["ChunkSettings", "LogChunk", "TurnPieces", "chunk_event", "generate_in_chunks"]
+__all__ = [
+    "ChunkSettings",
+    "LogChunk",
+    "TurnPieces",
+    "chunk_event",
+    "generate_in_chunks",
+    "generate_streamed",
+]
 
 SEED_MODULUS = 1 << 31  # a chunk's seed stays in the range every engine accepts (31 bits)
 
@@ -51,6 +68,7 @@ class ChunkSettings:
 
     chunk_tokens: int
     rollout: RolloutConfig
+    chunk_s: float | None = None  # also log the tokens sampled so far this often (streamed)
 
     def turn_budget(self, prompt_len: int, sampling_params: dict[str, Any]) -> int:
         """verl's per-turn ``max_tokens`` for a prompt of ``prompt_len`` tokens."""
@@ -152,6 +170,138 @@ async def generate_in_chunks(
             return turn.output(piece)
         await log_chunk(turn.chunks, start, piece)
         turn.chunks += 1
+
+
+async def generate_streamed(
+    client: Any,
+    request_id: str,
+    prompt_ids: list[int],
+    sampling_params: dict[str, Any],
+    settings: ChunkSettings,
+    log_chunk: LogChunk,
+    *,
+    logged: Sequence[GenerationChunk] = (),
+    **kwargs: Any,
+) -> TokenOutput:
+    """Sample one turn in one streamed request after the ``logged`` chunks of it, logging a
+    chunk every ``chunk_tokens`` tokens or ``chunk_s`` seconds, whichever comes first."""
+    streamed = _StreamedTurn(prompt_ids, sampling_params, settings, log_chunk, logged)
+    if streamed.remaining() <= 0:
+        return streamed.turn.out_of_budget()
+    last: TokenOutput = await client.stream_turn(request_id, streamed, **kwargs)
+    if last.stop_reason == "aborted" and streamed.remaining() <= 0:
+        return streamed.turn.out_of_budget()
+    return streamed.finish(last)
+
+
+class _StreamedTurn:
+    """A turn as it streams: ``turn`` holds what is logged, ``pending`` what came since."""
+
+    def __init__(
+        self,
+        prompt_ids: list[int],
+        sampling_params: dict[str, Any],
+        settings: ChunkSettings,
+        log_chunk: LogChunk,
+        logged: Sequence[GenerationChunk],
+    ) -> None:
+        self._prompt_ids, self._params = prompt_ids, sampling_params
+        self._settings, self._log_chunk = settings, log_chunk
+        self._budget = settings.turn_budget(len(prompt_ids), sampling_params)
+        self.turn = TurnPieces.from_logged(logged)
+        self._pending: list[TokenOutput] = []
+        self._since = time.monotonic()
+
+    def remaining(self) -> int:
+        return self._budget - len(self.turn.tokens)
+
+    def request(self) -> tuple[list[int], dict[str, Any]]:
+        """A (new) try goes on from the logged tokens: what was not logged is sampled again."""
+        self._pending.clear()
+        self._since = time.monotonic()
+        start = len(self.turn.tokens)
+        return self._prompt_ids + self.turn.tokens, _chunk_params(
+            self._params, self.remaining(), start
+        )
+
+    async def take(self, delta: TokenOutput) -> None:
+        self._pending.append(delta)
+        if delta.stop_reason is not None:
+            return  # the turn ends here: its last tokens go with the turn, not as a chunk
+        size = self._settings.chunk_tokens
+        while size > 0 and self._pending_count() >= size:
+            await self._log(size)
+        timer = self._settings.chunk_s
+        if timer and self._pending_count() and time.monotonic() - self._since >= timer:
+            await self._log(self._pending_count())
+
+    async def aborted(self) -> bool:
+        """The engine aborted the request (a weight sync): its tokens are logged as a chunk,
+        so the next request (and a resumed session) goes on after them."""
+        if self._pending_count():
+            await self._log(self._pending_count())
+        return self.remaining() > 0
+
+    def finish(self, last: TokenOutput) -> TokenOutput:
+        """The whole turn, as one request would have returned it."""
+        count = self._pending_count()
+        if count:
+            joined = _joined_piece(self._pending, {})
+            self.turn.add(_slice_piece(joined, 0, count, self._pending))
+        return self.turn.output(last)
+
+    def _pending_count(self) -> int:
+        return sum(len(d.token_ids) for d in self._pending)
+
+    async def _log(self, count: int) -> None:
+        """Log the first ``count`` pending tokens as the turn's next chunk."""
+        joined = _joined_piece(self._pending, self._pending[-1].extra_fields)
+        piece = _slice_piece(joined, 0, count, self._pending)
+        rest = _slice_piece(joined, count, len(joined.token_ids), self._pending)
+        start = len(self.turn.tokens)
+        await self._log_chunk(self.turn.chunks, start, piece)
+        self.turn.add(piece)
+        self.turn.chunks += 1
+        self._pending = [rest] if rest.token_ids else []
+        self._since = time.monotonic()
+
+
+def _joined_piece(deltas: list[TokenOutput], extra: dict[str, Any]) -> TokenOutput:
+    tokens: list[int] = []
+    logprobs: list[float] | None = []
+    versions: list[tuple[int, int]] = []  # (token index, version)
+    for delta in deltas:
+        version = turn_version(delta.extra_fields)
+        if version is not None:
+            versions.append((len(tokens), version))
+        logprobs = _joined(logprobs, delta.log_probs, len(delta.token_ids))
+        tokens += delta.token_ids
+    out = TokenOutput(token_ids=tokens, log_probs=logprobs, extra_fields=dict(extra))
+    out.extra_fields["_versions"] = versions
+    return out
+
+
+def _slice_piece(
+    joined: TokenOutput, begin: int, end: int, deltas: list[TokenOutput]
+) -> TokenOutput:
+    """Tokens ``begin:end`` of the pending deltas, with the versions that sampled them."""
+    marks: list[tuple[int, int]] = joined.extra_fields["_versions"]
+    inside = [v for at, v in marks if begin <= at < end]
+    before = [v for at, v in marks if at < begin]
+    versions = inside + before[-1:]
+    extra: dict[str, Any] = {
+        "replica_id": deltas[-1].extra_fields.get("replica_id", ""),
+        "finish_reason": "length",
+    }
+    if versions:
+        extra["min_global_steps"], extra["max_global_steps"] = min(versions), max(versions)
+        extra["weight_version"] = (inside or before)[-1]
+    return TokenOutput(
+        token_ids=joined.token_ids[begin:end],
+        log_probs=None if joined.log_probs is None else joined.log_probs[begin:end],
+        stop_reason="completed",
+        extra_fields=extra,
+    )
 
 
 def chunk_event(

@@ -48,7 +48,12 @@ from rolloutbus.schemas.turns import (
     SessionIds,
 )
 from rolloutbus.streams.agent_loop.tracing import trace_span
-from rolloutbus.streams.sessions.chunking import ChunkSettings, chunk_event, generate_in_chunks
+from rolloutbus.streams.sessions.chunking import (
+    ChunkSettings,
+    chunk_event,
+    generate_in_chunks,
+    generate_streamed,
+)
 from rolloutbus.streams.token_stream import SegmentStream, generation_versions, turn_version
 
 Emit = Callable[[BaseModel], Awaitable[None]]
@@ -167,7 +172,10 @@ class RecordingLLMClient:
         async def log_chunk(index: int, start: int, piece: TokenOutput) -> None:
             await self._emit(chunk_event(self._ids, segment, self._turn, index, start, piece))
 
-        return await generate_in_chunks(
+        # one streamed request when the replica streams (a turn with images is not streamed)
+        streams = getattr(self._client, "streams", False) and kwargs.get("image_data") is None
+        sample = generate_streamed if streams else generate_in_chunks
+        return await sample(
             self._client,
             request_id,
             prompt_ids,

@@ -280,7 +280,11 @@ async def _run_attempt(
             replay=resume.history() if resume else (),
             tokenizer=ctx.tokenizer,
             routing_replay=ctx.config.rollout.enable_rollout_routing_replay,
-            chunks=ChunkSettings(ctx.config.sessions.chunk_tokens, ctx.config.rollout),
+            chunks=ChunkSettings(
+                ctx.config.sessions.chunk_tokens,
+                ctx.config.rollout,
+                ctx.config.sessions.chunk_s,
+            ),
         )
         try:
             with collect_spans() as spans:

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from rolloutbus.metrics import SessionMetrics
+from rolloutbus.streams.sessions.metrics import SessionMetrics
 
 log = logging.getLogger(__name__)
 

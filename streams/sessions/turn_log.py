@@ -15,8 +15,8 @@ from rolloutbus.errors import SchemaError
 from rolloutbus.kafka.async_producer import AsyncProducer
 from rolloutbus.kafka.clients import read_committed_consumer, translate_kafka_errors
 from rolloutbus.kafka.partition_reader import read_partition
-from rolloutbus.metrics import SessionMetrics
 from rolloutbus.schemas.turns import decode_turn_event, encode_turn_event
+from rolloutbus.streams.sessions.metrics import SessionMetrics
 from rolloutbus.streams.sessions.recovery import TurnLogScan
 from rolloutbus.topics import Topics, partition_for, session_key
 

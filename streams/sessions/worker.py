@@ -45,7 +45,7 @@ from rolloutbus.kafka.admin import check_partition_counts
 from rolloutbus.kafka.async_producer import AsyncProducer
 from rolloutbus.kafka.clients import record_location
 from rolloutbus.kafka.dead_letters import DeadLetterWriter
-from rolloutbus.metrics import SessionMetrics, start_metrics_server
+from rolloutbus.metrics import start_metrics_server
 from rolloutbus.models.tokenizers import load_tokenizer
 from rolloutbus.progress import ProgressLine
 from rolloutbus.schemas.prompts import PromptGroup, decode_prompt_group
@@ -54,6 +54,8 @@ from rolloutbus.streams.agent_loop import registry
 from rolloutbus.streams.inference.admission import ControlVersionWatch
 from rolloutbus.streams.inference.llm_client import LLMClient
 from rolloutbus.streams.sessions.consumer_watch import EXIT_CONSUMER_STALLED, ConsumerWatch
+from rolloutbus.streams.sessions.heap import settle_start_up_heap
+from rolloutbus.streams.sessions.metrics import SessionMetrics
 from rolloutbus.streams.sessions.recovery import TurnLogScan, UnfinishedGroup
 from rolloutbus.streams.sessions.runner import (
     EmitError,
@@ -125,6 +127,7 @@ class SessionWorker:
         self._background.add(asyncio.ensure_future(self.consumer_watch.run()))
         if self.cfg.monitoring.progress_log_s > 0:
             self._background.add(asyncio.ensure_future(self._log_progress()))
+        settle_start_up_heap()  # the start-up heap out of every later collection (issue 28)
         self.ready.set()
 
     async def _log_progress(self) -> None:
@@ -482,6 +485,9 @@ def run_session_worker(cfg: Config, loglevel: str = "info") -> None:
     # the CLI's logging stays in charge (one format, Faust's and aiokafka's INFO lines
     # quiet unless -v): mode's own setup would install a second format on the root logger
     worker = faust.Worker(app, loglevel=loglevel, quiet=True, override_logging=False)
+    # no terminal spinner: Faust writes its cursor escapes (\x1b[?25h) to stdout even when
+    # stdout is a file or a pipe, and stdout is for data (issue 30)
+    worker.spinner = None
     worker.execute_from_commandline()
 
 

@@ -288,3 +288,36 @@ def test_template_and_processor_kwargs_reach_every_render(tok):
     assert processor.calls == [{"return_tensors": "pt", "max_pixels": 1024}]
     thinking = ContinuousTokenBuilder(tok).build_initial_tokens([{"role": "user", "content": "hi"}])
     assert tok.decode(thinking).endswith("<|im_start|>assistant\n")  # the template's default
+
+
+class CountingTokenizer:
+    """The real tokenizer, counting its template renders."""
+
+    def __init__(self, tok):
+        self._tok, self.renders = tok, 0
+
+    def apply_chat_template(self, *args, **kwargs):
+        self.renders += 1
+        return self._tok.apply_chat_template(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._tok, name)
+
+
+def test_the_constant_prefix_is_rendered_once_per_builder(tok):
+    """Each observation renders the prefix and its messages once; the prefix alone, the
+    same text every time, is rendered for the first only. The tokens are a fresh builder's."""
+    counting = CountingTokenizer(tok)
+    builder = ContinuousTokenBuilder(counting)
+    rounds = [
+        [{"role": "tool", "content": "126"}],
+        [{"role": "user", "content": "And times two?"}],
+        [{"role": "tool", "content": "a"}, {"role": "tool", "content": "b"}],
+    ]
+    stream = encode(tok, "Calling.") + [im_end(tok)]
+    before = counting.renders
+    for messages in rounds:
+        assert builder.observation(stream, messages) == ContinuousTokenBuilder(tok).observation(
+            stream, messages
+        )
+    assert counting.renders - before == len(rounds) + 1

@@ -83,16 +83,19 @@ async def _noop():
     return None
 
 
-def test_opentelemetry_export_needs_the_package():
-    if opentelemetry_available():
-        pytest.skip("opentelemetry is installed here: the export itself is tested below")
+def test_opentelemetry_export_needs_the_package(monkeypatch):
+    from rolloutbus.streams.agent_loop import tracing
+
+    def missing():
+        raise ModuleNotFoundError("No module named 'opentelemetry'")
+
+    monkeypatch.setattr(tracing, "_otel_trace", missing)  # as where it is not installed
+    assert not opentelemetry_available()
     with pytest.raises(ImportError, match="pip install opentelemetry-api opentelemetry-sdk"):
         export_to_opentelemetry([], session="u_0")
 
 
 def test_opentelemetry_export_of_a_sessions_spans():
-    if not opentelemetry_available():
-        pytest.skip("opentelemetry is not installed (optional): pip install opentelemetry-sdk")
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter

@@ -32,7 +32,8 @@ TOKENS = 1024  # tokens per turn: a long reasoning turn, ignore_eos
 CHUNK = 64  # sessions.chunk_tokens
 N = 2  # sessions, all in flight when the worker is killed
 CHUNKS_BEFORE_KILL = 3  # every session has logged this many chunks when the kill comes
-DEADLINE_S = 240.0  # seconds for the turns to be logged in chunks, and to be released
+DEADLINE_S = 480.0  # seconds for the turns to be logged in chunks, and to be released (a
+# loaded machine streamed tiny-qwen3 at 2-6 tokens/s: 240 s ran out once in 10 under load 16)
 POLL_S = 0.2
 
 
@@ -109,7 +110,11 @@ def test_a_killed_worker_samples_again_at_most_one_chunk_per_session(
     assert sorted(pipeline.watcher.keys) == sorted(workload.expected_keys())
     assert set(pipeline.watcher.keys.values()) == {1}, "a trajectory released twice"
     resumed = [e for e in events if getattr(e, "resumed_from", None)]
-    assert len(resumed) == N, "every in-flight session is resumed from the log"
+    assert {e.session_id for e in resumed} == set(range(N)), "every session resumed from the log"
+    # the kill is one takeover per session; a worker this slow (load 16+ on two cores) can
+    # be taken over again later (seen once in ten: every session twice). Each takeover may
+    # cost up to one chunk per session, so the bound below counts them
+    takeovers = len(resumed)
     final = {e.session_id: e for e in events if isinstance(e, Generation)}
     assert all(len(g.token_ids) == TOKENS for g in final.values())
     kept = [(e.session_id, e.start, e.token_ids) for e in events if isinstance(e, GenerationChunk)]
@@ -118,4 +123,5 @@ def test_a_killed_worker_samples_again_at_most_one_chunk_per_session(
     again = sampled - sum(len(g.token_ids) for g in final.values())
     print(f"\n[chunked kill] {N} sessions in flight, {TOKENS}-token turns, chunks of {CHUNK}:")
     print(f"[chunked kill] tokens sampled again: {again} ({again / N:.1f} per session)")
-    assert 0 <= again <= CHUNK * N, f"{again} tokens sampled again for {N} sessions"
+    print(f"[chunked kill] resumes: {takeovers} ({N} per takeover)")
+    assert 0 <= again <= CHUNK * takeovers, f"{again} tokens sampled again in {takeovers} resumes"

@@ -98,7 +98,11 @@ def kill_weight_sync_mid_reload(weights: Path):
             label = _health(url)["weight_version"]
             ctx.note(f"replica resumed {paused_s:.1f} s after the kill, labelled {label!r}")
             assert paused_s <= LEASE_S + 10, f"paused {paused_s:.1f} s after the kill"
-            assert label in ("0", str(version - 1)) or label == f"unknown:{weights}", label
+            # truthful: the version served before this sync; this version if the kill came
+            # after its reload was labelled and before the resume (seen once in ten under
+            # load); "unknown:" if it came between the reload and its label
+            truthful = ("0", str(version - 1), str(version), f"unknown:{weights}")
+            assert label in truthful, label
             released = ctx.released()
             ctx.wait_for_released(released + ctx.workload.n)
             ctx.note("sessions went on; starting the weight sync again")

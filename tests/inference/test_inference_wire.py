@@ -3,6 +3,7 @@ the replica refuses what it does not know, the client tolerates what it does not
 
 from __future__ import annotations
 
+import enum
 import json
 
 import pytest
@@ -92,3 +93,16 @@ def test_the_client_reads_a_response_with_fields_it_does_not_name():
     with pytest.raises(ValidationError, match="kv_transfer_params"):
         VllmCompletionResponse.model_validate(body)  # strict: what the replica writes
     assert VllmCompletionsBackend().parse_response(body).token_ids == [4]
+
+
+def test_a_prompt_of_token_ids_takes_integers_only():
+    """Plain ints and int subclasses (an IntEnum) are token ids; a bool, a float or a string
+    among them is refused, and the message shows the first of them."""
+
+    class Token(enum.IntEnum):
+        EOS = 2
+
+    assert VllmCompletionRequest(prompt=[5, Token.EOS]).prompt == [5, 2]
+    for bad in ([5, True], [5, 6.0, "7"]):
+        with pytest.raises(ValidationError, match="token ids must be integers, got"):
+            VllmCompletionRequest(prompt=bad)

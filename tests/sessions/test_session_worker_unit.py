@@ -18,10 +18,10 @@ from prometheus_client import CollectorRegistry
 
 from rolloutbus.config import Config
 from rolloutbus.errors import BrokerError
-from rolloutbus.metrics import SessionMetrics
 from rolloutbus.schemas.prompts import GroupSamplingParams, PromptGroup
 from rolloutbus.schemas.turns import GroupStarted, SessionStarted
 from rolloutbus.streams.sessions import worker as worker_module
+from rolloutbus.streams.sessions.metrics import SessionMetrics
 from rolloutbus.streams.sessions.recovery import UnfinishedGroup
 from rolloutbus.streams.sessions.runner import SessionContext
 from rolloutbus.streams.sessions.stall import StallWatch

@@ -1,0 +1,144 @@
+"""Turn events' token arrays decoded at the wire by msgspec, kept as numpy (issue 28 item 2).
+
+``decode_token_event`` reads a ``generation``, ``generation_chunk`` or ``observation`` record
+into a ``WireTokens``: the ids (and logprobs) as read-only numpy arrays straight from the
+base64 bytes, with no Python int per token. It returns None for anything it does not cover
+(another event type, another schema version, routed experts, JSON lists of ids, a record
+msgspec rejects), so the caller falls back to ``turns.decode_turn_event`` and schema
+evolution and dead-letter reasons stay exactly as they are there.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+
+import msgspec
+import numpy as np
+
+from rolloutbus.schemas.turns import GENERATION_CHUNK_VERSION
+from rolloutbus.schemas.version import SCHEMA_VERSION
+
+_I32 = np.dtype("<i4")
+_F32 = np.dtype("<f4")
+_VERSION_OF_TYPE = {
+    "generation": SCHEMA_VERSION,
+    "observation": SCHEMA_VERSION,
+    "generation_chunk": GENERATION_CHUNK_VERSION,
+}
+
+
+class WireTokens(msgspec.Struct, frozen=True):
+    """What the fold needs from a token-carrying turn event; the arrays are numpy."""
+
+    type: str
+    uid: str
+    session_id: int
+    attempt: str
+    seq: int
+    segment: int
+    turn: int
+    token_ids: np.ndarray
+    logprobs: np.ndarray | None
+    policy_version: int | None
+    index: int | None
+
+
+class _Base(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, tag_field="type"):
+    # Each event's fields, typed as pydantic reads them, and no other: a record pydantic
+    # would refuse (an unknown field, a wrong type) is refused here too and falls back, so
+    # its dead-letter reason stays pydantic's.
+    uid: str
+    session_id: int
+    attempt: str
+    segment: int
+    turn: int
+    token_ids: str
+    schema_version: int = SCHEMA_VERSION
+    seq: int = 0
+    ts: float = 0.0
+
+
+class _Observation(_Base, tag="observation"):
+    pass
+
+
+class _Chunk(_Base, tag="generation_chunk"):
+    index: int
+    start: int
+    logprobs: str | None = None
+    policy_version: int | None = None
+    replica: str = ""
+
+
+class _Generation(_Base, tag="generation"):
+    logprobs: str | None = None
+    policy_version: int | None = None
+    replica: str = ""
+    engine_request_id: str = ""
+    stop_reason: str | None = None
+    num_preempted: int | None = None
+    latency_s: float = 0.0
+    extra_fields: dict[str, msgspec.Raw] = {}
+    routed_experts: None = None  # routed experts: pydantic's path reads them
+
+
+_DECODER = msgspec.json.Decoder(_Generation | _Chunk | _Observation)
+
+
+def _array(text: str, dtype: np.dtype) -> np.ndarray | None:
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        return None
+    if len(raw) % dtype.itemsize:
+        return None
+    return np.frombuffer(raw, dtype=dtype)
+
+
+_Event = _Generation | _Chunk | _Observation
+
+
+def _covered(event: _Event) -> bool:
+    if _VERSION_OF_TYPE[_tag(event)] != event.schema_version:
+        return False
+    ranges = [event.seq, event.segment, event.turn, getattr(event, "index", 0)]
+    ranges.append(getattr(event, "start", 0))
+    version = getattr(event, "policy_version", None)
+    return (
+        min(ranges) >= 0
+        and 0 <= event.session_id <= 2**31 - 1
+        and (version is None or -(2**63) <= version < 2**63)
+    )
+
+
+def _tag(event: _Event) -> str:
+    return type(event).__struct_config__.tag  # type: ignore[return-value]
+
+
+def decode_token_event(data: bytes) -> WireTokens | None:
+    """The record's tokens as numpy, or None when ``turns.decode_turn_event`` must read it."""
+    try:
+        event = _DECODER.decode(data)
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        return None
+    if not _covered(event):
+        return None
+    token_ids = _array(event.token_ids, _I32)
+    logprobs_text = getattr(event, "logprobs", None)
+    logprobs = None if logprobs_text is None else _array(logprobs_text, _F32)
+    if token_ids is None or (logprobs_text is not None and logprobs is None):
+        return None
+    return WireTokens(
+        type=_tag(event),
+        uid=event.uid,
+        session_id=event.session_id,
+        attempt=event.attempt,
+        seq=event.seq,
+        segment=event.segment,
+        turn=event.turn,
+        token_ids=token_ids,
+        logprobs=logprobs,
+        policy_version=getattr(event, "policy_version", None),
+        index=getattr(event, "index", None),
+    )
