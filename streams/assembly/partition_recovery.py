@@ -14,7 +14,7 @@ from rolloutbus.config import Config
 from rolloutbus.errors import BrokerError
 from rolloutbus.kafka.clients import broker_error, translate_kafka_errors, watermark_offsets
 from rolloutbus.kafka.group_member import GroupMember
-from rolloutbus.metrics import ReplayBufferMetrics
+from rolloutbus.streams.assembly.metrics import ReplayBufferMetrics
 from rolloutbus.streams.assembly.partition_fold import FoldLimits, PartitionFold
 from rolloutbus.streams.assembly.released import ReleasedRead, read_released
 from rolloutbus.topics import Topics

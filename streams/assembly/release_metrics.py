@@ -26,13 +26,13 @@ from typing import Any
 from prometheus_client import REGISTRY, CollectorRegistry
 
 from rolloutbus.config import RolloutConfig
-from rolloutbus.metrics import (
+from rolloutbus.metrics import failure_class_of
+from rolloutbus.schemas.trajectories import Trajectory, TrajectoryStatus
+from rolloutbus.streams.assembly.metrics import (
     RELEASE_WINDOW_TRAJECTORIES,
     ReplayBufferMetrics,
     RolloutMetrics,
-    failure_class_of,
 )
-from rolloutbus.schemas.trajectories import Trajectory, TrajectoryStatus
 from rolloutbus.streams.assembly.partition_fold import PartitionFold, ReleasedGroup
 
 __all__ = [

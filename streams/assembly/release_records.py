@@ -10,8 +10,8 @@ from rolloutbus.kafka.clients import message_location
 from rolloutbus.kafka.dead_letters import dead_letter_record
 from rolloutbus.kafka.transactions import ANY_PARTITION
 from rolloutbus.kafka.transactions import OutgoingRecord as Outgoing
-from rolloutbus.metrics import ReplayBufferMetrics
 from rolloutbus.schemas.trajectories import TrajectoryStatus
+from rolloutbus.streams.assembly.metrics import ReplayBufferMetrics
 from rolloutbus.streams.assembly.partition_fold import ReleasedGroup
 from rolloutbus.streams.assembly.release_metrics import last_turn_timestamp_ms, observe_release
 from rolloutbus.streams.assembly.released import BadRecord, released_record

@@ -14,7 +14,7 @@ from the record's value, never parsed out of a key.
 
 **A released record is obeyed only where the turn log backs it.** Anyone who may write the
 topic could otherwise make a live group vanish with one forged record (ACLs keep other
-roles out: ``rolloutbus/kafka/acls.py``). So a record's uid must have an event at the
+roles out: ``rolloutbus/broker/acls.py``). So a record's uid must have an event at the
 record's ``turns_first_offset``, where the group started (:class:`ReleasedClaims`). The
 check is made when it matters and costs no extra read in the common case: while the buffer
 folds the turn log from its committed offset, an event at a claimed first offset settles

@@ -72,9 +72,10 @@ from rolloutbus.kafka.transactions import (
     TransactionalProducer,
     TransactionSettings,
 )
-from rolloutbus.metrics import ReplayBufferMetrics, start_metrics_server
+from rolloutbus.metrics import start_metrics_server
 from rolloutbus.progress import ProgressLine
 from rolloutbus.schemas.turns import decode_turn_event
+from rolloutbus.streams.assembly.metrics import ReplayBufferMetrics
 from rolloutbus.streams.assembly.partition_fold import FoldLimits, PartitionFold
 from rolloutbus.streams.assembly.partition_recovery import (
     CALLS_PER_STALL,

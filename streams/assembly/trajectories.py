@@ -28,9 +28,8 @@ config it is given, and the first such group per process logs a warning.
 from __future__ import annotations
 
 import logging
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple
 
-import numpy as np
 import pyarrow as pa
 
 from rolloutbus.config import KafkaConfig, RolloutConfig
@@ -50,6 +49,8 @@ from rolloutbus.schemas.turns import (
     SessionFinished,
     encode_turn_event,
 )
+from rolloutbus.streams.assembly.columnar_fold import columnar_enabled, columnar_group
+from rolloutbus.streams.assembly.invariants import Budgets, as_failed, budgets_of, violations
 from rolloutbus.streams.assembly.partition_fold import ReleasedGroup
 from rolloutbus.streams.assembly.session_fold import SessionFold, short_error
 from rolloutbus.topics import trajectory_key
@@ -68,39 +69,6 @@ DATA_ERRORS = (
 # bytes a record of kafka.max_message_bytes leaves for Kafka's record and batch headers
 RECORD_HEADROOM_BYTES = 1024
 log = logging.getLogger(__name__)
-
-
-class Budgets(Protocol):
-    """The token budgets a trajectory is checked against: a group's recorded
-    ``GroupSettings``, or (logs written before they were recorded) a ``RolloutConfig``."""
-
-    @property
-    def prompt_length(self) -> int: ...
-
-    @property
-    def response_length(self) -> int: ...
-
-
-# what has been warned about once in this process (see budgets_of)
-_WARNED: set[str] = set()
-
-
-def budgets_of(group: GroupStarted, fallback: RolloutConfig) -> Budgets:
-    """The budgets ``group`` ran under: its recorded settings, else ``fallback`` (a log
-    written before groups recorded them), with one warning per process."""
-    if group.settings is not None:
-        return group.settings
-    if "budgets" not in _WARNED:
-        _WARNED.add("budgets")
-        log.warning(
-            "group %s was logged before groups recorded their settings: it and every such "
-            "group are folded with this process's rollout.prompt_length = %d and "
-            "rollout.response_length = %d, so their trajectories depend on this config",
-            group.uid,
-            fallback.prompt_length,
-            fallback.response_length,
-        )
-    return fallback
 
 
 def max_record_bytes(kafka: KafkaConfig) -> int:
@@ -124,12 +92,22 @@ class FinalizedGroup(NamedTuple):
 
 
 def finalize_group(
-    released: ReleasedGroup, rollout: RolloutConfig, *, max_record_bytes: int | None = None
+    released: ReleasedGroup,
+    rollout: RolloutConfig,
+    *,
+    max_record_bytes: int | None = None,
+    columnar: bool | None = None,
 ) -> FinalizedGroup:
     """Build, check and encode a released group's trajectories; never raises on bad data.
 
     ``rollout``: the budgets of a group whose ``group_started`` recorded none (a log written
-    before it did); a group's recorded settings always win."""
+    before it did); a group's recorded settings always win. ``columnar``: build the common
+    shape of a group column by column, the same bytes (``columnar_fold.py``, which says why
+    it is off by default); None: only when the environment says ``ROLLOUTBUS_COLUMNAR_FOLD=1``."""
+    if columnar_enabled() if columnar is None else columnar:
+        done = _columnar(released, rollout, max_record_bytes)
+        if done is not None:
+            return done
     group = released.group
     if released.rejected:
         return FinalizedGroup(
@@ -158,6 +136,30 @@ def finalize_group(
         batch = trajectories_to_batch(trajectories)
         records = encode_batch(batch)
     return FinalizedGroup(trajectories, records, letters, batch)
+
+
+def _columnar(
+    released: ReleasedGroup, rollout: RolloutConfig, max_record_bytes: int | None
+) -> FinalizedGroup | None:
+    """The group built column by column, or None for a shape (or bad data) left to the
+    pydantic build, which then writes the records and letters it always did."""
+    if released.kind != "completed" or released.reason is not None or released.failed:
+        return None
+    columns, problem = _checked_prompt_columns(released.group)
+    if problem is not None:
+        return None
+    budgets = budgets_of(released.group, rollout)
+    try:
+        built = columnar_group(
+            released,
+            columns,
+            prompt_length=budgets.prompt_length,
+            response_length=budgets.response_length,
+            max_record_bytes=max_record_bytes,
+        )
+    except DATA_ERRORS:
+        return None
+    return None if built is None else FinalizedGroup(built[0], built[1], [], built[2])
 
 
 def _build(released: ReleasedGroup, budgets: Budgets, letters: list[Letter]) -> list[Trajectory]:
@@ -542,43 +544,3 @@ def _encoded_or_empty(t: Trajectory) -> bytes:
         return encode_trajectories([t])[0]
     except DATA_ERRORS:
         return b""
-
-
-def violations(t: Trajectory, rollout: Budgets) -> list[str]:
-    """Every invariant ``t`` breaks, as sentences that name the numbers (``rollout``: the
-    group's budgets, see :func:`budgets_of`)."""
-    if t.status == TrajectoryStatus.FAILED:
-        return []
-    found = []
-    n = len(t.responses)
-    if len(t.response_mask) != n:
-        found.append(f"response_mask has {len(t.response_mask)} entries for {n} response tokens")
-    if t.rollout_log_probs is not None and len(t.rollout_log_probs) != n:
-        found.append(
-            f"rollout_log_probs has {len(t.rollout_log_probs)} entries for {n} response tokens"
-        )
-    mask = np.asarray(t.response_mask, dtype=np.int64)
-    if ((mask != 0) & (mask != 1)).any():
-        found.append("response_mask holds values other than 0 and 1")
-    if t.rollout_log_probs is not None:
-        logprobs = np.asarray(t.rollout_log_probs, dtype=np.float64)
-        k = min(len(logprobs), len(mask))  # a length mismatch is reported above
-        if (logprobs[:k][mask[:k] == 0] != 0.0).any():
-            found.append("a mask-0 token (observation or boundary) has a non-zero logprob")
-    if len(t.prompts) > rollout.prompt_length:
-        found.append(
-            f"prompt has {len(t.prompts)} tokens, over prompt_length {rollout.prompt_length}"
-        )
-    if n > rollout.response_length:
-        found.append(f"response has {n} tokens, over response_length {rollout.response_length}")
-    return found
-
-
-def as_failed(t: Trajectory, problems: list[str]) -> Trajectory:
-    return t.model_copy(
-        update={
-            "status": TrajectoryStatus.FAILED,
-            "error": "invariant violated: " + "; ".join(problems),
-            "failure_class": "loop",
-        }
-    )

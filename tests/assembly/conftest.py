@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import pytest
 
 from rolloutbus.config import Config
-from rolloutbus.metrics import ReplayBufferMetrics
+from rolloutbus.streams.assembly.metrics import ReplayBufferMetrics
 from rolloutbus.streams.assembly.replay_buffer import ReplayBuffer
 
 THREAD_JOIN_S = 60.0  # seconds for the buffer's loop to end after stop()

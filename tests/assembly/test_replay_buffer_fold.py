@@ -19,7 +19,7 @@ from rolloutbus.schemas.turns import (
     decode_turn_event,
     encode_turn_event,
 )
-from rolloutbus.streams.assembly import trajectories
+from rolloutbus.streams.assembly import invariants
 from rolloutbus.streams.assembly.partition_fold import FoldLimits, PartitionFold
 from rolloutbus.streams.assembly.released import ReleasedRecord
 from rolloutbus.streams.assembly.replay_buffer import default_transactional_id
@@ -361,10 +361,10 @@ def test_a_groups_recorded_budgets_decide_its_status_whatever_the_config_says():
 
 
 def test_a_group_logged_without_settings_falls_back_to_the_config_with_one_warning(caplog):
-    trajectories._WARNED.clear()  # once per process: this test counts from zero
+    invariants._WARNED.clear()  # once per process: this test counts from zero
     old = [make_group_started("old1", 1), *make_turns("old1", 0, [[1, 2]])]
     older = [make_group_started("old2", 1), *make_turns("old2", 0, [[1, 2, 3]])]
-    with caplog.at_level(logging.WARNING, logger=trajectories.__name__):
+    with caplog.at_level(logging.WARNING, logger=invariants.__name__):
         [short] = finalize_group(_released_one(old), RolloutConfig(response_length=2)).trajectories
         [long] = finalize_group(
             _released_one(older), RolloutConfig(response_length=99)

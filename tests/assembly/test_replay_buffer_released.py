@@ -22,17 +22,16 @@ from prometheus_client import CollectorRegistry
 
 import rolloutbus.streams.assembly.released as released_module
 import rolloutbus.streams.assembly.replay_buffer as replay_buffer_module
+from rolloutbus.broker.embedded import start_broker, stop_broker
 from rolloutbus.config import BrokerConfig, Config, KafkaConfig, with_overrides
 from rolloutbus.errors import BrokerError, ConfigError
 from rolloutbus.kafka.admin import check_partition_counts, delete_topics, ensure_topics
-from rolloutbus.kafka.broker import start_broker, stop_broker
 from rolloutbus.kafka.clients import (
     admin_client,
     idempotent_producer,
     read_committed_consumer_settings,
 )
 from rolloutbus.kafka.group_member import GroupMember
-from rolloutbus.metrics import ReplayBufferMetrics
 from rolloutbus.schemas.trajectories import batch_to_trajectories, decode_trajectory_batch
 from rolloutbus.schemas.turns import (
     Generation,
@@ -41,6 +40,7 @@ from rolloutbus.schemas.turns import (
     decode_turn_event,
     encode_turn_event,
 )
+from rolloutbus.streams.assembly.metrics import ReplayBufferMetrics
 from rolloutbus.streams.assembly.released import (
     Claim,
     ReleasedClaims,
@@ -64,7 +64,7 @@ def _config(kafka: KafkaConfig, **overrides) -> Config:
     )
 
 
-def _produce(kafka: KafkaConfig, events) -> None:
+def _produce(kafka: KafkaConfig, events, flush_s: float = 30.0) -> None:
     """(uid, key, value) triples to the turn log, each on its uid's partition."""
     producer = idempotent_producer(kafka, {"linger.ms": 5})
     topic = Topics.from_config(kafka).turns
@@ -73,7 +73,7 @@ def _produce(kafka: KafkaConfig, events) -> None:
             topic, key=key, value=value, partition=partition_for(uid, kafka.partitions)
         )
         producer.poll(0)
-    assert producer.flush(30) == 0
+    assert producer.flush(flush_s) == 0
 
 
 def _raw(*events) -> list[tuple[str, str, bytes]]:
@@ -606,6 +606,7 @@ def test_the_buffer_survives_a_broker_restart(tmp_path: Path):
     )
     cfg = _config(broker_cfg.kafka)
     uids = [f"b{uuid.uuid4().hex[:10]}" for _ in range(300)]
+    markers = _uids_on_every_partition(cfg.kafka, "after")
     log = tmp_path / "rb.log"
     try:
         start_broker(broker_cfg)
@@ -622,29 +623,37 @@ def test_the_buffer_survives_a_broker_restart(tmp_path: Path):
             assert stop_broker(broker_cfg)
             time.sleep(3)
             start_broker(broker_cfg)
-            stall_s = _seconds_to_a_new_release(cfg, time.monotonic(), proc)
+            stall_s = _seconds_to_release_markers(cfg, markers, proc, log)
             # read by benchmarks/fault_row_loop.py (pytest -s)
             print(f"\nbroker-restart stall: {stall_s:.1f} s from the broker back to a release")
             feeder.join(180)
-            keys = _wait_for_keys(cfg, _expected_keys(uids), timeout_s=240, procs=[proc])
+            keys = _wait_for_keys(cfg, _expected_keys(uids + markers), timeout_s=240, procs=[proc])
             assert proc.poll() is None, log.read_text()[-3000:]
     finally:
         stop_broker(broker_cfg)
     assert not _dupes(keys), f"released twice: {sorted(_dupes(keys))[:5]}"
-    assert set(keys) == _expected_keys(uids)
+    assert set(keys) == _expected_keys(uids + markers)
 
 
-def _seconds_to_a_new_release(cfg: Config, back: float, proc, timeout_s: float = 240.0) -> float:
-    """Seconds from ``back`` (the broker answering again) until a trajectory commits that
-    was not visible at the first read after it: an upper bound of the release stall, since
-    groups keep arriving and the first read may already include the first commit."""
-    seen = len(_keys(cfg))
+def _seconds_to_release_markers(
+    cfg: Config, markers: list[str], proc, log: Path, timeout_s: float = 240.0
+) -> float:
+    """Seconds from the broker answering again until groups produced after that (one per
+    partition) are released: the release stall as a trainer sees it. (Counting any release
+    after a first read raced: that read could finish after the last group was released.)"""
+    back = time.monotonic()
+    # a new client right after the restart may wait for the coordinator to load
+    _produce(cfg.kafka, [e for uid in markers for e in group_events(uid)], flush_s=timeout_s / 2)
+    wanted = _expected_keys(markers)
     while time.monotonic() - back < timeout_s:
-        assert proc.poll() is None, "the replay buffer exited"
-        if len(_keys(cfg)) > seen:
+        assert proc.poll() is None, "the replay buffer exited: " + log.read_text()[-3000:]
+        if wanted <= set(_keys(cfg)):
             return time.monotonic() - back
         time.sleep(0.5)
-    raise AssertionError(f"no release within {timeout_s:.0f} s of the broker restart")
+    raise AssertionError(
+        f"groups produced after the broker restart not released within {timeout_s:.0f} s; "
+        "the buffer's log:\n" + log.read_text(errors="replace")[-6000:]
+    )
 
 
 def _trickle(kafka: KafkaConfig, uids: list[str], pause_s: float) -> None:

@@ -25,7 +25,7 @@ from rolloutbus.kafka.clients import (
     read_committed_consumer,
     transactional_producer,
 )
-from rolloutbus.metrics import ReplayBufferMetrics
+from rolloutbus.streams.assembly.metrics import ReplayBufferMetrics
 from rolloutbus.streams.assembly.replay_buffer import (
     consumer_overrides,
     transactional_id_of,
