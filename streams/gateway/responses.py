@@ -1,9 +1,8 @@
 """A turn's result in OpenAI's shapes: a chat completion, a text completion, or the chunks of
 a streamed chat completion.
 
-Streaming is buffered: the turn is sampled whole (the turn log records whole turns), then
-sent as server-sent events an SDK's stream reader takes, one chunk with the text, one per
-tool call, one with the finish reason, optionally one with the usage, then ``[DONE]``.
+A streamed one sends its text as it is sampled (``streaming.py``), the rest when the turn
+is logged.
 """
 
 from __future__ import annotations
@@ -19,6 +18,7 @@ from rolloutbus.streams.gateway.wire import (
     AssistantMessage,
     ChatChoice,
     ChatCompletion,
+    ChatCompletionRequest,
     ChoiceLogprobs,
     CompletionChoice,
     CompletionLogprobs,
@@ -26,6 +26,7 @@ from rolloutbus.streams.gateway.wire import (
     TokenLogprob,
     ToolCall,
     Usage,
+    error_body,
 )
 
 
@@ -72,26 +73,53 @@ def text_completion(
     )
 
 
-def chat_chunks(completion: ChatCompletion, include_usage: bool) -> Iterator[bytes]:
-    """The completion as server-sent ``chat.completion.chunk`` events, then ``[DONE]``."""
-    choice = completion.choices[0]
-    head = {
-        "id": completion.id,
-        "object": "chat.completion.chunk",
-        "created": completion.created,
-        "model": completion.model,
-    }
-    message = choice.message
-    yield _event({**head, "choices": [_delta({"role": "assistant", "content": message.content})]})
-    for index, call in enumerate(message.tool_calls or []):
-        delta = {"tool_calls": [{"index": index, **call.model_dump()}]}
-        yield _event({**head, "choices": [_delta(delta)]})
-    logprobs = choice.logprobs.model_dump() if choice.logprobs else None
-    final = _delta({}, finish_reason=choice.finish_reason, logprobs=logprobs)
-    yield _event({**head, "choices": [final]})
-    if include_usage:
-        yield _event({**head, "choices": [], "usage": completion.usage.model_dump()})
-    yield b"data: [DONE]\n\n"
+class ChatChunks:
+    """A streamed chat completion's ``chat.completion.chunk`` events (``SseWire``): the role,
+    the text as it comes, then what is left of it, one chunk per tool call, the finish
+    reason (with the turn's logprobs), optionally the usage, then ``[DONE]``."""
+
+    def __init__(self, model: str, tokenizer: Any, request: ChatCompletionRequest):
+        self._model = model
+        self._head: dict[str, Any] = {
+            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "object": "chat.completion.chunk",
+            "created": int(time.time()),
+            "model": model,
+        }
+        self._tokenizer, self._request = tokenizer, request
+        options = (request.model_extra or {}).get("stream_options") or {}
+        self._include_usage = bool(options.get("include_usage"))
+
+    def opening(self) -> Iterator[bytes]:
+        yield self._chunk(_delta({"role": "assistant", "content": ""}))
+
+    def text(self, delta: str) -> Iterator[bytes]:
+        yield self._chunk(_delta({"content": delta}))
+
+    def closing(self, result: TurnResult, rest: str) -> Iterator[bytes]:
+        completion = chat_completion(
+            result,
+            model=self._model,
+            tokenizer=self._tokenizer,
+            logprobs=bool(self._request.logprobs),
+            token_ids=self._request.return_token_ids,
+        )
+        choice = completion.choices[0]
+        if rest:
+            yield from self.text(rest)
+        for index, call in enumerate(choice.message.tool_calls or []):
+            yield self._chunk(_delta({"tool_calls": [{"index": index, **call.model_dump()}]}))
+        logprobs = choice.logprobs.model_dump() if choice.logprobs else None
+        yield self._chunk(_delta({}, finish_reason=choice.finish_reason, logprobs=logprobs))
+        if self._include_usage:
+            yield _event({**self._head, "choices": [], "usage": completion.usage.model_dump()})
+        yield b"data: [DONE]\n\n"
+
+    def error(self, message: str, status: int) -> Iterator[bytes]:
+        yield _event(error_body(message, "api_error" if status >= 500 else "invalid_request_error"))
+
+    def _chunk(self, choice: dict[str, Any]) -> bytes:
+        return _event({**self._head, "choices": [choice]})
 
 
 def _delta(delta: dict[str, Any], **fields: Any) -> dict[str, Any]:

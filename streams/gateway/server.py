@@ -6,13 +6,16 @@ Endpoints (docs/gateway.md):
 - ``POST /sessions/{id}/v1/chat/completions`` and ``.../v1/completions`` (an OpenAI SDK's
   ``base_url`` is ``.../sessions/{id}/v1``); ``/v1/chat/completions`` and
   ``/v1/completions`` with the session in the ``X-Session-Id`` header
+- ``POST /sessions/{id}/v1/messages`` and ``/v1/messages``: Anthropic's Messages API (an
+  Anthropic SDK's ``base_url`` is ``.../sessions/{id}``), through the same session
 - ``POST /v1/sessions/{id}/finish`` (reward) and ``POST /v1/sessions/{id}/abort``
 - ``GET /v1/sessions/{id}``, ``GET /v1/models``, ``GET /health``, ``GET /metrics``
 
-Errors are OpenAI's error bodies: 400 for a request the gateway cannot answer as asked
-(naming the field or message), 404 an unknown session, 409 a settled one, 413 an event
-over ``kafka.max_message_bytes``, 502/503 a replica or the turn log unavailable (an SDK
-retries those; the retry is aligned with the log, so no turn is logged twice).
+Errors are OpenAI's error bodies (Anthropic's on the Messages routes): 400 for a request
+the gateway cannot answer as asked (naming the field or message), 404 an unknown session,
+409 a settled one, 413 an event over ``kafka.max_message_bytes``, 502/503 a replica or the
+turn log unavailable (an SDK retries those; the retry is aligned with the log, so no turn is
+logged twice).
 """
 
 from __future__ import annotations
@@ -33,10 +36,18 @@ from rolloutbus.errors import (
     ReplicaError,
     RolloutBusError,
 )
-from rolloutbus.metrics import GatewayMetrics, exposition
-from rolloutbus.streams.gateway.responses import chat_chunks, chat_completion, text_completion
+from rolloutbus.metrics import exposition
+from rolloutbus.streams.gateway.anthropic import (
+    MessageEvents,
+    MessagesRequest,
+    anthropic_error,
+    message_response,
+)
+from rolloutbus.streams.gateway.metrics import GatewayMetrics
+from rolloutbus.streams.gateway.responses import ChatChunks, chat_completion, text_completion
 from rolloutbus.streams.gateway.session import GatewaySession, SessionClosedError
 from rolloutbus.streams.gateway.sessions import GatewaySessions, SessionNotFoundError
+from rolloutbus.streams.gateway.streaming import ReplyStream, ReplyText, SseWire
 from rolloutbus.streams.gateway.wire import (
     IGNORED_HEADER,
     SESSION_HEADER,
@@ -129,6 +140,19 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await _body(request, ChatCompletionRequest)
     _check_supported(body)
     session = await _session(request)
+    model = body.model or _model_name(request)
+    headers = _ignored_header(body, session)
+    if body.stream:
+        wire = ChatChunks(model, session.ctx.tokenizer, body)
+        return await _streamed(
+            request,
+            session,
+            headers,
+            wire,
+            body.messages,
+            body.tools or None,
+            body.turn_max_tokens(),
+        )
     async with session.lock:
         try:
             result = await session.chat(body.messages, body.tools or None, body.turn_max_tokens())
@@ -136,22 +160,13 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             _after_call(request, session)
     completion = chat_completion(
         result,
-        model=body.model or _model_name(request),
+        model=model,
         tokenizer=session.ctx.tokenizer,
         logprobs=bool(body.logprobs),
         token_ids=body.return_token_ids,
     )
     request.app[METRICS_KEY].turns.labels(outcome=result.outcome).inc()
-    headers = _ignored_header(body, session)
-    if not body.stream:
-        return _json(completion, headers=headers)
-    include_usage = bool((body.model_extra or {}).get("stream_options", {}).get("include_usage"))
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", **headers})
-    await response.prepare(request)
-    for chunk in chat_chunks(completion, include_usage):
-        await response.write(chunk)
-    await response.write_eof()
-    return response
+    return _json(completion, headers=headers)
 
 
 async def completions(request: web.Request) -> web.Response:
@@ -176,7 +191,61 @@ async def completions(request: web.Request) -> web.Response:
     return _json(completion, headers=_ignored_header(body, session))
 
 
-def _check_supported(body: ChatCompletionRequest | CompletionRequest) -> None:
+async def messages(request: web.Request) -> web.StreamResponse:
+    """Anthropic's Messages API, through the session the chat endpoint uses."""
+    body = await _body(request, MessagesRequest)
+    _check_supported(body)
+    chat_messages, tools = body.chat_messages(), body.chat_tools()
+    session = await _session(request)
+    refused = body.thinking_refused(getattr(session.ctx.tokenizer, "chat_template", None))
+    if refused:
+        raise BadRequestError(refused)
+    model = body.model or _model_name(request)
+    headers = _ignored_header(body, session)
+    if body.stream:
+        wire = MessageEvents(model, body.shows_thinking)
+        return await _streamed(
+            request, session, headers, wire, chat_messages, tools, body.max_tokens
+        )
+    async with session.lock:
+        try:
+            result = await session.chat(chat_messages, tools, body.max_tokens)
+        finally:
+            _after_call(request, session)
+    request.app[METRICS_KEY].turns.labels(outcome=result.outcome).inc()
+    answer = message_response(result, model, body.shows_thinking)
+    return web.json_response(answer, headers=headers)
+
+
+async def _streamed(
+    request: web.Request,
+    session: GatewaySession,
+    headers: dict[str, str],
+    wire: SseWire,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    max_tokens: int | None,
+) -> web.StreamResponse:
+    """A turn streamed as it is sampled (``streaming.py``). An error before the first event
+    is an HTTP error; after it, an error event ends the stream."""
+    text = ReplyText(session.ctx.tokenizer, session.ctx.config.rollout.multi_turn.format)
+    stream = ReplyStream(request, headers, wire, text)
+    async with session.lock:
+        try:
+            result = await session.chat(messages, tools, max_tokens, stream.on_tokens)
+        except (RolloutBusError, ValueError) as exc:
+            if not stream.started:
+                raise
+            status, _ = _status_of(exc)
+            log.warning("%s %s: %s (after the stream started)", request.method, request.path, exc)
+            return await stream.fail(str(exc), status)
+        finally:
+            _after_call(request, session)
+    request.app[METRICS_KEY].turns.labels(outcome=result.outcome).inc()
+    return await stream.finish(result)
+
+
+def _check_supported(body: ChatCompletionRequest | CompletionRequest | MessagesRequest) -> None:
     problem = body.unsupported()
     if problem:
         raise BadRequestError(problem)
@@ -188,7 +257,7 @@ def _after_call(request: web.Request, session: GatewaySession) -> None:
 
 
 def _ignored_header(
-    body: ChatCompletionRequest | CompletionRequest, session: GatewaySession
+    body: ChatCompletionRequest | CompletionRequest | MessagesRequest, session: GatewaySession
 ) -> dict[str, str]:
     ignored = body.ignored_sampling(session.sampling)
     if not ignored:
@@ -278,7 +347,7 @@ def _status_of(exc: BaseException) -> tuple[int, str]:
 
 
 @web.middleware
-async def errors_as_openai_bodies(request: web.Request, handler: Handler) -> web.StreamResponse:
+async def errors_as_api_bodies(request: web.Request, handler: Handler) -> web.StreamResponse:
     route = (
         request.match_info.route.resource.canonical if request.match_info.route.resource else "-"
     )
@@ -286,21 +355,26 @@ async def errors_as_openai_bodies(request: web.Request, handler: Handler) -> web
         response = await handler(request)
     except web.HTTPException as exc:
         _count(request, route, exc.status)
-        return web.json_response(error_body(exc.reason, "invalid_request_error"), status=exc.status)
+        return _error(request, exc.reason, "invalid_request_error", exc.status)
     except (RolloutBusError, ValueError) as exc:
         status, kind = _status_of(exc)
         if status >= 500:
             log.warning("%s %s: %s", request.method, request.path, exc)
         _count(request, route, status)
-        return web.json_response(error_body(str(exc), kind), status=status)
+        return _error(request, str(exc), kind, status)
     except Exception as exc:
         log.exception("%s %s failed", request.method, request.path)
         _count(request, route, 500)
-        return web.json_response(
-            error_body(f"{type(exc).__name__}: {exc}", "internal_error"), status=500
-        )
+        return _error(request, f"{type(exc).__name__}: {exc}", "internal_error", 500)
     _count(request, route, response.status)
     return response
+
+
+def _error(request: web.Request, message: str, kind: str, status: int) -> web.Response:
+    """The error in the shape of the API the route speaks."""
+    if request.path.endswith("/v1/messages"):
+        return web.json_response(anthropic_error(message, status), status=status)
+    return web.json_response(error_body(message, kind), status=status)
 
 
 def _count(request: web.Request, route: str, status: int) -> None:
@@ -309,7 +383,7 @@ def _count(request: web.Request, route: str, status: int) -> None:
 
 def build_app(sessions: GatewaySessions, public_url: str | None = None) -> web.Application:
     app = web.Application(
-        middlewares=[errors_as_openai_bodies],
+        middlewares=[errors_as_api_bodies],
         client_max_size=sessions.ctx.config.gateway.max_request_bytes,
     )
     app[SESSIONS_KEY] = sessions
@@ -322,6 +396,7 @@ def build_app(sessions: GatewaySessions, public_url: str | None = None) -> web.A
     for prefix in ("/sessions/{session}/v1", "/v1"):
         app.router.add_post(f"{prefix}/chat/completions", chat_completions)
         app.router.add_post(f"{prefix}/completions", completions)
+        app.router.add_post(f"{prefix}/messages", messages)
         app.router.add_get(f"{prefix}/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)

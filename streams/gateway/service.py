@@ -11,8 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,9 +22,8 @@ from rolloutbus.errors import ConfigError
 from rolloutbus.kafka.admin import check_partition_counts
 from rolloutbus.kafka.async_producer import AsyncProducer
 from rolloutbus.kafka.control import latest_policy_version
-from rolloutbus.metrics import SessionMetrics
 from rolloutbus.models.tokenizers import load_tokenizer
-from rolloutbus.runtime import serve_until_signalled
+from rolloutbus.runtime import serve_in_thread, serve_until_signalled
 from rolloutbus.streams.agent_loop.continuous_token import get_builder
 from rolloutbus.streams.agent_loop.tool_parser import ToolParser
 from rolloutbus.streams.gateway.server import build_app, expire_idle_forever
@@ -33,6 +31,7 @@ from rolloutbus.streams.gateway.session import GatewayContext
 from rolloutbus.streams.gateway.sessions import GatewaySessions
 from rolloutbus.streams.inference.llm_client import LLMClient
 from rolloutbus.streams.reward import reward_fn_from_config
+from rolloutbus.streams.sessions.metrics import SessionMetrics
 from rolloutbus.streams.sessions.turn_log import TurnLog, scan_turn_log
 
 __all__ = ["GatewayHandle", "gateway_in_thread", "serve_gateway", "start_gateway"]
@@ -128,19 +127,6 @@ def _announce(cfg: Config) -> Callable[[GatewayHandle], None]:
     return ready
 
 
-@contextlib.contextmanager
-def gateway_in_thread(cfg: Config) -> Iterator[GatewayHandle]:
+def gateway_in_thread(cfg: Config) -> contextlib.AbstractContextManager[GatewayHandle]:
     """A gateway on its own event loop in a background thread."""
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, name="rolloutbus-gateway", daemon=True)
-    thread.start()
-    try:
-        handle = asyncio.run_coroutine_threadsafe(start_gateway(cfg), loop).result()
-        try:
-            yield handle
-        finally:
-            asyncio.run_coroutine_threadsafe(handle.stop(), loop).result()
-    finally:
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join()
-        loop.close()
+    return serve_in_thread("rolloutbus-gateway", lambda: start_gateway(cfg))

@@ -56,6 +56,7 @@ from rolloutbus.streams.agent_loop.tracing import collect_spans
 from rolloutbus.streams.gateway.alignment import Alignment, HistoryAligner, LoggedTurn, Transcript
 from rolloutbus.streams.gateway.messages import Reply, check_messages, comparable, parse_reply
 from rolloutbus.streams.gateway.outputs import segment_output
+from rolloutbus.streams.gateway.streamed_turns import StreamingLLMClient, TokenSink
 from rolloutbus.streams.reward import ComputeScore, score_outputs_async
 from rolloutbus.streams.sessions.recorder import RecordingLLMClient
 from rolloutbus.streams.sessions.recovery import LoggedAttempt
@@ -151,7 +152,7 @@ class GatewaySession:
         )
         replay = replayable(resume.history()) if resume else []
         self.recorder = RecordingLLMClient(
-            self.ctx.llm_client,
+            StreamingLLMClient(self.ctx.llm_client, self.ctx.config.rollout),
             self._emit,
             **self.ids,
             replay=replay,
@@ -178,15 +179,17 @@ class GatewaySession:
         messages: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None,
         max_tokens: int | None,
+        on_tokens: TokenSink | None = None,
     ) -> TurnResult:
-        """One chat completion: align, then answer from the log or sample a turn."""
+        """One chat completion: align, then answer from the log or sample a turn (its new
+        tokens go to ``on_tokens`` as they are sampled, where the replicas stream)."""
         self._check_open()
         check_messages(messages)
         await self._parse_replies(tools)
         alignment: Alignment = await asyncio.to_thread(self.aligner.align, messages, tools)
         if alignment.repeats is not None:
             return await self._repeat(alignment.repeats, alignment.prompt_ids, tools)
-        result = await self._sample(alignment.prompt_ids, max_tokens, tools)
+        result = await self._sample(alignment.prompt_ids, max_tokens, tools, on_tokens)
         if result.outcome == "sampled":
             self.aligner.remember(self._last_segment(), messages, tools)
         return result
@@ -218,7 +221,11 @@ class GatewaySession:
         return tokens + (tokenizer.encode(rest, add_special_tokens=False) if rest else [])
 
     async def _sample(
-        self, prompt_ids: list[int], max_tokens: int | None, tools: list[dict[str, Any]] | None
+        self,
+        prompt_ids: list[int],
+        max_tokens: int | None,
+        tools: list[dict[str, Any]] | None,
+        on_tokens: TokenSink | None = None,
     ) -> TurnResult:
         budget = self._budget(prompt_ids, max_tokens)
         if budget.max_tokens is None:  # the observation would spend the response budget
@@ -226,9 +233,10 @@ class GatewaySession:
             return TurnResult(prompt_ids, [], None, reply, "length")
         params = {**self.sampling.model_dump(), "max_tokens": budget.max_tokens}
         params = with_stop_tokens(params, self.ctx.parser.stop_token_ids)
+        streamed = {} if on_tokens is None else {"on_tokens": on_tokens}
         with collect_spans() as spans:
             out = await self.recorder.generate(
-                self.key, prompt_ids=prompt_ids, sampling_params=params
+                self.key, prompt_ids=prompt_ids, sampling_params=params, **streamed
             )
         self.spans.extend(spans)
         segment = self._last_segment()

@@ -24,9 +24,9 @@ from collections.abc import Callable
 from typing import Any
 
 from rolloutbus.errors import AgentLoopError, SchemaError
-from rolloutbus.metrics import GatewayMetrics
 from rolloutbus.schemas.prompts import DatasetRow, check_uid_text, group_sampling_params
 from rolloutbus.schemas.turns import GroupStarted
+from rolloutbus.streams.gateway.metrics import GatewayMetrics
 from rolloutbus.streams.gateway.session import GatewayContext, GatewaySession, SessionClosedError
 from rolloutbus.streams.gateway.wire import OpenSessionsRequest
 from rolloutbus.streams.sessions.recovery import LoggedAttempt, TurnLogScan

@@ -20,11 +20,8 @@ calculator call (logprob -0.25 per token), one with a tool response gets the ans
 from __future__ import annotations
 
 import json
-import os
-import signal
 import sys
 import time
-from pathlib import Path
 
 import httpx
 import openai
@@ -39,16 +36,9 @@ from rolloutbus.schemas.turns import decode_turn_event
 from rolloutbus.streams.agent_loop.continuous_token import get_builder
 from rolloutbus.streams.gateway import gateway_in_thread
 from rolloutbus.topics import Topics
-from tests.helpers import free_port, unique_name
-from tests.pipeline import (
-    read_topic,
-    receive_groups,
-    running,
-    spawn,
-    stop,
-    wait_http_ok,
-    write_config,
-)
+from tests.gateway.processes import Processes, on_a_fixed_port
+from tests.helpers import unique_name
+from tests.pipeline import read_topic, receive_groups, running, spawn
 from tests.source_tree import ROOT
 
 sys.path.insert(0, str(ROOT / "examples"))
@@ -70,8 +60,8 @@ def _ids(tok, text: str) -> list[int]:
     return tok.encode(text, add_special_tokens=False) + [tok.convert_tokens_to_ids("<|im_end|>")]
 
 
-def _engine(tok) -> ScriptedEngine:
-    call, answer = _ids(tok, CALL), _ids(tok, ANSWER)
+def _engine(tok, call_text: str = CALL, answer_text: str = ANSWER) -> ScriptedEngine:
+    call, answer = _ids(tok, call_text), _ids(tok, answer_text)
 
     def script(prompt_ids: list[int]) -> ScriptedTurn:
         if "<tool_response>" in tok.decode(prompt_ids):
@@ -101,10 +91,12 @@ def _config(bootstrap: str, replica_url: str, **gateway) -> Config:
     )
 
 
-def _check_agent_trajectory(tok, t, *, reward: float) -> None:
+def _check_agent_trajectory(
+    tok, t, *, reward: float, call_text: str = CALL, answer_text: str = ANSWER
+) -> None:
     """Prompt = the template's render of [system, user] with the tool; response = A1 ‖ O ‖ A2:
     mask 1 and the replica's logprobs on A1 and A2, mask 0 and 0.0 on the tool's turn."""
-    call, answer = _ids(tok, CALL), _ids(tok, ANSWER)
+    call, answer = _ids(tok, call_text), _ids(tok, answer_text)
     messages = [
         {"role": "system", "content": openai_agent.SYSTEM},
         {"role": "user", "content": QUESTION},
@@ -263,13 +255,8 @@ def test_a_gateway_restart_mid_session_resumes_from_the_log(kafka_bootstrap, tok
     with replica_in_thread(
         Config.model_validate({"replica_server": {"port": 0}}), engine
     ) as replica:
-        port = free_port()
-        cfg = _config(kafka_bootstrap, replica.url).model_copy(
-            update={"gateway": Config().gateway.model_copy(update={"port": port})}
-        )
+        cfg, config, url = on_a_fixed_port(_config(kafka_bootstrap, replica.url), tmp_path)
         ensure_topics(cfg.kafka)
-        config = write_config(cfg, tmp_path / "config.yaml")
-        url = f"http://127.0.0.1:{port}"
         procs = Processes(config, tmp_path, url)
         buffer = spawn(["replay-buffer", "run"], config, tmp_path / "replay.log")
         with running([buffer]):
@@ -309,38 +296,3 @@ def test_a_gateway_restart_mid_session_resumes_from_the_log(kafka_bootstrap, tok
     replayed = [e for e in mine if e.type == "generation" and e.attempt == resumed[0].attempt]
     original = [e for e in mine if e.type == "generation" and e.attempt == resumed[0].resumed_from]
     assert replayed[0].engine_request_id == original[0].engine_request_id  # not sampled again
-
-
-class Processes:
-    """The gateway and session worker processes of the restart test."""
-
-    def __init__(self, config: Path, tmp: Path, url: str):
-        self.config, self.tmp, self.url = config, tmp, url
-        self.gateway = None
-        self.worker = None
-        self.starts = 0
-
-    def start_gateway(self) -> None:
-        self.starts += 1
-        log = self.tmp / f"gateway{self.starts}.log"
-        self.gateway = spawn(["gateway"], self.config, log)
-        wait_http_ok(f"{self.url}/health", self.gateway, log)
-
-    def crash_and_restart_gateway(self) -> None:
-        os.kill(self.gateway.pid, signal.SIGKILL)
-        self.gateway.wait()
-        self.start_gateway()
-
-    def start_session_worker(self) -> None:
-        log = self.tmp / "sessions.log"
-        self.worker = spawn(["sessions", "run"], self.config, log)
-        deadline = time.monotonic() + 180  # seconds: Faust's start and the scan on 2 cores
-        while log.read_text().count("events scanned") < 2:  # both partitions scanned
-            assert self.worker.poll() is None, log.read_text()[-3000:]
-            assert time.monotonic() < deadline, "the session worker did not scan the turn log"
-            time.sleep(0.5)
-
-    def stop(self) -> None:
-        for proc in (self.worker, self.gateway):
-            if proc is not None:
-                stop(proc)
