@@ -32,14 +32,20 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from confluent_kafka import KafkaError, Message
+from confluent_kafka import KafkaError, Message, TopicPartition
 from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
 
 from rolloutbus.config import AsyncTrainingConfig, KafkaConfig, TrainerConfig
 from rolloutbus.consumers.groups import TrajectoryGroup
+from rolloutbus.consumers.metrics import DeliveryMetrics, TrainerClientMetrics
 from rolloutbus.consumers.ownership import PartitionOwnership
-from rolloutbus.consumers.position import KeyWindow, TrainerPosition, checked_position
+from rolloutbus.consumers.position import (
+    ASSIGN_TIMEOUT_S,
+    KeyWindow,
+    TrainerPosition,
+    checked_position,
+)
 from rolloutbus.consumers.staleness import StaleGroupReport, StalenessFilter
 from rolloutbus.errors import SchemaError
 from rolloutbus.kafka.clients import (
@@ -49,10 +55,10 @@ from rolloutbus.kafka.clients import (
     record_or_partition_end,
     record_position,
     translate_kafka_errors,
+    watermark_offsets,
 )
 from rolloutbus.kafka.control import PolicyVersionFollower
 from rolloutbus.kafka.dead_letters import DeadLetterWriter
-from rolloutbus.metrics import DeliveryMetrics, TrainerClientMetrics
 from rolloutbus.topics import Topics, uid_of_key
 
 __all__ = ["SkippedGroupReport", "TrainerClient"]
@@ -211,6 +217,22 @@ class TrainerClient:
         it in the checkpoint together with the model trained on those groups."""
         return self._owned.position()
 
+    def at_end(self, timeout_s: float = ASSIGN_TIMEOUT_S) -> bool:
+        """Whether this client owns every partition of the topic and has read each one to
+        its end (what a read_committed reader can reach now; a transaction's marker counts
+        as read): ``rolloutbus consume`` without ``--follow`` stops there."""
+        owned = [TopicPartition(self.topic, p) for p in sorted(self._owned.progress)]
+        with translate_kafka_errors("reading the end of the topic", topic=self.topic):
+            topic = self._consumer.list_topics(self.topic, timeout=timeout_s).topics[self.topic]
+            if not owned or len(owned) < len(topic.partitions):
+                return False  # not (yet) assigned all of it
+            positions = self._consumer.position(owned)
+        for tp in positions:
+            low, end = watermark_offsets(self._consumer, tp, timeout_s)
+            if low < end and tp.offset < end:  # negative: nothing fetched from it yet
+                return False
+        return True
+
     # -- committing --------------------------------------------------------------
     def commit(self, used: TrajectoryGroup | list[TrajectoryGroup]) -> None:
         """Record in the group that ``used`` (and every group yielded before it from the same
@@ -297,7 +319,7 @@ class TrainerClient:
         self._yield_count += 1
         return TrajectoryGroup(
             uid_of_key(key),
-            group.batch(),
+            group.rows,  # concatenated when the trainer reads the group's batch
             partition,
             offset,
             resume=progress.snapshot(),

@@ -11,12 +11,15 @@ yielded past it.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import pyarrow as pa
 
 from rolloutbus.consumers.position import COMMIT_METADATA_MAX_BYTES, PartitionPosition
 from rolloutbus.schemas.trajectories import (
+    TRAJECTORY_SCHEMA,
     TrajectoryStatus,
     decode_trajectory_batch,
 )
@@ -27,50 +30,96 @@ __all__ = ["PartitionProgress", "PendingGroup", "TrajectoryGroup", "SUCCESSFUL"]
 log = logging.getLogger(__name__)
 # the members a trainer learns from (trainer.min_successful_per_group counts them)
 SUCCESSFUL = frozenset({TrajectoryStatus.COMPLETED.value, TrajectoryStatus.TRUNCATED.value})
+_GROUP_SIZE = TRAJECTORY_SCHEMA.get_field_index("group_size")  # every decoded row's schema
 
 
-@dataclass
 class TrajectoryGroup:
-    """All trajectories of one prompt group, as one ragged Arrow RecordBatch."""
+    """All trajectories of one prompt group, as one ragged Arrow RecordBatch.
 
-    uid: str
-    batch: pa.RecordBatch
-    partition: int
-    last_offset: int
-    # where the partition resumes once this group, and every group yielded before it from
-    # the same partition, is used: what ``commit`` writes
-    resume: PartitionPosition | None = None
-    assignment: int = field(default=0, repr=False)  # which ownership of the partition it came from
-    sequence: int = field(default=0, repr=False)  # yield order within the client
-    # the staleness filter's verdict (``async_training``): versions between the trainer's
-    # current policy version and the group's oldest (None: no filter, or no versions), and
-    # the factor for this group's loss (below 1 when down-weighted as stale)
-    staleness: int | None = None
-    loss_weight: float = 1.0
+    ``batch`` may be given as the group's rows, one-row batches of one schema (what the
+    trainer client decodes): they are concatenated on the first read of ``batch``, so a
+    reader that never needs the whole group (``build_train_batch`` concatenates the rows
+    of all its groups at once, see :attr:`parts`) never pays for it. Every value read
+    from the group is the same either way.
+    """
+
+    def __init__(
+        self,
+        uid: str,
+        batch: pa.RecordBatch | Sequence[pa.RecordBatch],
+        partition: int,
+        last_offset: int,
+        resume: PartitionPosition | None = None,
+        assignment: int = 0,
+        sequence: int = 0,
+        staleness: int | None = None,
+        loss_weight: float = 1.0,
+    ):
+        self.uid = uid
+        self._batch = batch if isinstance(batch, pa.RecordBatch) else None
+        self._rows = None if isinstance(batch, pa.RecordBatch) else list(batch)
+        self.partition = partition
+        self.last_offset = last_offset
+        # where the partition resumes once this group, and every group yielded before it
+        # from the same partition, is used: what ``commit`` writes
+        self.resume = resume
+        self.assignment = assignment  # which ownership of the partition it came from
+        self.sequence = sequence  # yield order within the client
+        # the staleness filter's verdict (``async_training``): versions between the
+        # trainer's current policy version and the group's oldest (None: no filter, or no
+        # versions), and the factor for this group's loss (below 1 when down-weighted)
+        self.staleness = staleness
+        self.loss_weight = loss_weight
+
+    @property
+    def batch(self) -> pa.RecordBatch:
+        if self._batch is None:
+            assert self._rows is not None
+            self._batch = pa.concat_batches(self._rows)  # one schema: the decoder's
+            self._rows = None
+        return self._batch
+
+    @property
+    def parts(self) -> list[pa.RecordBatch]:
+        """Batches whose rows, in order, are the group's: its rows while ``batch`` has not
+        been read, else ``[batch]``. Concatenating several groups' parts at once costs
+        pyarrow's price per column once, not once per group and again for the train batch."""
+        return [self._batch] if self._rows is None else list(self._rows)
 
     @property
     def min_policy_version(self) -> int | None:
         """The oldest policy version that sampled any token of the group (verl's
         ``min_global_steps``, over its trajectories)."""
-        return column_min(self.batch, "min_global_steps")
+        versions = [v for v in self._values("min_global_steps") if v is not None]
+        return min(versions) if versions else None
 
     @property
     def max_policy_version(self) -> int | None:
-        column = self.batch.column("max_global_steps").to_pylist()
-        versions = [v for v in column if v is not None]
+        versions = [v for v in self._values("max_global_steps") if v is not None]
         return max(versions) if versions else None
 
     @property
     def keys(self) -> list[str]:
-        return self.batch.column("key").to_pylist()
+        return self._values("key")
 
     @property
     def successful(self) -> int:
         """Members that completed or were truncated (not failed)."""
-        return sum(1 for status in self.batch.column("status").to_pylist() if status in SUCCESSFUL)
+        return sum(1 for status in self._values("status") if status in SUCCESSFUL)
+
+    def _values(self, column: str) -> list[Any]:
+        """One column's values, row by row, read without concatenating the rows."""
+        return [value for part in self.parts for value in part.column(column).to_pylist()]
 
     def __len__(self) -> int:
-        return self.batch.num_rows
+        return sum(part.num_rows for part in self.parts)
+
+    def __repr__(self) -> str:
+        return (
+            f"TrajectoryGroup(uid={self.uid!r}, rows={len(self)}, partition={self.partition}, "
+            f"last_offset={self.last_offset}, staleness={self.staleness}, "
+            f"loss_weight={self.loss_weight})"
+        )
 
 
 @dataclass
@@ -85,7 +134,7 @@ class PendingGroup:
             return  # the same trajectory twice within one group: keep the first
         self.keys.append(key)
         self.rows.append(row)
-        self.group_size = row.column("group_size")[0].as_py()
+        self.group_size = row.column(_GROUP_SIZE)[0].as_py()
 
     @property
     def complete(self) -> bool:
@@ -116,7 +165,9 @@ class PartitionProgress:
         if uid in self.yielded:
             return None  # yielded by this client or by the one whose position it resumed
         row = decode_trajectory_batch(value)  # before the group exists: junk opens none
-        group = self.pending.setdefault(uid, PendingGroup(first_offset=offset))
+        group = self.pending.get(uid)
+        if group is None:
+            group = self.pending[uid] = PendingGroup(first_offset=offset)
         group.add(key, row)
         if not group.complete:
             return None
@@ -154,8 +205,3 @@ class PartitionProgress:
                 len(self.yielded),
             )
             self._forget_passed()
-
-
-def column_min(batch: pa.RecordBatch, name: str) -> int | None:
-    versions = [v for v in batch.column(name).to_pylist() if v is not None]
-    return min(versions) if versions else None

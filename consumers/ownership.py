@@ -28,7 +28,12 @@ from rolloutbus.consumers.position import (
     watermark,
 )
 from rolloutbus.errors import BrokerError
-from rolloutbus.kafka.clients import broker_error, record_location, translate_kafka_errors
+from rolloutbus.kafka.clients import (
+    broker_error,
+    committed_offsets,
+    record_location,
+    translate_kafka_errors,
+)
 
 __all__ = ["PartitionOwnership"]
 
@@ -98,7 +103,7 @@ class PartitionOwnership:
         self, consumer: Consumer, partitions: list[TopicPartition]
     ) -> dict[int, PartitionPosition]:
         with translate_kafka_errors("reading committed offsets", topic=self.topic):
-            committed = consumer.committed(partitions, timeout=ASSIGN_TIMEOUT_S)
+            committed = committed_offsets(consumer, partitions, ASSIGN_TIMEOUT_S)
         starts: dict[int, PartitionPosition] = {}
         for tp in committed:
             checkpoint = self._resume.pop(tp.partition, None)

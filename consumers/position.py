@@ -32,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from rolloutbus.config import KafkaConfig
 from rolloutbus.errors import SchemaError
 from rolloutbus.kafka.clients import (
+    committed_offsets,
     read_committed_consumer,
     translate_kafka_errors,
     watermark_offsets,
@@ -139,7 +140,7 @@ def start_position(
     try:
         partitions = [TopicPartition(topic, p) for p in range(kafka.partitions)]
         with translate_kafka_errors(f"reading the committed offsets of {group_id!r}", topic=topic):
-            committed = consumer.committed(partitions, timeout=ASSIGN_TIMEOUT_S)
+            committed = committed_offsets(consumer, partitions, ASSIGN_TIMEOUT_S)
         starts = {
             tp.partition: PartitionPosition.from_commit(tp.offset, tp.metadata)
             if tp.offset >= 0

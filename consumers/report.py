@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
+import unicodedata
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +26,11 @@ from rolloutbus.config import Config, KafkaConfig
 from rolloutbus.consumers.client import TrainerClient
 from rolloutbus.consumers.groups import TrajectoryGroup
 from rolloutbus.consumers.position import ASSIGN_TIMEOUT_S, PartitionPosition, TrainerPosition
-from rolloutbus.kafka.clients import read_committed_consumer, translate_kafka_errors
+from rolloutbus.kafka.clients import (
+    committed_offsets,
+    read_committed_consumer,
+    translate_kafka_errors,
+)
 from rolloutbus.schemas.trajectories import (
     TRAJECTORY_SCHEMA,
     Trajectory,
@@ -34,6 +40,7 @@ from rolloutbus.topics import Topics
 
 log = logging.getLogger(__name__)
 TEXT_WIDTH = 48  # characters of decoded response shown per row
+END_CHECK_IDLE_S = 1.0  # seconds without a group before asking whether the topic's end is read
 
 
 def throwaway_group_id(purpose: str = "consume") -> str:
@@ -49,9 +56,10 @@ def committed_position(kafka: KafkaConfig, group_id: str) -> TrainerPosition | N
     consumer = read_committed_consumer(kafka, group_id)  # never subscribes: never joins
     try:
         with translate_kafka_errors(f"reading the offsets of group {group_id!r}", topic=topic):
-            committed = consumer.committed(
+            committed = committed_offsets(
+                consumer,
                 [TopicPartition(topic, p) for p in range(kafka.partitions)],
-                timeout=ASSIGN_TIMEOUT_S,
+                ASSIGN_TIMEOUT_S,
             )
     finally:
         consumer.close()
@@ -73,9 +81,11 @@ def consume_and_report(
     commit: bool = False,
     tokenizer: Any = None,
     stream=sys.stdout,
+    follow: bool = True,
 ) -> list[TrajectoryGroup]:
     """Receive up to ``max_groups`` complete groups (stopping after ``timeout_s`` without
-    one), print them as a table on ``stream`` and write them to ``out``.
+    one, or, unless ``follow``, at the end of the topic), print them as a table on
+    ``stream`` and write them to ``out``.
 
     Takes nothing from anyone unless ``commit``: then it consumes as ``group_id``, and the
     groups it receives are used up for that group (a trainer in it never gets them).
@@ -84,16 +94,41 @@ def consume_and_report(
         raise ValueError("commit needs the group_id to commit in")
     groups: list[TrajectoryGroup] = []
     with _client(cfg, group_id, commit) as client:
-        for group in client.groups(max_groups=max_groups, timeout_s=timeout_s):
-            groups.append(group)
-            if commit:
-                client.commit(group)
-            print(f"received group {group.uid} ({len(group)} trajectories)", file=sys.stderr)
+        received = (
+            client.groups(max_groups=max_groups, timeout_s=timeout_s)
+            if follow
+            else _to_the_end(client, max_groups, timeout_s)
+        )
+        try:
+            for group in received:
+                groups.append(group)
+                if commit:
+                    client.commit(group)
+                print(f"received group {group.uid} ({len(group)} trajectories)", file=sys.stderr)
+        except KeyboardInterrupt:  # how --follow ends (SIGTERM too): show what came
+            print(f"stopped after {len(groups)} groups", file=sys.stderr)
     print_table(groups, tokenizer, stream)
     if out is not None:
         write_arrow(groups, out)
         print(f"wrote {sum(len(g) for g in groups)} trajectories to {out}", file=sys.stderr)
     return groups
+
+
+def _to_the_end(
+    client: TrainerClient, max_groups: int | None, timeout_s: float | None
+) -> Iterator[TrajectoryGroup]:
+    """Groups until the client has read the whole topic (as ``kcat -e``), ``max_groups``,
+    or ``timeout_s`` without a group; whether it is at the end is asked when idle."""
+    got, idle_since = 0, time.monotonic()
+    while max_groups is None or got < max_groups:
+        left = None if max_groups is None else max_groups - got
+        for group in client.groups(max_groups=left, timeout_s=END_CHECK_IDLE_S):
+            got, idle_since = got + 1, time.monotonic()
+            yield group
+        if timeout_s is not None and time.monotonic() - idle_since > timeout_s:
+            return
+        if client.at_end():
+            return
 
 
 def _client(cfg: Config, group_id: str | None, commit: bool) -> TrainerClient:
@@ -182,12 +217,30 @@ def _format_row(row: dict[str, Any], tokenizer: Any) -> str:
     text = ""
     if tokenizer is not None and row["responses"]:
         sampled = [t for t, m in zip(row["responses"], row["response_mask"], strict=True) if m]
-        text = tokenizer.decode(sampled, skip_special_tokens=True).replace("\n", " ")[:TEXT_WIDTH]
+        text = one_line(tokenizer.decode(sampled, skip_special_tokens=True))[:TEXT_WIDTH]
     elif row["error"]:
-        text = f"error: {row['error']}"[:TEXT_WIDTH]
+        text = one_line(f"error: {row['error']}")[:TEXT_WIDTH]
     return (
         f"{row['key']:<40} {str(row['agent_name']):<18} {row['status']:<10} "
         f"{row['prompt_len']:>6} {row['response_len']:>5} {sum(row['response_mask']):>5} "
         f"{len(logprobs) if logprobs is not None else '-':>5} {row['num_turns']:>5} "
         f"{reward:>6}  {text}"
+    )
+
+
+# line and paragraph separators, control and format characters: str.splitlines breaks on
+# some, a terminal acts on others (ESC), and a random model's text holds them all
+_NOT_ON_ONE_LINE = ("Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp")
+
+
+def one_line(text: str) -> str:
+    """``text`` as one line of a table: a line break as a space, any other character that is
+    not printable text escaped (``\\x1b``, ``\\u2028``)."""
+    return "".join(
+        " "
+        if c in "\r\n"
+        else c.encode("unicode_escape").decode("ascii")
+        if unicodedata.category(c) in _NOT_ON_ONE_LINE
+        else c
+        for c in text
     )

@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry
 
 from rolloutbus.config import AsyncTrainingConfig
 from rolloutbus.consumers.groups import TrajectoryGroup
-from rolloutbus.metrics import StalenessMetrics
+from rolloutbus.consumers.metrics import StalenessMetrics
 
 __all__ = ["StaleGroupReport", "StalenessFilter"]
 

@@ -73,7 +73,10 @@ def build_train_batch(groups: list[TrajectoryGroup], *, pad_token_id: int) -> Tr
     """Concatenate the groups' rows, drop failed ones, pad to the longest prompt/response."""
     if not groups:
         raise ValueError("a train batch needs at least one group")
-    table = pa.Table.from_batches([g.batch for g in groups], TRAJECTORY_SCHEMA).combine_chunks()
+    # every group's rows concatenated once (a group read from the trainer client still
+    # holds its rows: concatenating per group first would cost pyarrow's price twice)
+    rows = pa.concat_batches([part for g in groups for part in g.parts])
+    table = pa.Table.from_batches([rows], TRAJECTORY_SCHEMA)
     usable = pc.and_(
         pc.not_equal(table.column("status"), TrajectoryStatus.FAILED.value),
         pc.greater(table.column("response_len"), 0),

@@ -47,10 +47,11 @@ from rolloutbus.consumers.training.algorithm import (
 from rolloutbus.consumers.training.batch import TrainBatch, build_train_batch
 from rolloutbus.consumers.training.checkpoint import TrainerState, load_optimizer, weights_folder
 from rolloutbus.consumers.training.lifecycle import TrainerRun
+from rolloutbus.consumers.training.metrics import TrainerMetrics
 from rolloutbus.consumers.training.policy import load_policy, pad_token_id, response_log_probs
 from rolloutbus.consumers.training.step_log import StepLog
 from rolloutbus.errors import ConfigError
-from rolloutbus.metrics import TrainerMetrics, start_metrics_server
+from rolloutbus.metrics import start_metrics_server
 
 log = logging.getLogger(__name__)
 GROUP_POLL_S = 0.5  # seconds one wait for a group lasts: how quickly a stop is noticed
@@ -63,8 +64,25 @@ class TrainSummary:
     started_at_step: int
     global_step: int
     policy_version: int
-    groups_trained: int
+    groups_trained: int  # since step 0, over every run of this checkpoint directory
     checkpoint: Path | None
+    groups_this_run: int = 0  # trained by this process
+    stale_dropped: int = 0  # groups this process dropped past the staleness bound
+
+    def line(self) -> str:
+        """The run in one line, as `rolloutbus train` ends."""
+        steps = self.global_step - self.started_at_step
+        trained = (
+            f"trained {steps} step(s), {self.started_at_step + 1}..{self.global_step}, on "
+            f"{self.groups_this_run} groups"
+            if steps
+            else f"trained no step (at step {self.global_step})"
+        )
+        return (
+            f"{trained}; {self.stale_dropped} stale groups dropped; "
+            f"{self.groups_trained} groups since step 0; policy version {self.policy_version}; "
+            f"checkpoint {self.checkpoint}"
+        )
 
 
 class GRPOTrainer:
@@ -109,6 +127,7 @@ class GRPOTrainer:
     def run(self, stop: threading.Event | None = None) -> TrainSummary:
         stop = stop or threading.Event()
         started_at = self.state.global_step
+        groups_before = self.state.groups_trained
         self.durable.start(self.lm, self.optimizer)  # fence, step 0, announce the run
         client = TrainerClient(
             self.cfg.kafka,
@@ -154,6 +173,7 @@ class GRPOTrainer:
                 # replicas get the next one at the next sync)
                 self.durable.save(self.lm, self.optimizer, client, publish=False)
         finally:
+            stale_dropped = client.stale.dropped
             client.close()
             self.step_log.close()
             self.durable.close()
@@ -163,6 +183,8 @@ class GRPOTrainer:
             policy_version=self.state.policy_version,
             groups_trained=self.state.groups_trained,
             checkpoint=self.checkpoint,
+            groups_this_run=self.state.groups_trained - groups_before,
+            stale_dropped=stale_dropped,
         )
 
     def _advance(self, groups: int, position: TrainerPosition | None) -> bool:

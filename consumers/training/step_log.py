@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import IO, Any
 
-from rolloutbus.metrics import TrainerMetrics
+from rolloutbus.consumers.training.metrics import TrainerMetrics
 
 log = logging.getLogger(__name__)
 

@@ -149,6 +149,6 @@ def test_publish_exits_nonzero_when_no_row_was_published(kafka_config, tmp_path)
         text=True,
         timeout=300,
     )
-    assert result.returncode == 1, result.stderr[-3000:]
+    assert result.returncode == 4, result.stderr[-3000:]  # all refused (docs/cli.md)
     assert "read 2 rows: 0 published, 2 to the dead-letter topic" in result.stderr
     assert "no row was published" in result.stderr and result.stdout == ""

@@ -212,8 +212,8 @@ def test_step_log_writes_jsonl_csv_prometheus_and_a_progress_line(tmp_path):
 
     from prometheus_client import CollectorRegistry
 
+    from rolloutbus.consumers.training.metrics import TrainerMetrics
     from rolloutbus.consumers.training.step_log import StepLog
-    from rolloutbus.metrics import TrainerMetrics
 
     record = {
         "global_step": 3,
