@@ -92,7 +92,7 @@ _RAY = "verl's Ray cluster, single controller and profiling: the services here a
 _OFF = "a verl feature that does not exist here (distillation, transfer queue, rollout dumps)"
 _SCHEDULE = (
     "verl's synchronous schedule: here `rolloutbus dispatch --epochs` feeds epochs, "
-    "`rolloutbus publish --validate` validation rows, and the trainer checkpoints every "
+    "`rolloutbus publish --val` validation rows, and the trainer checkpoints every "
     "policy version it publishes"
 )
 _TRACKING = (

@@ -22,6 +22,10 @@
 #   datasets==5.0.0      5.1+ imports huggingface_hub.utils.httpx, gone from the venv's hub
 #   fastapi==0.136.3, starlette==1.10.0   as in the vLLM contract env; newer fastapi
 #                        imports opentelemetry
+# The V1 trainer's control plane (tests/verl_compat/test_verl_trainer_tq.py) also needs
+# transferqueue 0.1.11 (verl's verl-core extra: >=0.1.10; it runs as Ray actors, on CPU
+# too) with pyzmq and msgspec, torchdata (verl declares it unpinned; 0.11.0 is the newest)
+# and peft (verl.utils.fsdp_utils imports it at module level; newest, 0.21.2).
 # math-verify is NOT installed: verl 0.9.1's default_compute_score does not call it (its
 # MATH branch uses math_reward; math_verify is a commented-out option), and its
 # latex2sympy2 dependency needs antlr4 4.13, which conflicts with hydra's 4.9.
@@ -49,10 +53,11 @@ PINS=(
   codetiming==1.4.0 orjson==3.13.0 pillow==13.0.0 datasets==5.0.0 multiprocess==0.70.19
   dill==0.4.1 pandas==3.1.1 xxhash==4.1.0 cachetools==8.0.2 uvicorn==0.54.0
   fastapi==0.136.3 starlette==1.10.0 pylatexenc==2.10 mathruler==0.1.0
+  transferqueue==0.1.11 pyzmq==27.3.0 msgspec==0.23.0 torchdata==0.11.0 peft==0.21.2
 )
 WANT="$(printf '%s\n' "${PINS[@]}")"
 # The modules the parity tests import; each must import before the env is stamped.
-MODULES="verl.utils.reward_score, verl.utils.reward_score.prime_math, verl.utils.reward_score.geo3k, verl.experimental.agent_loop.tool_parser, verl.experimental.agent_loop.single_turn_agent_loop, verl.experimental.agent_loop.tool_agent_loop, verl.workers.config"
+MODULES="verl.utils.reward_score, verl.utils.reward_score.prime_math, verl.utils.reward_score.geo3k, verl.experimental.agent_loop.tool_parser, verl.experimental.agent_loop.single_turn_agent_loop, verl.experimental.agent_loop.tool_agent_loop, verl.workers.config, transfer_queue, torchdata.stateful_dataloader, verl.trainer.ppo.v1.trainer_base, verl.trainer.ppo.v1.replay_buffer"
 
 # shellcheck source=ops/lib/stamp.sh
 . "$ROOT/ops/lib/stamp.sh"

@@ -18,11 +18,11 @@ On each save it does two things, in this order:
 A crash between the two steps leaves the group's committed offsets older than the file.
 That only means more re-reading on restart.
 
-The run id and position come from the object verl's trainer holds as
-``trainer.rolloutbus_source`` (``BusPositionSource``: a ``TrainerClient`` with its run id).
-The bus sampler is meant to set it, and that sampler is not built yet
-(docs/verl-trainer.md). Without a source the hook raises, and verl aborts the run, since a
-checkpoint without the bus's position cannot be resumed exactly once.
+The run id and position come from ``trainer.rolloutbus_source``, else from
+``trainer.replay_buffer.rolloutbus_source``, which the bus sampler
+(``rolloutbus.verl.sampler``) sets (``BusPositionSource``: its ``TrainerClient`` with the
+run id). Without a source the hook raises, and verl aborts the run, since a checkpoint
+without the bus's position cannot be resumed exactly once.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from rolloutbus.consumers.position import TrainerPosition
 from rolloutbus.errors import RolloutBusError
+from rolloutbus.verl.extra import require_verl
 
 __all__ = [
     "SOURCE_ATTRIBUTE",
@@ -45,13 +46,15 @@ __all__ = [
     "BusCheckpointState",
     "BusPositionSource",
     "read_bus_state",
+    "resume_folder",
+    "resume_state",
     "write_bus_state",
 ]
 
 log = logging.getLogger(__name__)
 
 STATE_FILE = "rolloutbus.json"
-SOURCE_ATTRIBUTE = "rolloutbus_source"  # the attribute of verl's trainer the bus sampler sets
+SOURCE_ATTRIBUTE = "rolloutbus_source"  # set by the bus sampler (verl's trainer.replay_buffer)
 
 
 class BusPositionSource(Protocol):
@@ -95,6 +98,48 @@ def read_bus_state(checkpoint_dir: str | os.PathLike[str]) -> BusCheckpointState
     return BusCheckpointState.model_validate_json(path.read_text())
 
 
+def resume_folder(config: Any) -> Path | None:
+    """The ``global_step_N`` folder verl's ``_load_checkpoint`` resumes from for ``config``
+    (verl's whole trainer config), or None when it starts from scratch."""
+    from omegaconf import OmegaConf
+
+    mode = OmegaConf.select(config, "trainer.resume_mode", default="disable")
+    if mode == "disable":
+        return None
+    if mode == "auto":
+        local_dir = OmegaConf.select(config, "trainer.default_local_dir", default=None)
+        if local_dir is None:
+            return None
+        checkpoints = require_verl("verl.utils.checkpoint.checkpoint_manager", what="resuming")
+        found = checkpoints.find_latest_ckpt_path(os.path.abspath(local_dir))
+        return Path(found) if found else None
+    if mode == "resume_path":
+        return Path(os.path.abspath(str(OmegaConf.select(config, "trainer.resume_from_path"))))
+    raise RolloutBusError(f"trainer.resume_mode {mode!r} is not one verl 0.9.1 knows")
+
+
+def resume_state(config: Any) -> BusCheckpointState | None:
+    """The bus state saved in the folder verl resumes from, or None when verl starts from
+    scratch. A folder without ``rolloutbus.json`` raises: it was saved without the bus's
+    callback, and where to re-read the trajectory topic is unknown."""
+    folder = resume_folder(config)
+    if folder is None:
+        return None
+    state = read_bus_state(folder)
+    if state is None:
+        raise RolloutBusError(
+            f"verl resumes from {folder}, which has no {STATE_FILE}: it was saved without "
+            "trainer.checkpoint_callback_class=rolloutbus.verl.BusCheckpointCallback"
+        )
+    step = int(folder.name.split("global_step_")[-1])  # as _load_checkpoint reads it
+    if state.global_step != step:
+        raise RolloutBusError(
+            f"{folder / STATE_FILE} is for step {state.global_step}, not {step}: "
+            "it was copied from another checkpoint"
+        )
+    return state
+
+
 class BusCheckpointCallback:
     """verl's checkpoint callback for the bus (see the module docstring)."""
 
@@ -109,12 +154,14 @@ class BusCheckpointCallback:
         async_save: bool = False,
         **kwargs: Any,
     ) -> None:
-        source: BusPositionSource | None = getattr(trainer, SOURCE_ATTRIBUTE, None)
+        source: BusPositionSource | None = getattr(trainer, SOURCE_ATTRIBUTE, None) or getattr(
+            getattr(trainer, "replay_buffer", None), SOURCE_ATTRIBUTE, None
+        )
         if source is None:
             raise RolloutBusError(
-                f"checkpoint {checkpoint_dir}: the trainer has no {SOURCE_ATTRIBUTE!r} (the bus "
-                "sampler sets it; it is not built yet, docs/verl-trainer.md), so the bus's "
-                "position cannot be saved with it"
+                f"checkpoint {checkpoint_dir}: neither the trainer nor its replay_buffer has "
+                f"{SOURCE_ATTRIBUTE!r} (rolloutbus.verl.sampler's samplers set it), so the "
+                "bus's position cannot be saved with it"
             )
         position = source.position()
         state = BusCheckpointState(

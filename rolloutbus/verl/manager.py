@@ -10,9 +10,9 @@ it as a prompt group: n from the row's ``__rollout_n__``, else ``rollout.n``, el
 greedy; the group carries ``global_steps`` and ``validate``. It returns once the broker has
 the groups, not when they are rolled out.
 
-Not built yet (docs/verl-trainer.md): tagging the prompt ``running`` in TransferQueue, and
-the sampler that moves the groups from the trajectory topic into TransferQueue, without
-which verl's V1 trainer does not see the rollouts.
+The bus sampler (``rolloutbus.verl.sampler``) moves the rolled-out groups from the trajectory
+topic into TransferQueue. Not done here: tagging the prompt ``running`` in TransferQueue (the
+sampler writes ``pending`` and ``running`` prompts alike).
 """
 
 from __future__ import annotations

@@ -8,6 +8,10 @@ order, in the layout of verl's own ``AgentLoopManager`` (``v0_output``). Groups 
 uids that arrive meanwhile (an earlier run's, a crashed step's) are dropped and counted:
 V0 issues fresh uids every step, so no group is trained twice.
 
+With a processor (verl's ``hf_processor`` for a local ``actor_rollout_ref.model.path``, or
+``processor=``) each row's ``multi_modal_inputs`` is the processor's output on the row's
+images, as verl's agent loop builds it (``rolloutbus.verl.v0_vision``).
+
 Set it with ``+actor_rollout_ref.rollout.agent.agent_loop_manager_class=
 rolloutbus.verl.BusAgentLoopManagerV0`` (docs/verl-trainer.md).
 """
@@ -29,6 +33,7 @@ from rolloutbus.verl.publishing import publish_requests
 from rolloutbus.verl.rows import v0_requests
 from rolloutbus.verl.settings import bus_config
 from rolloutbus.verl.v0_batch import V0Output, rows_in_input_order, v0_output
+from rolloutbus.verl.v0_vision import load_processor, multi_modal_column, row_images
 
 __all__ = ["BusAgentLoopManagerV0", "to_data_proto"]
 
@@ -56,6 +61,7 @@ class BusAgentLoopManagerV0:
         bus: Config | None = None,
         pad_token_id: int | None = None,
         wait_timeout_s: float = WAIT_TIMEOUT_S,
+        processor: Any = None,
     ):
         self.config = config
         # verl merges the input's non-tensor columns into its output only when it was handed
@@ -64,6 +70,7 @@ class BusAgentLoopManagerV0:
         self.bus = bus if bus is not None else bus_config(config)
         self.wait_timeout_s = wait_timeout_s
         self.pad_token_id = pad_token_id if pad_token_id is not None else _pad_token_id(self.bus)
+        self.processor = processor if processor is not None else load_processor(config)
         self.strays = 0  # groups of uids no call asked for, dropped
         self._publisher = PromptPublisher(self.bus)
         self._client = TrainerClient(
@@ -99,8 +106,25 @@ class BusAgentLoopManagerV0:
             response_length=self.bus.rollout.response_length,
             pad_token_id=self.pad_token_id,
         )
+        if self.processor is not None:
+            out.non_tensor_batch["multi_modal_inputs"] = self._multi_modal(non_tensor_batch, out)
         self._client.commit(list(groups.values()))
         return out
+
+    def _multi_modal(self, non_tensor_batch: dict[str, Any], out: V0Output) -> Any:
+        """verl's ``multi_modal_inputs`` column: the processor on each row's images."""
+        from omegaconf import DictConfig, OmegaConf
+
+        tree = self.config if isinstance(self.config, DictConfig) else None
+        data = OmegaConf.select(tree, "data", default=None) if tree is not None else None
+        raw = non_tensor_batch.get("raw_prompt")
+        rows = len(out.non_tensor_batch["__num_turns__"])
+        images = [
+            row_images(raw[i], self.processor, data) if raw is not None else None
+            for i in range(rows)
+        ]
+        kwargs = OmegaConf.select(data, "mm_processor_kwargs", default=None) if data else None
+        return multi_modal_column(self.processor, out.batch["input_ids"], images, kwargs)
 
     def _collect(self, wanted: set[str]) -> dict[str, TrajectoryGroup]:
         """The complete groups of ``wanted``, however they interleave with others."""

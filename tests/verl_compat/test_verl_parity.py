@@ -351,7 +351,11 @@ def test_ignored_keys_all_exist_in_verl(verl):
     verl_keys = set(verl["keys"]["yaml"]) | set(verl["keys"]["dataclasses"])
     older = [key for key in VERL_KEYS_IGNORED if key not in verl_keys]
     assert [key for key in older if not _in_an_older_release(key)] == []
-    assert len(older) < len(VERL_KEYS_IGNORED) / 4, older  # 0.9.1's keys are most of them
+    # The line above is the exact rule: every ignored key 0.9.1 lacks is an older release's.
+    # Which ones they are is data (tests/data/verl/keys/), not an expectation to pin here, so
+    # this is a bound, not an equality: the list targets verl 0.9.1, and a list grown mostly
+    # out of older releases' keys means its target drifted.
+    assert len(older) < len(VERL_KEYS_IGNORED) / 4, older
     assert sorted(set(VERL_KEYS_ACCEPTED_NOT_USED) - verl_keys) == []
 
 

@@ -1,19 +1,15 @@
 """``BusCheckpointCallback``: verl's checkpoint callback writes ``rolloutbus.json`` beside
 ``global_step_N/`` and commits the bus position only for a synchronous save.
 
-No broker: the position source is a recording double (a ``TrainerClient`` stands there in a
-run, which the bus sampler would set; that sampler is not built). The last test loads the
-callback through verl 0.9.1's own ``build_checkpoint_callback`` (verl side environment) and
-calls it with the keywords verl's trainer uses.
+No broker: the position source is a recording double (in a run, the bus sampler's
+``BusPosition`` over its ``TrainerClient``, tests/verl_compat/test_verl_trainer_tq.py). The
+last test loads the callback through verl 0.9.1's own ``build_checkpoint_callback`` (verl
+side environment) and calls it with the keywords verl's trainer uses.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -76,6 +72,19 @@ def test_an_async_save_writes_the_state_but_commits_nothing(tmp_path):
     assert source.commits == []
 
 
+def test_the_source_is_found_on_verls_replay_buffer(tmp_path):
+    """verl's trainer holds the custom sampler as ``replay_buffer``; the bus sampler sets it."""
+    source = RecordingSource("run-b")
+    trainer = SimpleNamespace(replay_buffer=SimpleNamespace(rolloutbus_source=source))
+    step_dir = tmp_path / "global_step_3"
+    BusCheckpointCallback(config={}).on_save(
+        trainer=trainer, global_step=3, checkpoint_dir=str(step_dir), async_save=False
+    )
+    state = read_bus_state(step_dir)
+    assert state is not None and state.run_id == "run-b"
+    assert source.commits == [POSITION]
+
+
 def test_a_trainer_without_a_bus_source_fails_the_save_and_writes_nothing(tmp_path):
     with pytest.raises(RolloutBusError, match="rolloutbus_source"):
         BusCheckpointCallback().on_save(
@@ -132,18 +141,9 @@ print(json.dumps({
 
 
 @pytest.mark.verl
-def test_verls_builder_loads_the_callback_and_its_call_writes_the_state(verl_site: Path, tmp_path):
+def test_verls_builder_loads_the_callback_and_its_call_writes_the_state(run_in_verl, tmp_path):
     step_dir = tmp_path / "global_step_4"
-    done = subprocess.run(
-        [sys.executable, "-c", VERL_SIDE, str(step_dir)],
-        capture_output=True,
-        text=True,
-        cwd="/tmp",  # the checkout's folders must not shadow anything
-        env={**os.environ, "PYTHONPATH": str(verl_site)},
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    out = json.loads(done.stdout.splitlines()[-1])
+    out = run_in_verl("-c", VERL_SIDE, str(step_dir))
     assert out["is_ours"] and out["config_kept"]
     assert out["commits"] == 1
     assert out["state"]["run_id"] == "run-v" and out["state"]["global_step"] == 4

@@ -10,7 +10,6 @@ plug-in's ``bus_config`` finds the same YAML and agrees with verl on the rollout
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shlex
@@ -99,7 +98,7 @@ def test_the_readme_names_the_plug_in_in_verls_documented_key():
 
 
 @pytest.fixture(scope="module")
-def composed(verl_site: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+def composed(verl_site: Path, run_in_verl, tmp_path_factory: pytest.TempPathFactory) -> dict:
     """verl's config as the README's command composes it, and what the plug-in sees in it."""
     python = shlex.quote(sys.executable)
     command = _verl_command().replace("python ", f"{python} ", 1) + " --cfg job --resolve"
@@ -115,18 +114,9 @@ def composed(verl_site: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     assert done.returncode == 0, done.stderr[-4000:]
     path = tmp_path_factory.mktemp("verl") / "composed.yaml"
     path.write_text(done.stdout)
-    plugin = subprocess.run(
-        [sys.executable, "-c", PLUGIN_SIDE, str(path)],
-        capture_output=True,
-        text=True,
-        cwd="/tmp",  # the checkout's folders must not shadow anything
-        env={**os.environ, "PYTHONPATH": str(verl_site)},
-        timeout=600,
-    )
-    assert plugin.returncode == 0, plugin.stderr[-4000:]
     return {
         "verl": yaml.safe_load(done.stdout),
-        "plugin": json.loads(plugin.stdout.splitlines()[-1]),
+        "plugin": run_in_verl("-c", PLUGIN_SIDE, str(path)),
     }
 
 

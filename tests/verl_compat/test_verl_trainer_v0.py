@@ -9,12 +9,6 @@ dtype by dtype, shape by shape, value by value, ``meta_info`` and its timing inc
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 from tests.source_tree import ROOT
@@ -35,17 +29,8 @@ TIMING_FIGURES = 18  # 4 figures x min/max/mean, 4 of the slowest row, its two l
 
 
 @pytest.fixture(scope="module")
-def parity(verl_site: Path) -> dict:
-    run = subprocess.run(
-        [sys.executable, str(PROGRAM)],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(verl_site)},
-        cwd="/tmp",  # the checkout's folders must not shadow anything
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stderr[-4000:]
-    return json.loads(run.stdout.strip().splitlines()[-1])
+def parity(run_in_verl) -> dict:
+    return run_in_verl(str(PROGRAM))
 
 
 def test_scored_groups_match_verl_with_its_reward_loop(parity):

@@ -6,10 +6,6 @@ from ``__rollout_n__`` / ``rollout.n`` / ``val_kwargs.n``, the greedy override,
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -27,19 +23,10 @@ pytestmark = pytest.mark.verl
 
 
 @pytest.fixture
-def published(verl_site: Path, kafka_config: KafkaConfig, tmp_path: Path):
+def published(run_in_verl, kafka_config: KafkaConfig, tmp_path: Path):
     bus = tmp_path / "bus.yaml"
     bus.write_text(yaml.safe_dump({"kafka": kafka_config.model_dump(mode="json")}))
-    run = subprocess.run(
-        [sys.executable, str(PROGRAM), str(bus)],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(verl_site)},
-        cwd="/tmp",  # the checkout's folders must not shadow anything
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stderr[-4000:]
-    uids = json.loads(run.stdout.strip().splitlines()[-1])
+    uids = run_in_verl(str(PROGRAM), str(bus))
     cfg = Config(kafka=kafka_config)
     records = read_topic(cfg, Topics.from_config(kafka_config).prompts)
     groups = {}
