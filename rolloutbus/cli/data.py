@@ -48,6 +48,11 @@ def _val_flag(args: argparse.Namespace) -> bool:
     return bool(args.val or args.validate_deprecated)
 
 
+# publish's exit codes (docs/cli.md), a dry run's for the rows it would refuse
+SOME_REFUSED = 3  # some rows published, the rest refused (dead-lettered)
+ALL_REFUSED = 4  # rows were read and every one was refused: nothing published
+
+
 def _publish(
     cfg: Config, args: argparse.Namespace, datasets: list[Path], checker: Any, val: bool
 ) -> int:
@@ -55,8 +60,10 @@ def _publish(
     from rolloutbus.producers.publish import PromptPublisher
 
     check_reachable(cfg.kafka)
+    # each refused row is printed once below ("rows.jsonl:4: why"), not logged again
+    logging.getLogger("rolloutbus.kafka.dead_letters").setLevel(logging.ERROR)
     publisher = PromptPublisher(cfg, checker)
-    published = 0
+    reports = []
     for dataset in datasets:
         report = publisher.publish_file(
             dataset,
@@ -64,39 +71,62 @@ def _publish(
             global_steps=args.global_steps,
             epoch=args.epoch,
             progress=not args.quiet,
+            on_refused=_print_refused,
         )
-        published += report.published
         for uid in report.uids or []:
             print(uid)
-        print(
+        _print_summary(
             f"{dataset}: read {report.read} rows: {report.published} published, "
             f"{report.dead_lettered} to the dead-letter topic",
-            file=sys.stderr,
+            report,
         )
-        for line in report.summary():
-            print(line, file=sys.stderr)
-    if published == 0:
-        print("rolloutbus: no row was published", file=sys.stderr)
-        return 1
-    return 0
+        reports.append(report)
+    return _publish_exit_code(reports, "was published")
 
 
 def _dry_run(cfg: Config, datasets: list[Path], checker: Any, val: bool) -> int:
-    """Every check of a publish, no broker: a per-reason summary on stdout; exit 1 if any
-    row would go to the dead-letter topic."""
+    """Every check of a publish, no broker: what a publish would print, on the same streams
+    (the uids on stdout, each refused row and the summary on stderr), and its exit code."""
     from rolloutbus.producers.publish import check_file
 
-    bad = 0
+    reports = []
     for dataset in datasets:
-        report = check_file(cfg, dataset, validate=val, checker=checker)
-        bad += report.dead_lettered
-        print(
+        report = check_file(cfg, dataset, validate=val, checker=checker, on_refused=_print_refused)
+        for uid in report.uids or []:
+            print(uid)
+        _print_summary(
             f"{dataset}: {report.read} rows: {report.published} would be published, "
-            f"{report.dead_lettered} refused"
+            f"{report.dead_lettered} refused",
+            report,
         )
-        for line in report.summary():
-            print(line)
-    return 1 if bad else 0
+        reports.append(report)
+    return _publish_exit_code(reports, "would be published")
+
+
+def _print_refused(row: Any) -> None:
+    print(f"{row.source}: {row.problem}", file=sys.stderr)
+
+
+def _print_summary(head: str, report: Any) -> None:
+    """The file's line, then the refused rows counted per reason, then the notes."""
+    print(head, file=sys.stderr)
+    for kind, count in report.problems.most_common():
+        print(f"{count:>7} refused: {kind}", file=sys.stderr)
+    for note, count in report.notes.most_common():
+        print(f"{count:>7} note: {note}", file=sys.stderr)
+
+
+def _publish_exit_code(reports: list[Any], done: str) -> int:
+    """0 when no row was refused, else SOME_REFUSED or ALL_REFUSED, said in a last line."""
+    published = sum(r.published for r in reports)
+    refused = sum(r.dead_lettered for r in reports)
+    if refused == 0:
+        return 0
+    if published == 0:
+        print(f"rolloutbus: no row {done}: all {refused} refused", file=sys.stderr)
+        return ALL_REFUSED
+    print(f"rolloutbus: {refused} of {published + refused} rows refused", file=sys.stderr)
+    return SOME_REFUSED
 
 
 def cmd_dispatch(args: argparse.Namespace, cfg: Config) -> int:
@@ -145,6 +175,7 @@ def cmd_consume(args: argparse.Namespace, cfg: Config) -> int:
         group_id=args.group_id,
         commit=args.commit,
         tokenizer=load_tokenizer(cfg.model),
+        follow=args.follow,
     )
     return 0
 
@@ -153,6 +184,7 @@ def cmd_replay(args: argparse.Namespace, cfg: Config) -> int:
     from rolloutbus.consumers.log_replay import replay_turns
     from rolloutbus.consumers.report import print_table, write_batches
     from rolloutbus.kafka.admin import check_reachable
+    from rolloutbus.models.tokenizers import load_tokenizer
     from rolloutbus.streams.assembly.replay_buffer import tune_gc_for_folding
 
     check_reachable(cfg.kafka)
@@ -169,7 +201,9 @@ def cmd_replay(args: argparse.Namespace, cfg: Config) -> int:
     if args.out is not None:
         write_batches(result.batches, args.out)
     else:
-        print_table([], None, sys.stdout, trajectories=result.trajectories)
+        # the text column decoded as consume decodes it (it was empty: issue 30)
+        tokenizer = load_tokenizer(cfg.model) if result.trajectories else None
+        print_table([], tokenizer, sys.stdout, trajectories=result.trajectories)
     print(
         f"replayed {result.events} turn events: {len(result.trajectories)} trajectories, "
         f"{len(result.open_groups)} groups not settled in range, {result.undecodable} undecodable",
@@ -224,6 +258,10 @@ def _register_publish(sub: Subcommands) -> None:
         "publish",
         cmd_publish,
         "publish a parquet/jsonl dataset (verl row format) as prompt groups",
+        description="Publish each row as a prompt group: its uid on stdout; each refused row "
+        "(FILE:LINE: why) and a summary on stderr. Exit 0: every row published; "
+        f"{SOME_REFUSED}: some refused; {ALL_REFUSED}: all refused (nothing published); 1: a "
+        "runtime failure (broker down); 2: bad usage or configuration.",
     )
     p.add_argument(
         "dataset",
@@ -244,8 +282,8 @@ def _register_publish(sub: Subcommands) -> None:
     p.add_argument(
         "--dry-run",
         action="store_true",
-        help="run every check on every row with no broker, publish nothing, print a "
-        "per-reason summary; exit 1 if any row would be refused",
+        help="run every check on every row with no broker and publish nothing: the output "
+        "and exit code a publish would give",
     )
     p.add_argument("--global-steps", type=int, default=0, help="trainer step at dispatch")
     p.add_argument(
@@ -294,7 +332,17 @@ def _register_consume(sub: Subcommands) -> None:
         "--max-groups", type=int, default=None, help="stop after this many groups (default: all)"
     )
     p.add_argument(
-        "--timeout", type=float, default=30.0, help="seconds without a new group before stopping"
+        "-f",
+        "--follow",
+        action="store_true",
+        help="keep waiting for new groups until Ctrl-C/SIGTERM; without it, stop at the end "
+        "of the topic (as kcat -e, kafka-console-consumer --timeout-ms)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help="also stop after this many seconds without a new group (default: no limit)",
     )
     p.add_argument(
         "--out", type=Path, default=None, help="write the trajectories to this Arrow file"

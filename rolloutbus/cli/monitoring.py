@@ -68,6 +68,27 @@ def cmd_inspect(args: argparse.Namespace, cfg: Config) -> int:
     return 0
 
 
+def cmd_traces(args: argparse.Namespace, cfg: Config) -> int:
+    from rolloutbus.kafka.admin import check_reachable
+    from rolloutbus.monitoring.session_traces import otlp_traces, read_traces, send_otlp
+
+    check_reachable(cfg.kafka)
+    traces = read_traces(cfg, args.uid)
+    if not traces:
+        where = f"uid {args.uid}" if args.uid else "any session"
+        print(f"no session attempts of {where} in the turn log", file=sys.stderr)
+        return 1
+    endpoint = args.otlp or cfg.monitoring.otlp_endpoint
+    if endpoint is None:
+        json.dump(otlp_traces(traces), sys.stdout)
+        sys.stdout.write("\n")
+        return 0
+    sent = send_otlp(traces, endpoint)
+    sessions = len({t.key for t in traces})
+    print(f"sent {sent} spans of {sessions} sessions ({len(traces)} attempts) to {endpoint}")
+    return 0
+
+
 def register(sub: Subcommands) -> None:
     p = command(
         sub,
@@ -119,4 +140,20 @@ def register(sub: Subcommands) -> None:
         type=int,
         default=0,
         help="turn-log offset to start reading the uid's partition at",
+    )
+
+    p = command(
+        sub,
+        "traces",
+        cmd_traces,
+        "one OpenTelemetry trace per session, rebuilt from the turn log: sent to an OTLP "
+        "receiver, or printed as OTLP JSON",
+    )
+    p.add_argument("uid", nargs="?", default=None, help="one group (default: every session)")
+    p.add_argument(
+        "--otlp",
+        default=None,
+        metavar="URL",
+        help="OTLP/HTTP receiver, e.g. http://localhost:4318 (default: monitoring.otlp_endpoint; "
+        "unset: print the JSON)",
     )

@@ -10,10 +10,18 @@ from typing import Any
 from rolloutbus.cli.common import Subcommands, command
 from rolloutbus.config import Config, with_overrides
 from rolloutbus.errors import ConfigError
+from rolloutbus.models.catalog import KNOWN_MODELS, model_note
+
+# `replica serve --model`: each name with what it is (tiny-qwen3 is random, issue 30)
+MODEL_HELP = (
+    "override model.name: "
+    + "; ".join(f"{name} ({model_note(name)})" for name in KNOWN_MODELS)
+    + "; or a local model folder"
+)
 
 
 def cmd_broker(args: argparse.Namespace, cfg: Config) -> int:
-    from rolloutbus.kafka import broker
+    from rolloutbus.broker import embedded as broker
 
     if args.nodes is not None:
         cfg = with_overrides(cfg, {"broker.nodes": args.nodes})
@@ -31,7 +39,7 @@ def cmd_broker(args: argparse.Namespace, cfg: Config) -> int:
 
 
 def _start_broker(cfg: Config) -> int:
-    from rolloutbus.kafka import broker
+    from rolloutbus.broker import embedded as broker
     from rolloutbus.kafka.admin import ensure_topics
 
     status = broker.start_broker(cfg)
@@ -42,21 +50,21 @@ def _start_broker(cfg: Config) -> int:
     created = ensure_topics(admin)
     print(f"topics ready ({len(created)} created)")
     if cfg.broker.acls:
-        from rolloutbus.kafka.acls import apply_acls
+        from rolloutbus.broker.acls import apply_acls
 
         print(f"ACLs ready ({apply_acls(cfg, admin)} bindings for {_role_users(cfg)})")
     return 0
 
 
 def _role_users(cfg: Config) -> str:
+    from rolloutbus.broker.acls import role_user
     from rolloutbus.config import ACL_ROLES
-    from rolloutbus.kafka.acls import role_user
 
     return ", ".join(f"{role}={role_user(cfg.kafka, role)}" for role in ACL_ROLES)
 
 
 def _broker_acls(cfg: Config, *, print_only: bool) -> int:
-    from rolloutbus.kafka.acls import apply_acls, kafka_acls_commands
+    from rolloutbus.broker.acls import apply_acls, kafka_acls_commands
 
     if print_only:
         for line in kafka_acls_commands(cfg, cfg.kafka.bootstrap_servers):
@@ -115,7 +123,10 @@ def cmd_sessions(args: argparse.Namespace, cfg: Config) -> int:
     from rolloutbus.streams.sessions.worker import run_session_worker
 
     check_reachable(cfg.kafka)
-    run_session_worker(cfg, loglevel="debug" if args.verbose else "info")
+    try:  # Faust ends it with SystemExit on SIGINT/SIGTERM
+        run_session_worker(cfg, loglevel="debug" if args.verbose else "info")
+    finally:
+        print(_sessions_stop_line(), file=sys.stderr, flush=True)
     return 0
 
 
@@ -124,8 +135,48 @@ def cmd_replay_buffer(args: argparse.Namespace, cfg: Config) -> int:
     from rolloutbus.streams.assembly.replay_buffer import run_replay_buffer
 
     check_reachable(cfg.kafka)
-    run_replay_buffer(cfg)
+    try:
+        run_replay_buffer(cfg)
+    finally:
+        print(_replay_buffer_stop_line(), file=sys.stderr, flush=True)
     return 0
+
+
+# The stop lines (issue 30): what a worker did, in words, read from its own Prometheus
+# counters (every process keeps them, whether or not it serves them)
+
+
+def _sessions_stop_line() -> str:
+    finished = _counted("rolloutbus_sessions_total", outcome="finished")
+    failed = _counted("rolloutbus_sessions_total", outcome="failed")
+    return (
+        f"session worker stopped: {_counted('rolloutbus_sessions_group_duration_seconds_count')}"
+        f" groups rolled out ({finished + failed} sessions: {finished} finished, {failed} "
+        f"failed), {_counted('rolloutbus_sessions_turn_events_total', type='generation')} "
+        f"turns, {_counted('rolloutbus_sessions_tokens_total', kind='sampled')} tokens sampled"
+    )
+
+
+def _replay_buffer_stop_line() -> str:
+    return (
+        f"replay buffer stopped: {_counted('rolloutbus_replay_buffer_groups_released_total')} "
+        f"groups released ({_counted('rolloutbus_replay_buffer_trajectories_total')} "
+        f"trajectories), {_counted('rolloutbus_replay_buffer_events_total')} turn events folded"
+    )
+
+
+def _counted(sample: str, **labels: str) -> int:
+    """The sum of a counter's samples in this process's registry that carry ``labels``."""
+    from prometheus_client import REGISTRY
+
+    return round(
+        sum(
+            s.value
+            for metric in REGISTRY.collect()
+            for s in metric.samples
+            if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items())
+        )
+    )
 
 
 def cmd_weight_sync(args: argparse.Namespace, cfg: Config) -> int:
@@ -147,7 +198,8 @@ def cmd_weight_sync(args: argparse.Namespace, cfg: Config) -> int:
             loop.add_signal_handler(sig, stop.set)
         async with WeightSync(cfg) as sync:
             report = await sync.run(stop)
-        print(f"weight sync stopped: {report.outcomes}", file=sys.stderr)
+        done = ", ".join(f"{count} {outcome}" for outcome, count in sorted(report.outcomes.items()))
+        print(f"weight sync stopped: {done or 'no version synced'}", file=sys.stderr)
         return 0
 
     return asyncio.run(run())
@@ -211,7 +263,9 @@ def register(sub: Subcommands) -> None:
     )
     p.add_argument("--port", type=int, default=None, help="override replica_server.port")
     p.add_argument(
-        "--model", default=None, help="override model.name (smollm2-135m, tiny-qwen3, or a folder)"
+        "--model",
+        default=None,
+        help=MODEL_HELP,
     )
 
     p = command(

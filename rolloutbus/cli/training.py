@@ -29,12 +29,7 @@ def cmd_train(args: argparse.Namespace, cfg: Config) -> int:
     # Ctrl-C/SIGTERM: finish the step in progress, save a checkpoint, exit 0; again: abort
     stop_on_signals(stop, "this step")
     summary = run_training(cfg, stop)
-    print(
-        f"trained steps {summary.started_at_step}..{summary.global_step} "
-        f"({summary.groups_trained} groups in all), policy version {summary.policy_version}, "
-        f"checkpoint {summary.checkpoint}",
-        file=sys.stderr,
-    )
+    print(summary.line(), file=sys.stderr)
     return 0
 
 

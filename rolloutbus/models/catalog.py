@@ -26,6 +26,7 @@ __all__ = [
     "SMOLLM2",
     "TINY_QWEN2_VL",
     "TINY_QWEN3",
+    "model_note",
     "qwen3_tokenizer_dir",
     "tiny_qwen2_vl_folder",
     "unknown_model_error",
@@ -35,6 +36,19 @@ TINY_QWEN3 = "tiny-qwen3"
 SMOLLM2 = "smollm2-135m"
 TINY_QWEN2_VL = "tiny-qwen2-vl"
 KNOWN_MODELS = (TINY_QWEN3, SMOLLM2, TINY_QWEN2_VL)
+# What each name is, in the words shown where it is offered (`replica serve --help`, the
+# unknown-name error) and in the replica's start line: a newcomer must not read tiny-qwen3's
+# junk text and zero rewards as a bug (issue 30 item 15).
+MODEL_NOTES = {
+    TINY_QWEN3: "random weights: junk text, every reward 0; for trying the plumbing",
+    SMOLLM2: "SmolLM2-135M-Instruct, real weights",
+    TINY_QWEN2_VL: "random weights, vLLM only",
+}
+
+
+def model_note(name: str) -> str:
+    """What ``name`` is, for a line a user reads ("" for a model folder)."""
+    return MODEL_NOTES.get(name, "")
 
 
 def qwen3_tokenizer_dir() -> Path:
@@ -55,6 +69,8 @@ def tiny_qwen2_vl_folder(model: ModelConfig) -> Path:
 
 def unknown_model_error(model: ModelConfig) -> ConfigError:
     """The error for a ``model.name`` that is neither a known name nor a local folder."""
+    notes = "; ".join(f"{name}: {MODEL_NOTES[name]}" for name in KNOWN_MODELS)
     return ConfigError(
-        f"model.name {model.name!r} is none of {list(KNOWN_MODELS)} nor a local model folder"
+        f"model.name {model.name!r} is none of {list(KNOWN_MODELS)} nor a local model folder "
+        f"({notes})"
     )

@@ -4,9 +4,11 @@
 session worker and replay buffer (the ports of ``ops/metrics-on.yaml`` when free, so
 ``ops/prometheus/prometheus.yml`` scrapes the demo as it runs), samples their /metrics
 every second while the demo runs, and afterwards draws three panels with matplotlib:
-throughput over time (trajectories and sampled tokens per second), the mean reward by data
-source, and a histogram of response lengths (the last two from the trajectories the demo
-wrote).
+progress over time (sampled tokens as the sessions log them, trajectories as they are
+released; cumulative, so a release does not read as a spike), the rewards by data source
+(how many scored above 0, 0 or not at all: an all-zero demo shows its zeros), and the
+response lengths with ``rollout.response_length`` marked (the last two from the
+trajectories the demo wrote).
 """
 
 from __future__ import annotations
@@ -89,32 +91,60 @@ def demo_monitoring(cfg: Config, out: Path) -> Iterator[Config]:
         sampler.done.set()
         sampler.join()
         if out.exists():
-            picture = draw_demo_picture(sampler.scrapes, out, out.with_name("demo.png"))
+            picture = draw_demo_picture(
+                sampler.scrapes, out, out.with_name("demo.png"), cfg.rollout.response_length
+            )
             print(f"[demo] wrote {picture}", file=sys.stderr, flush=True)
 
 
-def throughput(scrapes: list[Scrape]) -> tuple[list[float], list[float], list[float]]:
-    """Seconds since the first scrape, trajectories/s and sampled tokens/s between scrapes."""
-    times, trajectories, tokens = [], [], []
-    for before, after in zip(scrapes, scrapes[1:], strict=False):
-        dt = after.at - before.at
-        if dt <= 0:
-            continue
-        times.append(after.at - scrapes[0].at)
-        trajectories.append(
-            _delta(before, after, "rolloutbus_replay_buffer_trajectories_total") / dt
-        )
-        tokens.append(
-            _delta(before, after, "rolloutbus_sessions_tokens_total", kind="sampled") / dt
-        )
-    return times, trajectories, tokens
+def cumulative(scrapes: list[Scrape]) -> tuple[list[float], list[float], list[float]]:
+    """Seconds since the first scrape, and at each scrape the sampled tokens logged so far
+    (the session worker counts them as each turn is logged: sampling time) and the
+    trajectories released so far (the replay buffer, a group at a time)."""
+    if not scrapes:
+        return [], [], []
+    first = scrapes[0]
+    times = [s.at - first.at for s in scrapes]
+    tokens = _so_far(
+        [_delta(first, s, "rolloutbus_sessions_tokens_total", kind="sampled") for s in scrapes]
+    )
+    released = _so_far(
+        [_delta(first, s, "rolloutbus_replay_buffer_trajectories_total") for s in scrapes]
+    )
+    return times, tokens, released
+
+
+def _so_far(values: list[float]) -> list[float]:
+    """Running maximum: a scrape after a process stopped reads nothing, not a drop to 0."""
+    out: list[float] = []
+    for value in values:
+        out.append(max(value, out[-1]) if out else value)
+    return out
 
 
 def _delta(before: Scrape, after: Scrape, name: str, **match: str) -> float:
     return max(0.0, (after.total(name, **match) or 0.0) - (before.total(name, **match) or 0.0))
 
 
-def draw_demo_picture(scrapes: list[Scrape], arrow: Path, picture: Path) -> Path:
+def reward_outcomes(rows: list[dict]) -> dict[str, dict[str, int]]:
+    """Per data source, how many trajectories scored above 0, exactly 0 (or below), or not
+    at all: a demo whose every reward is 0 shows a bar of zeros, not an empty panel."""
+    counts: dict[str, dict[str, int]] = {}
+    for row in rows:
+        score = row.get("reward_score")
+        outcome = "unscored" if score is None else "reward > 0" if score > 0 else "reward <= 0"
+        source = counts.setdefault(row.get("data_source") or "unknown", dict.fromkeys(OUTCOMES, 0))
+        source[outcome] += 1
+    return counts
+
+
+OUTCOMES = ("reward > 0", "reward <= 0", "unscored")
+OUTCOME_COLOURS = ("tab:green", "tab:red", "tab:gray")
+
+
+def draw_demo_picture(
+    scrapes: list[Scrape], arrow: Path, picture: Path, response_length: int | None = None
+) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display needed
@@ -122,29 +152,47 @@ def draw_demo_picture(scrapes: list[Scrape], arrow: Path, picture: Path) -> Path
 
     rows = pa.ipc.open_file(arrow).read_all().to_pylist()  # consumers.report.write_arrow's file
     fig, (flow, reward, lengths) = plt.subplots(1, 3, figsize=(15, 4.2))
-    times, trajectories, tokens = throughput(scrapes)
-    flow.plot(times, trajectories, label="trajectories/s")
-    flow.set_xlabel("seconds")
-    flow.set_title("throughput")
-    twin = flow.twinx()
-    twin.plot(times, tokens, color="tab:orange", label="sampled tokens/s")
-    flow.legend(loc="upper left")
-    twin.legend(loc="upper right")
-    by_source: dict[str, list[float]] = {}
-    for row in rows:
-        if row.get("reward_score") is not None:
-            by_source.setdefault(row.get("data_source") or "unknown", []).append(
-                row["reward_score"]
-            )
-    sources = sorted(by_source)
-    reward.bar(sources, [sum(v) / len(v) for v in (by_source[s] for s in sources)])
-    reward.set_title("mean reward by data source")
-    reward.set_ylabel("reward")
-    lengths.hist([row["response_len"] for row in rows], bins=20)
-    lengths.set_title("response length")
-    lengths.set_xlabel("tokens")
+    _draw_progress(flow, scrapes)
+    _draw_rewards(reward, reward_outcomes(rows))
+    _draw_lengths(lengths, [row["response_len"] for row in rows], response_length)
     fig.tight_layout()
     picture.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(picture, dpi=100)
     plt.close(fig)
     return picture
+
+
+def _draw_progress(axes, scrapes: list[Scrape]) -> None:
+    times, tokens, released = cumulative(scrapes)
+    axes.plot(times, tokens, color="tab:orange", label="sampled tokens (as logged)")
+    axes.set_xlabel("seconds")
+    axes.set_ylabel("tokens")
+    axes.set_title("progress")
+    twin = axes.twinx()
+    twin.step(times, released, where="post", label="trajectories released")
+    twin.set_ylabel("trajectories")
+    axes.legend(loc="upper left")
+    twin.legend(loc="lower right")
+
+
+def _draw_rewards(axes, counts: dict[str, dict[str, int]]) -> None:
+    sources = sorted(counts)
+    bottom = [0] * len(sources)
+    for outcome, colour in zip(OUTCOMES, OUTCOME_COLOURS, strict=True):
+        heights = [counts[s][outcome] for s in sources]
+        if any(heights):
+            axes.bar(sources, heights, bottom=bottom, color=colour, label=outcome)
+            bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
+    axes.set_title("rewards by data source")
+    axes.set_ylabel("trajectories")
+    axes.legend()
+
+
+def _draw_lengths(axes, lengths: list[int], limit: int | None) -> None:
+    axes.hist(lengths, bins=20)
+    if limit is not None:
+        at_limit = sum(n >= limit for n in lengths)
+        axes.axvline(limit, color="tab:red", linestyle="--", label=f"response_length {limit}")
+        axes.legend(title=f"{at_limit} of {len(lengths)} at the limit")
+    axes.set_title("response length")
+    axes.set_xlabel("tokens")

@@ -4,8 +4,9 @@
 from __future__ import annotations
 
 from rolloutbus.config import Config
-from rolloutbus.metrics import DispatchCollector, serve_metrics
+from rolloutbus.metrics import serve_metrics
 from rolloutbus.producers.dispatch import Dispatcher
+from rolloutbus.producers.dispatch_metrics import DispatchCollector
 
 
 def serve_dispatch_metrics(cfg: Config, dispatcher: Dispatcher) -> bool:

@@ -60,13 +60,14 @@ def inspect_key(
             events.append((msg.offset(), event))
     if not events:
         raise ConfigError(f"{key}: no turn events for uid {uid} in {topic}[{partition}]")
-    view = _Viewer(tokenizer, cfg.rollout.multi_turn.format)
+    view = _Viewer(tokenizer, cfg.rollout.multi_turn.format, cfg.rollout.response_length)
     return view.group(uid, topic, partition, events)
 
 
 class _Viewer:
-    def __init__(self, tokenizer: Any | None, tool_format: str):
+    def __init__(self, tokenizer: Any | None, tool_format: str, response_length: int):
         self.tokenizer = tokenizer
+        self.response_length = response_length
         self.parser = _tool_parser(tool_format, tokenizer)
 
     def group(self, uid: str, topic: str, partition: int, events: list) -> dict[str, Any]:
@@ -131,8 +132,15 @@ class _Viewer:
                 **self.tokens(e.token_ids),
             }
         if e.type == "session_finished":
-            return {**base, "type": "finished", "outputs": [o.model_dump() for o in e.outputs]}
+            outputs = [self.output(o.model_dump()) for o in e.outputs]
+            return {**base, "type": "finished", "outputs": outputs}
         return {**base, "type": "failed", "error": e.error, "retriable": e.retriable}
+
+    def output(self, summary: dict[str, Any]) -> dict[str, Any]:
+        # the trajectory's status as the replay buffer releases it (verl: a response that
+        # fills rollout.response_length is truncated, whatever the engine's stop reason)
+        truncated = summary["response_len"] >= self.response_length
+        return {**summary, "status": "truncated" if truncated else "completed"}
 
     def generation(self, e: Any) -> dict[str, Any]:
         logprobs = list(e.logprobs) if e.logprobs is not None else None
@@ -232,7 +240,7 @@ def _block_lines(b: dict[str, Any], show_tokens: bool) -> list[str]:
         head = (
             f"  {at} GENERATION turn {b['turn']}  {b['num_tokens']} tokens, mask 1 (trained)  "
             f"policy v{b['policy_version']}  replica {b['replica'] or '-'}  "
-            f"stop {b['stop_reason']}  {b['latency_s']:.2f} s  mean logprob {lp}"
+            f"engine stop {b['stop_reason']}  {b['latency_s']:.2f} s  mean logprob {lp}"
         )
         out = [head, *_text(b)]
         out += [f"      tool call: {c['name']}({c['arguments']})" for c in b["tool_calls"]]
@@ -250,8 +258,9 @@ def _block_lines(b: dict[str, Any], show_tokens: bool) -> list[str]:
         for i, o in enumerate(b["outputs"]):
             m = o["metrics"]
             out.append(
-                f"      output {i}: reward {o['reward_score']}  turns {o['num_turns']}  "
-                f"response {o['response_len']} tokens  generate {m['generate_sequences']:.2f} s  "
+                f"      output {i}: {o['status']}  reward {o['reward_score']}  "
+                f"turns {o['num_turns']}  response {o['response_len']} tokens  "
+                f"generate {m['generate_sequences']:.2f} s  "
                 f"tools {m['tool_calls']:.2f} s  score {m['compute_score']:.3f} s"
             )
         return out

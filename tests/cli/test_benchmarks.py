@@ -50,6 +50,9 @@ WITHOUT_BROKER = {
     "encoding.py": r"4096 +\d+",
     "tensors.py": r"padded, row slices \(now\) +\d",
     "engines.py": r"\| 2 \| \d+",
+    "worker_concurrency.py": r"aiohttp +4 +\d+ +\d+ +\d+ +\d+ +[\d.]+x",
+    "trainer_decode.py": r"\+ train batch +[\d.]+ +[\d.]+ +[\d.]+x",
+    "fold_cpu.py": r"columnar: -?\d+ ns per sampled token",
 }
 HEAVY = {"durability_tax.py", "recovery.py", "soak.py", "learning_curve.py", "engines.py"}
 ALL_ENV = "ROLLOUTBUS_BENCHMARKS"  # "all": run the heavy ones too

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import time
 from pathlib import Path
 
@@ -35,6 +36,7 @@ SUBCOMMANDS = [
     "lag-exporter",
     "top",
     "inspect",
+    "traces",
     "config",
     "gateway",
 ]
@@ -225,3 +227,39 @@ def test_publish_again_prints_the_same_uids_and_a_new_epoch_new_ones(kafka_boots
     assert all(run.returncode == 0 for run in runs), runs[-1].stderr[-2000:]
     first, again, next_epoch = (run.stdout.split() for run in runs)
     assert first == again and len(first) == 2 and not set(first) & set(next_epoch)
+
+
+def test_replay_since_takes_a_relative_time_as_its_own_argument(kafka_bootstrap, tmp_path):
+    """Issue 30 item 6: ``--since -2h`` (the documented form) works, as ``--since=-2h`` does."""
+    config = Config.model_validate(
+        {"kafka": {"bootstrap_servers": kafka_bootstrap, "topic_prefix": unique_name("p")}}
+    )
+    path = write_config(config, tmp_path / "c.yaml")
+    assert run_cli("topics", "--config", str(path)).returncode == 0
+    for argv in (["--since", "-2h", "--until", "-1s"], ["--since=-2h"]):
+        result = run_cli("replay", *argv, "--config", str(path), timeout=120)
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert "expected one argument" not in result.stderr
+
+
+def test_every_help_gives_the_defaults():
+    """Issue 30 item 11: ``--help`` shows each option's default (``consume --timeout``,
+    ``dataset --count``)."""
+    consume = run_cli("consume", "--help")
+    assert consume.returncode == 0
+    assert re.search(r"--timeout TIMEOUT .*\(default: no limit\)", " ".join(consume.stdout.split()))
+    dataset = run_cli("dataset", "--help")
+    assert re.search(r"--count COUNT .*\(default: 8\)", " ".join(dataset.stdout.split()))
+
+
+def test_where_tiny_qwen3_is_offered_it_says_its_weights_are_random():
+    """Issue 30 item 15: ``--model tiny-qwen3`` is offered with what it is."""
+    shown = " ".join(run_cli("replica", "serve", "--help").stdout.split())
+    assert "tiny-qwen3 (random weights: junk text, every reward 0" in shown
+
+
+def test_a_bare_rolloutbus_prints_the_help_and_exits_0():
+    """Issue 30 polish: no command is a request for help (kubectl's convention)."""
+    bare = run_cli()
+    assert bare.returncode == 0 and bare.stderr == ""
+    assert bare.stdout.startswith("usage: rolloutbus") and "inspect" in bare.stdout

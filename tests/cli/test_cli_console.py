@@ -178,8 +178,8 @@ def test_train_stops_after_the_step_on_the_first_signal_and_aborts_on_the_second
 def test_step_log_progress_line_is_a_log_record_off_a_terminal(caplog, capsys):
     from prometheus_client import CollectorRegistry
 
+    from rolloutbus.consumers.training.metrics import TrainerMetrics
     from rolloutbus.consumers.training.step_log import StepLog
-    from rolloutbus.metrics import TrainerMetrics
 
     record = {
         "global_step": 1,
@@ -242,4 +242,24 @@ def test_train_on_sigterm_says_it_stops_after_the_step_and_exits_cleanly(kafka_c
     output = "".join(lines)
     assert train.returncode == 0, output[-3000:]
     assert "stopping after this step (Ctrl-C again to abort)" in output
-    assert "trained steps 0..0" in output
+    assert "trained no step (at step 0); 0 stale groups dropped; 0 groups since step 0" in output
+
+
+def test_the_train_summary_line_tells_this_run_from_the_checkpoints_history():
+    """A resumed run of 2 steps on 8 groups, 4 dropped as stale, after 8 groups before it
+    (issue 30: it read "trained steps 2..4 (16 groups in all)")."""
+    from rolloutbus.consumers.training.grpo import TrainSummary
+
+    summary = TrainSummary(
+        started_at_step=2,
+        global_step=4,
+        policy_version=4,
+        groups_trained=16,
+        checkpoint=None,
+        groups_this_run=8,
+        stale_dropped=4,
+    )
+    assert summary.line() == (
+        "trained 2 step(s), 3..4, on 8 groups; 4 stale groups dropped; 16 groups since "
+        "step 0; policy version 4; checkpoint None"
+    )

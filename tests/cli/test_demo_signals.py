@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from rolloutbus.broker.embedded import broker_status, stop_broker
 from rolloutbus.config import BrokerConfig, Config, KafkaConfig
-from rolloutbus.kafka.broker import broker_status, stop_broker
 from tests.helpers import free_port, unique_name
 from tests.pipeline import write_config
 

@@ -263,6 +263,38 @@ def test_replaying_the_turn_log_yields_byte_identical_trajectories(logged_work):
     assert written.num_rows == len(live) and written.equals(released)  # the released rows
 
 
+def test_inspect_gives_each_output_the_status_consume_gets(logged_work):
+    """Issue 30 item 3: a response that fills rollout.response_length is ``truncated`` in
+    ``inspect`` as in the released trajectory, although the engine's stop was ``completed``."""
+    cfg, tmp, _ = logged_work
+    released: dict[str, list[tuple[int, int, str]]] = {}
+    for m in read_topic(cfg, Topics.from_config(cfg.kafka).trajectories):
+        for t in batch_to_trajectories(decode_trajectory_batch(m.value())):
+            if t.status != TrajectoryStatus.FAILED:
+                released.setdefault(t.uid, []).append(
+                    (t.session_id, t.output_index, t.status.value)
+                )
+    uid = next(u for u, rows in released.items() if any(r[2] == "truncated" for r in rows))
+    shown = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rolloutbus.cli",
+            "inspect",
+            uid,
+            "--config",
+            str(tmp / "config.yaml"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    statuses = re.findall(r"output \d+: (\w+)  reward", shown.stdout)
+    assert sorted(statuses) == sorted(r[2] for r in released[uid]), shown.stdout[-3000:]
+    assert "engine stop completed" in shown.stdout  # the engine's own reason, named as such
+
+
 def test_a_replay_under_other_lengths_is_byte_identical_and_selects_by_uid_and_time(logged_work):
     """The log alone decides: replayed under configs whose rollout lengths are shorter and
     longer than the workers' (64/16), the records are the live ones byte for byte: the

@@ -233,7 +233,11 @@ def test_the_readme_by_hand_commands_work_as_written(walkthrough: Walkthrough):
         if command.startswith("rolloutbus broker start"):
             assert "broker running" in done.stdout, done.stdout
         if " train " in command:
-            assert re.search(r"trained steps? .*2", done.stdout + done.stderr), done.stdout
+            # a fresh run: this run's groups are all the groups since step 0
+            line = (
+                r"trained 2 step\(s\), 1\.\.2, on (\d+) groups; \d+ stale groups dropped; \1 groups"
+            )
+            assert re.search(line, done.stdout + done.stderr), done.stderr[-2000:]
     assert sorted(walkthrough.services) == sorted(SERVICES)
     for name in SERVICES:
         walkthrough.wait_up(name)
@@ -253,6 +257,10 @@ def test_the_readme_by_hand_commands_work_as_written(walkthrough: Walkthrough):
     sigterm = walkthrough.stop_each(signal.SIGTERM)
     for name in SERVICES:
         assert "Traceback" not in walkthrough.log(name), walkthrough.log(name)[-3000:]
+    # says what it did in words (it printed a Python dict)
+    assert re.search(
+        r"weight sync stopped: (\d+ \w+|no version synced)", walkthrough.log("weight-sync")
+    )
     print(f"\nstopped ({uid}): SIGINT {_seconds(sigint)}; SIGTERM {_seconds(sigterm)}")
 
 

@@ -1,4 +1,4 @@
-"""docs/configuration.md's "Every key" reference is what ops/config_reference.py writes from
+"""docs/reference/configuration.md (every key) is what ops/config_reference.py writes from
 the config model: every key, its type, its default and its description, none missing."""
 
 from __future__ import annotations

@@ -18,11 +18,14 @@ from tests.source_tree import ROOT, import_graph, modules, package_dirs
 
 # The modules at the top of rolloutbus/: the foundation (config_loading turns a file, env vars
 # and key=value overrides into one tree through OmegaConf; verl_keys says what each key of a
-# verl trainer config means here) and the entry points.
+# verl trainer config means here; config_rollout and config_training hold the sections
+# config joins into one Config) and the entry points.
 ROOT_MODULES = {
     "__init__",
     "__main__",
     "config",
+    "config_rollout",
+    "config_training",
     "config_loading",
     "verl_keys",
     "errors",
@@ -34,9 +37,10 @@ ROOT_MODULES = {
 }
 # The packages in rolloutbus/: the Kafka boundary, models and tokenizers, the command line,
 # monitoring (the lag exporter, top, inspect: tools that read every layer below the CLI),
-# and verl (the plug-ins verl's own trainer loads: they publish and consume like a user).
-# The replica, a second service, has a room of its own (the top-level replica/ folder).
-ROOT_PACKAGES = {"kafka", "models", "cli", "monitoring", "verl"}
+# verl (the plug-ins verl's own trainer loads: they publish and consume like a user), and
+# broker (the embedded Kafka broker: only the entry points and tests start one). The
+# replica, a second service, has a room of its own (the top-level replica/ folder).
+ROOT_PACKAGES = {"kafka", "broker", "models", "cli", "monitoring", "verl"}
 # The folders mapped into the package ([tool.setuptools.package-dir]): the data flow, and the
 # replica.
 MAPPED_ROOMS = {"schemas", "streams", "producers", "consumers", "replica"}
@@ -46,6 +50,8 @@ FOUNDATION = {
     "errors",
     "verl_keys",
     "config_loading",
+    "config_rollout",
+    "config_training",
     "config",
     "topics",
     "metrics",
@@ -60,13 +66,16 @@ ALLOWED: dict[str, set[str]] = {
     "errors": set(),
     "verl_keys": {"errors"},
     "config_loading": {"errors", "verl_keys"},
-    "config": {"errors", "verl_keys", "config_loading"},
+    "config_rollout": {"errors", "verl_keys", "config_loading"},
+    "config_training": {"errors", "verl_keys", "config_loading", "config_rollout"},
+    "config": {"errors", "verl_keys", "config_loading", "config_rollout", "config_training"},
     "topics": {"errors", "verl_keys", "config_loading", "config"},
     "metrics": {"errors", "verl_keys", "config_loading", "config"},
     "progress": set(),
     "rolloutbus": {"errors"},  # the package's __init__
     "schemas": FOUNDATION,
     "kafka": FOUNDATION | {"schemas"},
+    "broker": FOUNDATION | {"kafka"},  # a client never imports it: no room lists it
     "models": FOUNDATION,
     "replica": FOUNDATION | {"schemas", "models"},
     "streams": {"runtime", "streams.inference"},  # the package's __init__: lazy re-exports

@@ -14,32 +14,26 @@ import yaml
 from prometheus_client import CollectorRegistry
 
 from rolloutbus.config import Config, load_config
+from rolloutbus.consumers.metrics import DeliveryMetrics, StalenessMetrics
+from rolloutbus.consumers.training.metrics import TRAINER_GAUGES, TrainerMetrics
 from rolloutbus.errors import ConfigError
-from rolloutbus.metrics import (
-    TRAINER_GAUGES,
-    DeliveryMetrics,
-    DispatchCollector,
-    ReplayBufferMetrics,
-    RolloutMetrics,
-    SessionMetrics,
-    StalenessMetrics,
-    ToolMetrics,
-    TrainerMetrics,
-    WeightSyncMetrics,
-    exposition,
-)
+from rolloutbus.metrics import exposition
 from rolloutbus.monitoring.lag_exporter import LagCollector
 from rolloutbus.monitoring.scrape import Sample, Scrape, metrics_targets
 from rolloutbus.monitoring.top import render, summarize
 from rolloutbus.monitoring.trajectory_view import parse_key
 from rolloutbus.producers.dispatch import DispatchReport
+from rolloutbus.producers.dispatch_metrics import DispatchCollector
 from rolloutbus.replica.scripted import ScriptedEngine
 from rolloutbus.replica.server import REGISTRY_KEY, build_app
 from rolloutbus.schemas.trajectories import Trajectory, TrajectoryStatus
-from rolloutbus.streams.agent_loop.tool_metrics import call_outcome
+from rolloutbus.streams.agent_loop.tool_metrics import ToolMetrics, call_outcome
+from rolloutbus.streams.assembly.metrics import ReplayBufferMetrics, RolloutMetrics
 from rolloutbus.streams.assembly.partition_fold import ReleasedGroup
 from rolloutbus.streams.assembly.release_metrics import ReleaseObserver
 from rolloutbus.streams.inference.llm_client import ClientMetrics
+from rolloutbus.streams.inference.weight_sync_metrics import WeightSyncMetrics
+from rolloutbus.streams.sessions.metrics import SessionMetrics
 from tests.builders import make_group_started, make_trajectory
 from tests.source_tree import ROOT
 
@@ -281,25 +275,47 @@ def test_metrics_on_config_loads_with_the_defaults_elsewhere():
     assert cfg.sessions.metrics_port == 9101
 
 
-def test_the_demo_picture_has_throughput_reward_and_lengths(tmp_path):
+def test_the_demo_picture_has_progress_reward_outcomes_and_lengths(tmp_path):
     from rolloutbus.consumers.report import write_trajectories
-    from rolloutbus.monitoring.demo_picture import METRICS_ON_PORTS, draw_demo_picture, throughput
+    from rolloutbus.monitoring.demo_picture import (
+        METRICS_ON_PORTS,
+        cumulative,
+        draw_demo_picture,
+        reward_outcomes,
+    )
 
     on = load_config(OPS / "metrics-on.yaml")
     assert METRICS_ON_PORTS == {
         "sessions.metrics_port": on.sessions.metrics_port,
         "replay_buffer.metrics_port": on.replay_buffer.metrics_port,
     }
+    # tokens logged steadily; trajectories released in one batch at t=3 (a group at a time)
     scrapes = [
         Scrape(
-            at=float(t),
-            samples=[Sample("rolloutbus_replay_buffer_trajectories_total", {}, 4.0 * t)],
+            at=10.0 + t,
+            samples=[
+                Sample("rolloutbus_sessions_tokens_total", {"kind": "sampled"}, 100.0 * t),
+                Sample("rolloutbus_sessions_tokens_total", {"kind": "observed"}, 7.0 * t),
+                Sample("rolloutbus_replay_buffer_trajectories_total", {}, 4.0 * (t >= 3)),
+            ],
         )
         for t in range(4)
+    ] + [Scrape(at=14.0, samples=[])]  # the processes stopped: nothing to read
+    times, tokens, released = cumulative(scrapes)
+    assert times == [0.0, 1.0, 2.0, 3.0, 4.0]
+    assert tokens == [0.0, 100.0, 200.0, 300.0, 300.0]  # sampled only, at logging time
+    assert released == [0.0, 0.0, 0.0, 4.0, 4.0]
+    rows = [
+        {"data_source": "gsm8k", "reward_score": 0.0},
+        {"data_source": "gsm8k", "reward_score": 0.0},
+        {"data_source": "gsm8k", "reward_score": 1.0},
+        {"data_source": "math", "reward_score": None},
     ]
-    times, per_s, tokens = throughput(scrapes)
-    assert times == [1.0, 2.0, 3.0] and per_s == [4.0, 4.0, 4.0] and tokens == [0.0] * 3
+    assert reward_outcomes(rows) == {
+        "gsm8k": {"reward > 0": 1, "reward <= 0": 2, "unscored": 0},
+        "math": {"reward > 0": 0, "reward <= 0": 0, "unscored": 1},
+    }
     arrow = tmp_path / "trajectories.arrow"
-    write_trajectories([_trajectory(i, f"s{i % 2}", i / 4, 3 + i) for i in range(4)], arrow)
-    picture = draw_demo_picture(scrapes, arrow, tmp_path / "demo.png")
+    write_trajectories([_trajectory(i, f"s{i % 2}", 0.0, 3 + i) for i in range(4)], arrow)
+    picture = draw_demo_picture(scrapes, arrow, tmp_path / "demo.png", response_length=6)
     assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and picture.stat().st_size > 10_000

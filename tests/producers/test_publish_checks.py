@@ -65,13 +65,18 @@ def test_dry_run_catches_an_unscored_data_source_with_no_broker_running(tmp_path
         str(_no_broker_config(tmp_path)),
         timeout=PUBLISH_CLI_S,
     )
-    assert result.returncode == 1, result.stderr[-2000:]
-    assert f"{dataset}: 6 rows: 3 would be published, 3 refused" in result.stdout
-    summary = result.stdout.splitlines()
-    [scorer_line] = [line for line in summary if NO_SCORER in line]
-    assert scorer_line.split()[0] == "2" and "'my/unscored_source'" in scorer_line
-    [loop_line] = [line for line in summary if NO_AGENT_LOOP in line]
-    assert loop_line.split()[0] == "1" and "'no_such_loop'" in loop_line
+    assert result.returncode == 3, result.stderr[-2000:]  # some rows refused
+    assert f"{dataset}: 6 rows: 3 would be published, 3 refused" in result.stderr
+    assert len(result.stdout.split()) == 3  # the uids a publish would print
+    summary = result.stderr.splitlines()
+    [scorer_line] = [line for line in summary if line.endswith(f"refused: {NO_SCORER}")]
+    assert scorer_line.split()[0] == "2"
+    assert any(
+        line.startswith("rows.jsonl:3: ") and "'my/unscored_source'" in line for line in summary
+    )
+    [loop_line] = [line for line in summary if line.endswith(f"refused: {NO_AGENT_LOOP}")]
+    assert loop_line.split()[0] == "1"
+    assert any(line.startswith("rows.jsonl:6: ") and "'no_such_loop'" in line for line in summary)
     assert "cannot reach Kafka" not in result.stderr and "Traceback" not in result.stderr
 
     clean = _write([*good, _row(data_source="my/unscored_source")], tmp_path / "clean.jsonl")
@@ -84,7 +89,7 @@ def test_dry_run_catches_an_unscored_data_source_with_no_broker_running(tmp_path
         timeout=PUBLISH_CLI_S,
     )
     assert result.returncode == 0, result.stdout + result.stderr[-2000:]
-    assert "3 would be published, 0 refused" in result.stdout
+    assert "3 would be published, 0 refused" in result.stderr
 
 
 def test_validate_is_a_deprecated_alias_of_val(tmp_path):
@@ -95,9 +100,9 @@ def test_validate_is_a_deprecated_alias_of_val(tmp_path):
     new = run_cli("publish", "--val", "--dry-run", "--config", str(cfg), timeout=PUBLISH_CLI_S)
     old = run_cli("publish", "--validate", "--dry-run", "--config", str(cfg), timeout=PUBLISH_CLI_S)
     assert new.returncode == old.returncode == 0, old.stderr[-2000:]
-    assert new.stdout == old.stdout and f"{val}: 2 rows" in new.stdout
+    assert new.stdout == old.stdout and f"{val}: 2 rows" in new.stderr
     assert "--validate is deprecated: use --val" in old.stderr
-    assert "deprecated" not in new.stderr
+    assert "is deprecated" not in new.stderr
 
 
 def test_a_scorer_may_come_from_verl_a_registration_or_custom_reward_function(tmp_path):

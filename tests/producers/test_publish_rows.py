@@ -54,7 +54,8 @@ def test_jsonl_reader_reports_bad_lines_with_their_bytes(tmp_path):
     assert (
         isinstance(items[2], BadRow)
         and items[2].original == b"{oops"
-        and "line 4" in items[2].reason
+        and items[2].source == "rows.jsonl:4"  # the line number is the location's alone
+        and "not valid JSON" in items[2].reason
     )
 
 
