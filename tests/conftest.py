@@ -31,9 +31,9 @@ from typing import Any
 import pytest
 from confluent_kafka import Consumer, Producer
 
+from rolloutbus.broker.embedded import broker_status, stop_broker
 from rolloutbus.config import Config, KafkaConfig
 from rolloutbus.kafka.admin import delete_topics, ensure_topics
-from rolloutbus.kafka.broker import broker_status, stop_broker
 from rolloutbus.topics import Topics
 from tests.helpers import unique_name
 from tests.session_broker import (
@@ -137,6 +137,21 @@ def seed0() -> Any:
 def seed1() -> Any:
     """tiny-qwen3 at seed 1: other weights for the same architecture, as after a train step."""
     return _tiny_qwen3(seed=1)
+
+
+@pytest.fixture(scope="module")
+def tiny_replica() -> Iterator[Any]:
+    """An embedded tiny-qwen3 replica at seed 0 in a thread of this process (port chosen
+    free), for the tests that load weights into one and read what it serves."""
+    from rolloutbus.config import ModelConfig, ReplicaServerConfig
+    from rolloutbus.replica.server import replica_in_thread
+
+    cfg = Config(
+        model=ModelConfig(name="tiny-qwen3", seed=0),
+        replica_server=ReplicaServerConfig(port=0, max_batch_size=4, torch_threads=1),
+    )
+    with replica_in_thread(cfg) as handle:
+        yield handle
 
 
 @pytest.fixture(scope="session")
