@@ -69,7 +69,7 @@ def broker(bootstrap: str | None) -> Iterator[Broker]:
     if bootstrap is not None:
         yield Broker(bootstrap, None)
         return
-    from rolloutbus.kafka.broker import start_broker, stop_broker
+    from rolloutbus.broker.embedded import start_broker, stop_broker
 
     data = Path(tempfile.mkdtemp(prefix="rolloutbus-bench-"))
     cfg, pid = _start_on_free_ports(data, start_broker)

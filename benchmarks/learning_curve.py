@@ -37,9 +37,9 @@ from typing import Any
 import httpx
 import yaml
 
+from rolloutbus.broker.embedded import start_broker, stop_broker
 from rolloutbus.config import BrokerConfig, Config, KafkaConfig
 from rolloutbus.kafka.admin import ensure_topics
-from rolloutbus.kafka.broker import start_broker, stop_broker
 
 ROOT = Path(__file__).resolve().parents[1]
 REWARD = ROOT / "benchmarks" / "short_answer_reward.py"

@@ -1,0 +1,82 @@
+"""The replay buffer's fold alone, in one process: CPU per turn event of decoding, folding
+and building the released groups' records, the pydantic build against the columnar one
+(``streams/assembly/columnar_fold.py``) on the same events, rounds interleaved.
+
+No broker: the events are ``tests/synthetic.py``'s (what the session runner logs with an
+instant scripted replica, a test double), at two generation sizes, so the cost splits into
+a part per event and a part per sampled token (the slope between the two sizes).
+
+    python benchmarks/fold_cpu.py [--groups 300] [--rounds 5] [--tokens 128 1024] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from bench_harness import machine_line
+
+from rolloutbus.config import RolloutConfig
+from rolloutbus.schemas.turns import Generation, decode_turn_event
+from rolloutbus.streams.assembly.partition_fold import PartitionFold
+from rolloutbus.streams.assembly.trajectories import finalize_group
+from tests.synthetic import make_events
+
+
+def fold_cpu_s(values: list[bytes], columnar: bool) -> float:
+    """CPU seconds to fold ``values`` and build every released group's records."""
+    rollout = RolloutConfig()
+    fold = PartitionFold(0)
+    started = time.process_time()
+    for offset, value in enumerate(values):
+        for group in fold.fold(offset, decode_turn_event(value)):
+            finalize_group(group, rollout, columnar=columnar)
+    return time.process_time() - started
+
+
+def sampled_tokens(values: list[bytes]) -> int:
+    events = (decode_turn_event(v) for v in values)
+    return sum(len(e.token_ids) for e in events if isinstance(e, Generation))
+
+
+def measure(groups: int, tokens: int, rounds: int) -> dict[str, float]:
+    values = [value for _, _, value in make_events(groups, tokens)]
+    runs: dict[bool, list[float]] = {False: [], True: []}
+    for _ in range(rounds):
+        for columnar in (False, True):
+            runs[columnar].append(fold_cpu_s(values, columnar))
+    per_event = {c: statistics.median(r) / len(values) * 1e6 for c, r in runs.items()}
+    print(
+        f"{tokens:>5} tokens/turn, {len(values)} events "
+        f"({sampled_tokens(values) / len(values):.0f} sampled tokens/event): "
+        f"pydantic {per_event[False]:.1f} µs/event, columnar {per_event[True]:.1f} µs/event, "
+        f"ratio {per_event[True] / per_event[False]:.2f}"
+    )
+    return {
+        "pydantic": per_event[False],
+        "columnar": per_event[True],
+        "tokens": sampled_tokens(values) / len(values),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--groups", type=int, default=300)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--tokens", type=int, nargs=2, default=[128, 1024])
+    parser.add_argument("--quick", action="store_true", help="10 groups, 1 round (a smoke run)")
+    args = parser.parse_args()
+    if args.quick:
+        args.groups, args.rounds = 10, 1
+    print(machine_line())
+    small, large = (measure(args.groups, t, args.rounds) for t in args.tokens)
+    delta = large["tokens"] - small["tokens"]
+    for path in ("pydantic", "columnar"):
+        slope = (large[path] - small[path]) / delta * 1000
+        print(f"{path}: {slope:.0f} ns per sampled token (slope between the two sizes)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
