@@ -171,7 +171,8 @@ class ScriptedEngine:
         abort, started = self._abort, loop.time()
         self._decoding += 1
         try:
-            await asyncio.wait_for(abort.wait(), self.token_delay_s * n)
+            async with asyncio.timeout(self.token_delay_s * n):
+                await abort.wait()
         except TimeoutError:
             return turn  # decoded to the end
         finally:

@@ -340,10 +340,9 @@ class ToolAgentLoop(AgentLoopBase):
         """One call through ``_call_tool`` (an override's too), within ``tool_timeout_s``
         (a rolloutbus addition), as one trace span."""
         with trace_span("tool_call", tool=call.name) as span:
-            try:
-                result = await asyncio.wait_for(
-                    self._invoke_call_tool(call, data), self.tool_timeout_s
-                )
+            try:  # not wait_for, which swallows a cancellation as the tool returns (3.11)
+                async with asyncio.timeout(self.tool_timeout_s):
+                    result = await self._invoke_call_tool(call, data)
             except TimeoutError:
                 logger.warning("tool %s timed out after %s s", call.name, self.tool_timeout_s)
                 text = (

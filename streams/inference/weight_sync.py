@@ -495,7 +495,8 @@ class _LeaseRenewal:
     async def _renew(self, pause: SyncStep, every_s: float) -> None:
         while True:
             try:
-                await asyncio.wait_for(self._stopping.wait(), every_s)
+                async with asyncio.timeout(every_s):  # not wait_for: see sessions/runner.py
+                    await self._stopping.wait()
                 return
             except TimeoutError:
                 pass

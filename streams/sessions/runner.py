@@ -379,8 +379,12 @@ async def _run_agent_loop(
 async def _within_deadline(
     run: Awaitable[list[AgentLoopOutput]], seconds: float
 ) -> list[AgentLoopOutput]:
+    # asyncio.timeout, not wait_for: Python 3.11's wait_for returns the result when a
+    # cancellation (a revoked partition) arrives as the loop finishes, and the session
+    # would go on logging beside its new owner's attempt
     try:
-        return await asyncio.wait_for(run, seconds)
+        async with asyncio.timeout(seconds):
+            return await run
     except TimeoutError:
         raise SessionDeadlineError(
             f"the agent loop ran past deadlines.session_s ({seconds:g} s) and was cancelled"

@@ -34,6 +34,7 @@ import os
 import ssl
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, cast
 
 import faust
@@ -85,6 +86,8 @@ class PartitionState:
     recovered: asyncio.Event = field(default_factory=asyncio.Event)
     started_uids: OrderedDict[str, None] = field(default_factory=OrderedDict)
     tasks: set[asyncio.Task[Any]] = field(default_factory=set)
+    # set when a rebalance takes the partition away: its sessions may log nothing more
+    revoked: bool = False
 
     def remember(self, uid: str) -> None:
         self.started_uids[uid] = None
@@ -167,12 +170,15 @@ class SessionWorker:
             )
             if state is None:
                 continue
+            state.revoked = True
             state.recovered.set()  # a take() waiting on this partition lets its prompt go
             for task in state.tasks:
                 task.cancel()
                 stopped.append(task)
         if stopped:
-            await asyncio.wait(stopped, timeout=REVOKE_DRAIN_S)
+            _, running = await asyncio.wait(stopped, timeout=REVOKE_DRAIN_S)
+            if running:  # they stop at their next write at the latest (_emit_owned)
+                log.warning("%d revoked groups still ran after %g s", len(running), REVOKE_DRAIN_S)
         if self.ready.is_set():
             await asyncio.to_thread(self.producer.flush, REVOKE_DRAIN_S)
 
@@ -192,7 +198,7 @@ class SessionWorker:
         )
         for group in unfinished:
             await self._acquire_slot(group.group.uid)
-            self._spawn(state, group.group.uid, self._resume_group(group))
+            self._spawn(state, group.group.uid, self._resume_group(state, group))
         state.recovered.set()
 
     def _scan_turn_log(self, partition: int) -> TurnLogScan:
@@ -274,7 +280,7 @@ class SessionWorker:
             # owns it then) finds the group and runs it; not here, under a revoked state
             return "revoked"
         state.remember(group.uid)
-        self._spawn(state, group.uid, self._run_group(group, started.attempt))
+        self._spawn(state, group.uid, self._run_group(state, group, started.attempt))
         return "started"
 
     def _parse(self, event: Any) -> PromptGroup | None:
@@ -325,20 +331,23 @@ class SessionWorker:
         self._slots.release()
         self.stalls.forget_group(uid)
 
-    async def _run_group(self, group: PromptGroup, attempt: str) -> None:
-        await self._run_logged(group, attempt, None)
+    async def _run_group(self, state: PartitionState, group: PromptGroup, attempt: str) -> None:
+        await self._run_logged(state, group, attempt, None)
 
-    async def _resume_group(self, unfinished: UnfinishedGroup) -> None:
+    async def _resume_group(self, state: PartitionState, unfinished: UnfinishedGroup) -> None:
         group = prompt_group_of(unfinished.group)
         log.info("resuming %s: sessions %s", group.uid, sorted(unfinished.sessions))
-        await self._run_logged(group, unfinished.group.attempt, unfinished.sessions)
+        await self._run_logged(state, group, unfinished.group.attempt, unfinished.sessions)
 
-    async def _run_logged(self, group: PromptGroup, attempt: str, resume: Any) -> None:
+    async def _run_logged(
+        self, state: PartitionState, group: PromptGroup, attempt: str, resume: Any
+    ) -> None:
+        emit = partial(self._emit_owned, state)
         before = _stats(self.ctx)
         self._groups_running += 1
         try:
             with self.metrics.track_group():
-                results = await run_sessions(self.ctx, group, attempt, self._emit, resume)
+                results = await run_sessions(self.ctx, group, attempt, emit, resume)
             for result in results:
                 self.metrics.count_session(failed=isinstance(result, SessionFailed))
             self.progress.add("groups", 1)
@@ -347,6 +356,14 @@ class SessionWorker:
         finally:
             self._groups_running -= 1
             self.metrics.count_recovery(before, _stats(self.ctx))
+
+    async def _emit_owned(self, state: PartitionState, event: BaseModel) -> None:
+        """Log an event of a group of ``state``'s partition while this worker owns it. A
+        session that outlived the revocation's cancel (Python 3.11's wait_for can swallow
+        one) would log turns beside the new owner's resumed attempt: it is cancelled here."""
+        if state.revoked:
+            raise asyncio.CancelledError(f"partition revoked: {type(event).__name__} not logged")
+        await self._emit(event)
 
     async def _emit(self, event: BaseModel) -> None:
         """Log a session's event; each one is progress for the stall watch."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import namedtuple
+from functools import partial
 from types import SimpleNamespace
 
 import pytest
@@ -23,7 +24,7 @@ from rolloutbus.schemas.turns import GroupStarted, SessionStarted
 from rolloutbus.streams.sessions import worker as worker_module
 from rolloutbus.streams.sessions.metrics import SessionMetrics
 from rolloutbus.streams.sessions.recovery import UnfinishedGroup
-from rolloutbus.streams.sessions.runner import SessionContext
+from rolloutbus.streams.sessions.runner import SessionContext, _within_deadline
 from rolloutbus.streams.sessions.stall import StallWatch
 from rolloutbus.streams.sessions.worker import PartitionState, SessionWorker
 
@@ -109,7 +110,8 @@ async def test_a_group_whose_turns_cannot_be_written_ends_the_process(monkeypatc
     worker = _worker(monkeypatch)
     group = PromptGroup.model_validate_json(_group())
     await worker._slots.acquire()  # as take() does before it starts a group
-    task = worker._spawn(worker.partitions[0], group.uid, worker._run_logged(group, "a0", None))
+    state = worker.partitions[0]
+    task = worker._spawn(state, group.uid, worker._run_logged(state, group, "a0", None))
     with pytest.raises(Exited):
         await task
     await asyncio.sleep(0)  # the task's done callbacks
@@ -389,3 +391,60 @@ async def test_a_group_started_during_a_revocation_is_not_started_twice_when_it_
     await asyncio.wait_for(waiting, timeout=5)
     assert [e.type for e in worker.turn_log.events] == ["group_started"]  # written once
     assert spawned == []  # the new state's recovery resumes it (its scan found it)
+
+
+async def test_a_session_that_outlives_its_revocation_logs_nothing_more(monkeypatch):
+    """A group task can miss the cancel of a revocation (Python 3.11's asyncio.wait_for
+    returns the inner result when the cancel arrives as that finishes). It must still log
+    nothing once its partition is revoked: its new owner has scanned the log and resumed the
+    session, so a turn logged now is a turn sampled twice. The stand-in session below
+    swallows its cancel as wait_for did."""
+    worker = _worker(monkeypatch)
+    worker.turn_log = SlowTurnLog()  # type: ignore[assignment]
+    worker.turn_log.done.set()
+    state = worker.partitions[0]
+    emit = partial(worker._emit_owned, state)
+    first = SessionStarted(uid="g1", session_id=0, attempt="a", agent_name="single_turn_agent")
+    second = SessionStarted(uid="g1", session_id=1, attempt="a", agent_name="single_turn_agent")
+
+    async def session_that_swallows_its_cancel() -> None:
+        await emit(first)
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            pass  # swallowed
+        await emit(second)
+
+    task = asyncio.ensure_future(session_that_swallows_its_cancel())
+    state.tasks.add(task)
+    await asyncio.sleep(0)
+    await worker.on_revoked({TP(worker.topics.prompts, 0)})
+    assert task.cancelled()  # ended at its next write, well inside the revocation's drain
+    assert worker.turn_log.events == [first]
+
+
+async def test_the_session_deadline_lets_a_revocation_through_as_the_loop_finishes():
+    """The race Python 3.11's wait_for loses: the agent loop finishes and the group's task is
+    cancelled in the same step. The cancel must reach the task at its next await at the
+    latest; with wait_for it was dropped and the session went on."""
+    finish = asyncio.Event()
+    reached: list[str] = []
+
+    async def agent_loop() -> list:
+        await finish.wait()
+        return []
+
+    async def session() -> None:
+        await _within_deadline(agent_loop(), 60.0)
+        reached.append("after the loop")
+        await asyncio.sleep(0)
+        reached.append("went on")
+
+    task = asyncio.ensure_future(session())
+    await asyncio.sleep(0)
+    finish.set()
+    await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert "went on" not in reached
