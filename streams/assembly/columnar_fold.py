@@ -11,7 +11,7 @@ budgets and the topic's record size) is built as:
 * its batch from those (``trajectories_to_batch``), then the token columns and the lengths
   derived from them replaced by columns made from each segment's tokens in numpy.
 
-``finalize_group`` tries this path first when ``ROLLOUTBUS_COLUMNAR_FOLD=1``. Its records
+``finalize_group(..., columnar=True)`` tries this path first. Its records
 are byte-identical to the pydantic build's (``tests/assembly/test_columnar_fold.py``
 compares both over random turn logs), and so are the trajectories returned (their token
 fields are set afterwards, unchecked: they come from events pydantic decoded). Any other
@@ -23,7 +23,6 @@ the wire's numpy arrays (not Python lists) can hand them over without a conversi
 from __future__ import annotations
 
 import array
-import os
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -42,10 +41,9 @@ from rolloutbus.streams.assembly.session_fold import SessionFold
 from rolloutbus.streams.token_stream import SegmentStream
 from rolloutbus.topics import trajectory_key
 
-# ROLLOUTBUS_COLUMNAR_FOLD=1: finalize_group tries this path first. Off by default: measured
+# Not the replay buffer's path, only the benchmark's and the tests': measured
 # (benchmarks/fold_cpu.py) it saves no CPU while the fold keeps tokens as Python lists, as
 # converting a segment's lists to numpy costs what the pydantic build's checks cost
-COLUMNAR_FOLD_ENV = "ROLLOUTBUS_COLUMNAR_FOLD"
 # the token columns replaced, with their item dtype, and the lengths derived from them
 _LIST_COLUMNS = {
     "prompts": np.int32,
@@ -61,11 +59,6 @@ _LENGTH_COLUMNS = ("prompt_len", "response_len", "seq_len")
 class _Budgets(NamedTuple):
     prompt_length: int  # tokens
     response_length: int  # tokens
-
-
-def columnar_enabled() -> bool:
-    """Whether ``finalize_group`` tries this path first (the environment decides)."""
-    return os.environ.get(COLUMNAR_FOLD_ENV, "0") == "1"
 
 
 def columnar_group(

@@ -49,7 +49,7 @@ from rolloutbus.schemas.turns import (
     SessionFinished,
     encode_turn_event,
 )
-from rolloutbus.streams.assembly.columnar_fold import columnar_enabled, columnar_group
+from rolloutbus.streams.assembly.columnar_fold import columnar_group
 from rolloutbus.streams.assembly.invariants import Budgets, as_failed, budgets_of, violations
 from rolloutbus.streams.assembly.partition_fold import ReleasedGroup
 from rolloutbus.streams.assembly.session_fold import SessionFold, short_error
@@ -96,15 +96,15 @@ def finalize_group(
     rollout: RolloutConfig,
     *,
     max_record_bytes: int | None = None,
-    columnar: bool | None = None,
+    columnar: bool = False,
 ) -> FinalizedGroup:
     """Build, check and encode a released group's trajectories; never raises on bad data.
 
     ``rollout``: the budgets of a group whose ``group_started`` recorded none (a log written
     before it did); a group's recorded settings always win. ``columnar``: build the common
     shape of a group column by column, the same bytes (``columnar_fold.py``, which says why
-    it is off by default); None: only when the environment says ``ROLLOUTBUS_COLUMNAR_FOLD=1``."""
-    if columnar_enabled() if columnar is None else columnar:
+    it is not the default)."""
+    if columnar:
         done = _columnar(released, rollout, max_record_bytes)
         if done is not None:
             return done
