@@ -97,10 +97,16 @@ def demo_monitoring(cfg: Config, out: Path) -> Iterator[Config]:
             print(f"[demo] wrote {picture}", file=sys.stderr, flush=True)
 
 
-def cumulative(scrapes: list[Scrape]) -> tuple[list[float], list[float], list[float]]:
+def cumulative(
+    scrapes: list[Scrape], released_in_the_end: int | None = None
+) -> tuple[list[float], list[float], list[float]]:
     """Seconds since the first scrape, and at each scrape the sampled tokens logged so far
     (the session worker counts them as each turn is logged: sampling time) and the
-    trajectories released so far (the replay buffer, a group at a time)."""
+    trajectories released so far (the replay buffer, a group at a time).
+
+    ``released_in_the_end``: the trajectories the demo wrote. The last groups are released
+    after the last scrape (the demo ends once it has them all), so the curve would stop
+    short of the total: a last point, one scrape interval on, says where it ended."""
     if not scrapes:
         return [], [], []
     first = scrapes[0]
@@ -111,6 +117,10 @@ def cumulative(scrapes: list[Scrape]) -> tuple[list[float], list[float], list[fl
     released = _so_far(
         [_delta(first, s, "rolloutbus_replay_buffer_trajectories_total") for s in scrapes]
     )
+    if released_in_the_end is not None and released_in_the_end > released[-1]:
+        times.append(times[-1] + SAMPLE_EVERY_S)
+        tokens.append(tokens[-1])
+        released.append(float(released_in_the_end))
     return times, tokens, released
 
 
@@ -152,7 +162,7 @@ def draw_demo_picture(
 
     rows = pa.ipc.open_file(arrow).read_all().to_pylist()  # consumers.report.write_arrow's file
     fig, (flow, reward, lengths) = plt.subplots(1, 3, figsize=(15, 4.2))
-    _draw_progress(flow, scrapes)
+    _draw_progress(flow, scrapes, len(rows))
     _draw_rewards(reward, reward_outcomes(rows))
     _draw_lengths(lengths, [row["response_len"] for row in rows], response_length)
     fig.tight_layout()
@@ -162,8 +172,8 @@ def draw_demo_picture(
     return picture
 
 
-def _draw_progress(axes, scrapes: list[Scrape]) -> None:
-    times, tokens, released = cumulative(scrapes)
+def _draw_progress(axes, scrapes: list[Scrape], released_in_the_end: int) -> None:
+    times, tokens, released = cumulative(scrapes, released_in_the_end)
     axes.plot(times, tokens, color="tab:orange", label="sampled tokens (as logged)")
     axes.set_xlabel("seconds")
     axes.set_ylabel("tokens")

@@ -305,6 +305,10 @@ def test_the_demo_picture_has_progress_reward_outcomes_and_lengths(tmp_path):
     assert times == [0.0, 1.0, 2.0, 3.0, 4.0]
     assert tokens == [0.0, 100.0, 200.0, 300.0, 300.0]  # sampled only, at logging time
     assert released == [0.0, 0.0, 0.0, 4.0, 4.0]
+    # the last group released after the last scrape: the curve ends at the demo's total
+    times, tokens, released = cumulative(scrapes, released_in_the_end=6)
+    assert times[-1] > 4.0 and tokens[-1] == 300.0 and released[-2:] == [4.0, 6.0]
+    assert cumulative(scrapes, released_in_the_end=4)[2] == [0.0, 0.0, 0.0, 4.0, 4.0]
     rows = [
         {"data_source": "gsm8k", "reward_score": 0.0},
         {"data_source": "gsm8k", "reward_score": 0.0},
