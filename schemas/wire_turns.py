@@ -6,12 +6,19 @@ base64 bytes, with no Python int per token. It returns None for anything it does
 (another event type, another schema version, routed experts, JSON lists of ids, a record
 msgspec rejects), so the caller falls back to ``turns.decode_turn_event`` and schema
 evolution and dead-letter reasons stay exactly as they are there.
+
+What the fold reads of a generation's ``extra_fields`` is kept: ``min_global_steps`` (the
+turn's first policy version, ``token_stream.generation_versions``), when it is an integer or
+a string; any other value of it falls back. The rest of ``extra_fields`` (finish reason,
+replica, ...) is for a resumed session, which reads the log with pydantic, not for the fold.
+A record without ``ts`` falls back too (pydantic stamps the clock's time there).
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import math
 
 import msgspec
 import numpy as np
@@ -36,12 +43,16 @@ class WireTokens(msgspec.Struct, frozen=True):
     session_id: int
     attempt: str
     seq: int
+    ts: float
     segment: int
     turn: int
     token_ids: np.ndarray
     logprobs: np.ndarray | None
     policy_version: int | None
-    index: int | None
+    index: int | None  # a chunk's place in its turn; None for another event
+    start: int | None  # a chunk's first token within its turn; None for another event
+    # a generation's extra_fields["min_global_steps"], as logged (int, str or None)
+    min_global_steps: int | str | None = None
 
 
 class _Base(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, tag_field="type"):
@@ -56,7 +67,7 @@ class _Base(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, tag_field=
     token_ids: str
     schema_version: int = SCHEMA_VERSION
     seq: int = 0
-    ts: float = 0.0
+    ts: float  # required: a record without it takes pydantic's default, the clock's time
 
 
 class _Observation(_Base, tag="observation"):
@@ -84,6 +95,7 @@ class _Generation(_Base, tag="generation"):
 
 
 _DECODER = msgspec.json.Decoder(_Generation | _Chunk | _Observation)
+_MIN_GLOBAL_STEPS = msgspec.json.Decoder(int | str | None)
 
 
 def _array(text: str, dtype: np.dtype) -> np.ndarray | None:
@@ -107,6 +119,7 @@ def _covered(event: _Event) -> bool:
     version = getattr(event, "policy_version", None)
     return (
         min(ranges) >= 0
+        and math.isfinite(event.ts)
         and 0 <= event.session_id <= 2**31 - 1
         and (version is None or -(2**63) <= version < 2**63)
     )
@@ -114,6 +127,18 @@ def _covered(event: _Event) -> bool:
 
 def _tag(event: _Event) -> str:
     return type(event).__struct_config__.tag  # type: ignore[return-value]
+
+
+def _min_global_steps(event: _Event) -> tuple[bool, int | str | None]:
+    """(readable, value) of a generation's extra_fields["min_global_steps"]: readable when
+    absent, null, an integer or a string (``as_policy_version`` reads those alike)."""
+    raw = getattr(event, "extra_fields", {}).get("min_global_steps")
+    if raw is None:
+        return True, None
+    try:
+        return True, _MIN_GLOBAL_STEPS.decode(raw)
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        return False, None
 
 
 def decode_token_event(data: bytes) -> WireTokens | None:
@@ -129,16 +154,22 @@ def decode_token_event(data: bytes) -> WireTokens | None:
     logprobs = None if logprobs_text is None else _array(logprobs_text, _F32)
     if token_ids is None or (logprobs_text is not None and logprobs is None):
         return None
+    readable, min_global_steps = _min_global_steps(event)
+    if not readable:
+        return None
     return WireTokens(
         type=_tag(event),
         uid=event.uid,
         session_id=event.session_id,
         attempt=event.attempt,
         seq=event.seq,
+        ts=event.ts,
         segment=event.segment,
         turn=event.turn,
         token_ids=token_ids,
         logprobs=logprobs,
         policy_version=getattr(event, "policy_version", None),
         index=getattr(event, "index", None),
+        start=getattr(event, "start", None),
+        min_global_steps=min_global_steps,
     )

@@ -70,6 +70,7 @@ def test_wire_decode_equals_pydantic_decode(
     assert (None if wire.logprobs is None else wire.logprobs.tolist()) == model_logprobs
     assert wire.policy_version == getattr(model, "policy_version", None)
     assert wire.index == getattr(model, "index", None)
+    assert wire.start == getattr(model, "start", None) and wire.ts == model.ts
 
 
 def _record(**changes: object) -> bytes:
@@ -91,7 +92,23 @@ def test_uncovered_records_fall_back_to_pydantic() -> None:
         "ids that are not whole int32s": _record(token_ids="AAE="),
         "another event type": _record(type="session_started"),
         "not JSON": b"{",
+        "no ts (pydantic stamps the clock's)": _record(ts=...),
+        "a ts past float": b'{"type":"generation","uid":"u","session_id":1,"attempt":"a",'
+        b'"segment":0,"turn":0,"token_ids":"","ts":1e999}',
+        "min_global_steps a float": _record(extra_fields={"min_global_steps": 2.5}),
+        "min_global_steps a bool": _record(extra_fields={"min_global_steps": True}),
     }
     for what, data in uncovered.items():
         assert decode_token_event(data) is None, what
     assert decode_token_event(_record()) is not None
+
+
+def test_the_first_policy_version_of_a_generation_is_kept() -> None:
+    """extra_fields' min_global_steps (the turn's first version) is the one extra field the
+    fold reads; an int or a string is carried as logged, the other fields are not needed."""
+    for value in (3, "4", "default", None):
+        extra = {"min_global_steps": value, "finish_reason": "stop"}
+        wire = decode_token_event(_record(extra_fields=extra))
+        assert wire is not None and wire.min_global_steps == value
+    wire = decode_token_event(_record(extra_fields={"replica_id": "r0"}))
+    assert wire is not None and wire.min_global_steps is None
