@@ -74,7 +74,7 @@ from rolloutbus.kafka.transactions import (
 )
 from rolloutbus.metrics import start_metrics_server
 from rolloutbus.progress import ProgressLine
-from rolloutbus.schemas.turns import decode_turn_event
+from rolloutbus.streams.assembly.fold_events import decode_fold_event
 from rolloutbus.streams.assembly.metrics import ReplayBufferMetrics
 from rolloutbus.streams.assembly.partition_fold import FoldLimits, PartitionFold
 from rolloutbus.streams.assembly.partition_recovery import (
@@ -157,9 +157,14 @@ def transaction_settings(cfg: Config) -> TransactionSettings:
     )
 
 
+# ReplayBuffer(wire_decode=True) reads the common token-carrying turn events with the msgspec
+# wire decoder (``fold_events.py``): the same records and dead letters. Off by default: with
+# the fold keeping tokens as Python lists it saves no measurable CPU (benchmarks/fold_cpu.py)
 class ReplayBuffer:
-    def __init__(self, cfg: Config, *, metrics: ReplayBufferMetrics | None = None):
-        self.cfg = cfg
+    def __init__(
+        self, cfg: Config, *, metrics: ReplayBufferMetrics | None = None, wire_decode: bool = False
+    ):
+        self.cfg, self.wire_decode = cfg, wire_decode
         self.topics = Topics.from_config(cfg.kafka)
         self.metrics = metrics or ReplayBufferMetrics()
         self.transactional_id = transactional_id_of(cfg)
@@ -298,7 +303,7 @@ class ReplayBuffer:
             return  # not recovered yet (re-read after its seek), or folded already
         self._dirty = True
         try:
-            event = decode_turn_event(msg.value() or b"")  # a null value is dead-lettered too
+            event = decode_fold_event(msg.value() or b"", wire=self.wire_decode)  # null: a letter
         except (ValidationError, RolloutBusError) as exc:
             fold.next_offset = offset + 1
             self._settle_claims(part, offset, None, fold, outgoing)

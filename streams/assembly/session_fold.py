@@ -19,12 +19,17 @@ de-duplicate it by). A turn log that cannot be folded (a generation before its
 ``segment_started``: the attempt's head is not in the log) marks the attempt broken
 instead of raising; it settles as one failed record when its terminal event arrives, or
 when its group is released early (``partition_fold``).
+
+A token-carrying event may come as the wire decoder's ``WireTokens`` (``fold_events.py``)
+instead of its pydantic model: it is folded into the same state.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from rolloutbus.errors import SchemaError
 from rolloutbus.schemas.turns import (
@@ -36,6 +41,7 @@ from rolloutbus.schemas.turns import (
     SessionFinished,
     SessionStarted,
 )
+from rolloutbus.schemas.wire_turns import WireTokens
 from rolloutbus.streams.token_stream import SegmentStream, generation_versions
 
 ERROR_CHARS = 1000  # characters of an error kept in a failed record (pydantic echoes inputs)
@@ -55,7 +61,7 @@ class SessionFold:
     ignored: int = 0  # duplicates and events held back after a gap
     # the chunks logged of the turn in flight, until its generation event (which holds all
     # its tokens) arrives: they give it their policy versions (``token_stream``)
-    chunks: list[GenerationChunk] = field(default_factory=list)
+    chunks: list[GenerationChunk | WireTokens] = field(default_factory=list)
 
     def apply(self, event: Any) -> bool:
         """Fold one event; False when it was ignored (a duplicate, or after a gap)."""
@@ -103,7 +109,9 @@ class SessionFold:
             self.error = short_error(exc)
 
     def _fold_tokens(self, event: Any) -> None:
-        if isinstance(event, SessionStarted):
+        if isinstance(event, WireTokens):
+            self._fold_wire(event)
+        elif isinstance(event, SessionStarted):
             self.agent_name = event.agent_name
         elif isinstance(event, SegmentStarted):
             self.segments[event.segment] = SegmentStream.start(event.prompt_ids)
@@ -115,35 +123,61 @@ class SessionFold:
                 last,
                 first,
                 event.routed_experts,
-                self._chunk_versions(event),
+                self._chunk_versions(event, event.token_ids),
             )
         elif isinstance(event, GenerationChunk):
-            self._segment(event)  # a chunk of a segment that never started breaks the log
-            if self.chunks and (self.chunks[0].segment, self.chunks[0].turn) != (
-                event.segment,
-                event.turn,
-            ):
-                self.chunks = []  # a turn that ended without its generation: not in the fold
-            self.chunks.append(event)
+            self._add_chunk(event)
         elif isinstance(event, Observation):
             self._segment(event).add_observation(event.token_ids)
         else:
             raise SchemaError(f"unexpected event type {type(event).__name__} in session fold")
 
-    def _chunk_versions(self, event: Generation) -> list[tuple[int, int | None]]:
+    def _fold_wire(self, event: WireTokens) -> None:
+        """``_fold_tokens`` of a wire-decoded event: the same calls with the same values
+        (the arrays as the Python lists pydantic's decode makes of them)."""
+        if event.type == "generation_chunk":
+            self._add_chunk(event)
+            return
+        segment = self._segment(event)
+        token_ids = event.token_ids.tolist()
+        if event.type == "observation":
+            segment.add_observation(token_ids)
+            return
+        extra = {"min_global_steps": event.min_global_steps}
+        first, last = generation_versions(event.policy_version, extra)
+        logprobs = None if event.logprobs is None else event.logprobs.tolist()
+        chunk_versions = self._chunk_versions(event, token_ids)
+        segment.add_generation(token_ids, logprobs, last, first, None, chunk_versions)
+
+    def _add_chunk(self, event: GenerationChunk | WireTokens) -> None:
+        self._segment(event)  # a chunk of a segment that never started breaks the log
+        if self.chunks and (self.chunks[0].segment, self.chunks[0].turn) != (
+            event.segment,
+            event.turn,
+        ):
+            self.chunks = []  # a turn that ended without its generation: not in the fold
+        self.chunks.append(event)
+
+    def _chunk_versions(
+        self, event: Generation | WireTokens, token_ids: list[int]
+    ) -> list[tuple[int, int | None]]:
         """``(end, version)`` of the logged chunks of ``event``'s turn that its tokens
-        begin with (the generation is the truth; a chunk it does not hold is dropped)."""
+        (``token_ids``) begin with (the generation is the truth; a chunk it does not hold
+        is dropped)."""
         chunks, self.chunks = self.chunks, []
         spans = []
         for chunk in chunks:
-            end = chunk.start + len(chunk.token_ids)
-            if (chunk.segment, chunk.turn) == (event.segment, event.turn) and list(
-                event.token_ids[chunk.start : end]
-            ) == list(chunk.token_ids):
+            start = chunk.start or 0  # a chunk's start is never None
+            end = start + len(chunk.token_ids)
+            if (chunk.segment, chunk.turn) == (event.segment, event.turn) and token_ids[
+                start:end
+            ] == _as_list(chunk.token_ids):
                 spans.append((end, chunk.policy_version))
         return spans
 
-    def _segment(self, event: Generation | GenerationChunk | Observation) -> SegmentStream:
+    def _segment(
+        self, event: Generation | GenerationChunk | Observation | WireTokens
+    ) -> SegmentStream:
         try:
             return self.segments[event.segment]
         except KeyError:
@@ -164,6 +198,10 @@ class SessionFold:
         if isinstance(self.terminal, SessionFinished) and self.error is None:
             return len(self.terminal.outputs)
         return 1
+
+
+def _as_list(token_ids: list[int] | np.ndarray) -> list[int]:
+    return token_ids.tolist() if isinstance(token_ids, np.ndarray) else token_ids
 
 
 def short_error(exc: BaseException, limit: int = ERROR_CHARS) -> str:
