@@ -1,6 +1,8 @@
 """The replay buffer's fold alone, in one process: CPU per turn event of decoding, folding
-and building the released groups' records, the pydantic build against the columnar one
-(``streams/assembly/columnar_fold.py``) on the same events, rounds interleaved.
+and building the released groups' records, on the same events, rounds interleaved: the
+pydantic decode and build; the columnar build (``streams/assembly/columnar_fold.py``); the
+msgspec wire decode of token events (``streams/assembly/fold_events.py``) with the pydantic
+build; and both together.
 
 No broker: the events are ``tests/synthetic.py``'s (what the session runner logs with an
 instant scripted replica, a test double), at two generation sizes, so the cost splits into
@@ -19,18 +21,27 @@ from bench_harness import machine_line
 
 from rolloutbus.config import RolloutConfig
 from rolloutbus.schemas.turns import Generation, decode_turn_event
+from rolloutbus.streams.assembly.fold_events import decode_fold_event
 from rolloutbus.streams.assembly.partition_fold import PartitionFold
 from rolloutbus.streams.assembly.trajectories import finalize_group
 from tests.synthetic import make_events
 
+# path name -> (columnar build, wire decode)
+PATHS = {
+    "pydantic": (False, False),
+    "columnar": (True, False),
+    "wire": (False, True),
+    "wire+columnar": (True, True),
+}
 
-def fold_cpu_s(values: list[bytes], columnar: bool) -> float:
+
+def fold_cpu_s(values: list[bytes], columnar: bool, wire: bool = False) -> float:
     """CPU seconds to fold ``values`` and build every released group's records."""
     rollout = RolloutConfig()
     fold = PartitionFold(0)
     started = time.process_time()
     for offset, value in enumerate(values):
-        for group in fold.fold(offset, decode_turn_event(value)):
+        for group in fold.fold(offset, decode_fold_event(value, wire=wire)):
             finalize_group(group, rollout, columnar=columnar)
     return time.process_time() - started
 
@@ -42,22 +53,20 @@ def sampled_tokens(values: list[bytes]) -> int:
 
 def measure(groups: int, tokens: int, rounds: int) -> dict[str, float]:
     values = [value for _, _, value in make_events(groups, tokens)]
-    runs: dict[bool, list[float]] = {False: [], True: []}
+    runs: dict[str, list[float]] = {path: [] for path in PATHS}
     for _ in range(rounds):
-        for columnar in (False, True):
-            runs[columnar].append(fold_cpu_s(values, columnar))
-    per_event = {c: statistics.median(r) / len(values) * 1e6 for c, r in runs.items()}
+        for path, (columnar, wire) in PATHS.items():
+            runs[path].append(fold_cpu_s(values, columnar, wire))
+    per_event = {path: statistics.median(r) / len(values) * 1e6 for path, r in runs.items()}
+    base = per_event["pydantic"]
+    figures = ", ".join(
+        f"{path} {us:.1f} µs/event ({us / base:.2f})" for path, us in per_event.items()
+    )
     print(
         f"{tokens:>5} tokens/turn, {len(values)} events "
-        f"({sampled_tokens(values) / len(values):.0f} sampled tokens/event): "
-        f"pydantic {per_event[False]:.1f} µs/event, columnar {per_event[True]:.1f} µs/event, "
-        f"ratio {per_event[True] / per_event[False]:.2f}"
+        f"({sampled_tokens(values) / len(values):.0f} sampled tokens/event): {figures}"
     )
-    return {
-        "pydantic": per_event[False],
-        "columnar": per_event[True],
-        "tokens": sampled_tokens(values) / len(values),
-    }
+    return {**per_event, "tokens": sampled_tokens(values) / len(values)}
 
 
 def main() -> int:
@@ -72,7 +81,7 @@ def main() -> int:
     print(machine_line())
     small, large = (measure(args.groups, t, args.rounds) for t in args.tokens)
     delta = large["tokens"] - small["tokens"]
-    for path in ("pydantic", "columnar"):
+    for path in PATHS:
         slope = (large[path] - small[path]) / delta * 1000
         print(f"{path}: {slope:.0f} ns per sampled token (slope between the two sizes)")
     return 0
