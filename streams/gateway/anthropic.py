@@ -20,10 +20,13 @@ with its group's logged parameters; the ``X-Rolloutbus-Ignored`` header names th
 Thinking (``thinking: {"type": "enabled"}``), where the model's chat template has think
 markers (Qwen3's ``<think>…</think>``): a reply that opens with ``<think>`` comes back as a
 ``thinking`` block (the reasoning inside the markers) and then the text and ``tool_use``
-blocks; streamed, the reasoning comes as ``thinking_delta`` events. An assistant message's
-``thinking`` block in the history is rendered back into the text the model sampled (its
-``signature`` keeps the markup around the reasoning), so the history still extends the
-logged tokens. The budget is not applied (the model thinks as it samples; the header names
+blocks; streamed, the reasoning comes as ``thinking_delta`` events. Where the prompt leaves
+the think open (DeepSeek-R1's, QwQ's and Qwen3-thinking-2507's templates end the generation
+prompt with ``<think>``), the reply starts inside its reasoning: the text up to ``</think>``
+is the ``thinking`` block (``opens_thinking``). An assistant message's ``thinking`` block
+in the history is rendered back into the text the model sampled (its ``signature`` keeps
+the markup around the reasoning), so the history still extends the logged tokens. The
+budget is not applied (the model thinks as it samples; the header names
 ``thinking.budget_tokens``), and whether the model thinks at all is the template's (the
 session's ``chat_template_kwargs``). A template without think markers refuses thinking.
 
@@ -56,6 +59,7 @@ __all__ = [
     "Thought",
     "anthropic_error",
     "message_response",
+    "opens_thinking",
     "split_thinking",
 ]
 
@@ -65,6 +69,9 @@ log = logging.getLogger(__name__)
 _INERT_FIELDS = frozenset({"metadata", "service_tier", "container", "mcp_servers", "betas"})
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k")
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"  # Qwen3's (and DeepSeek-R1's) think markers
+# tokens; the end of a prompt read for an open think marker: the marker and the whitespace
+# after it, even where the tokenizer spells "<think>" in several tokens
+PROMPT_END_TOKENS = 16
 # how Qwen3's template lays an assistant's reasoning out: what a block without our signature
 # is rendered back with
 CANONICAL_HEAD, CANONICAL_TAIL = f"{THINK_OPEN}\n", f"\n{THINK_CLOSE}\n\n"
@@ -265,7 +272,7 @@ class Thought:
     """A reply's reasoning and the markup around it, as sampled: ``head + thinking + tail``
     is the reply's text up to its answer."""
 
-    head: str  # the open marker and the whitespace after it
+    head: str  # the open marker (none where the prompt opened the think), whitespace after
     thinking: str
     tail: str  # the whitespace, the close marker (none when cut short) and the gap after
 
@@ -293,13 +300,30 @@ class Thought:
         return cls(CANONICAL_HEAD, thinking, CANONICAL_TAIL)
 
 
-def split_thinking(content: str) -> tuple[Thought | None, str]:
-    """The reply's reasoning (when it opens with the think marker) and the text after it;
-    the two rebuild ``content`` exactly. A reply cut short inside its reasoning is all
-    reasoning."""
-    if not content.startswith(THINK_OPEN):
+def opens_thinking(tokenizer: Any, prompt_ids: list[int]) -> bool:
+    """The prompt leaves a think open: its generation prompt ends with the open marker
+    (DeepSeek-R1's, QwQ's and Qwen3-thinking-2507's templates end it with ``<think>\\n``), so
+    the reply starts inside the reasoning without sampling the marker. Only the prompt's
+    end counts: its last ``<think>`` is after its last ``</think>`` with nothing but
+    whitespace after it, so that a reply cut short inside its reasoning earlier in the
+    history does not leave every later turn "open"."""
+    tail = tokenizer.decode(prompt_ids[-PROMPT_END_TOKENS:], skip_special_tokens=False)
+    return str(tail).rstrip().endswith(THINK_OPEN)
+
+
+def split_thinking(content: str, opened: bool = False) -> tuple[Thought | None, str]:
+    """The reply's reasoning and the text after it; the two rebuild ``content`` exactly. The
+    reasoning is inside the think markers when the reply opens with one; with ``opened``
+    (the prompt left a think open: ``opens_thinking``), it is the text up to the close
+    marker, the thought's head empty (the open marker was the prompt's, not sampled). A
+    reply cut short inside its reasoning is all reasoning."""
+    if content.startswith(THINK_OPEN):
+        opening = THINK_OPEN
+    elif opened and content:
+        opening = ""
+    else:
         return None, content
-    inner = content[len(THINK_OPEN) :]
+    inner = content[len(opening) :]
     end = inner.find(THINK_CLOSE)
     after = inner[end:] if end >= 0 else ""
     inner = inner[:end] if end >= 0 else inner
@@ -308,15 +332,17 @@ def split_thinking(content: str) -> tuple[Thought | None, str]:
     trail = inner[len(lead) + len(thinking) :]
     text = after[len(THINK_CLOSE) :].lstrip() if after else ""
     tail = trail + after[: len(after) - len(text)]
-    return Thought(THINK_OPEN + lead, thinking, tail), text
+    return Thought(opening + lead, thinking, tail), text
 
 
-def message_response(result: TurnResult, model: str, thinking: bool = False) -> dict[str, Any]:
+def message_response(
+    result: TurnResult, model: str, thinking: bool = False, opened: bool = False
+) -> dict[str, Any]:
     """The turn as Anthropic's ``Message``; with ``thinking``, its reasoning as a
-    ``thinking`` block first."""
+    ``thinking`` block first (``opened``: the prompt left a think open, ``opens_thinking``)."""
     reply = result.reply
     content: list[dict[str, Any]] = []
-    thought, text = split_thinking(reply.content) if thinking else (None, reply.content)
+    thought, text = split_thinking(reply.content, opened) if thinking else (None, reply.content)
     if thought is not None:
         block = {"type": "thinking", "thinking": thought.thinking}
         content.append({**block, "signature": thought.signature()})
@@ -361,12 +387,15 @@ class MessageEvents:
     events come as the text is sampled; one ``tool_use`` block per call (its input in one
     ``input_json_delta``); ``message_delta`` (stop reason, usage) and ``message_stop``. What
     is streamed is always a beginning of the final message's blocks: the rest follows when
-    the turn ends."""
+    the turn ends. ``prompt`` comes before the first text: where it leaves a think open, the
+    first deltas are the reasoning's."""
 
-    def __init__(self, model: str, thinking: bool = False):
+    def __init__(self, model: str, thinking: bool = False, tokenizer: Any = None):
         self._model = model
         self._id = f"msg_{uuid.uuid4().hex}"
         self._thinking = thinking
+        self._tokenizer = tokenizer
+        self._opened = False  # the prompt left a think open (``opens_thinking``)
         self._raw = ""  # the reply's text streamed so far, think markers included
         self._sent = {"thinking": "", "text": ""}  # each block's text sent so far
         self._open: str | None = None  # the type of the block being streamed
@@ -385,6 +414,11 @@ class MessageEvents:
         }
         yield _event("message_start", {"type": "message_start", "message": start})
 
+    def prompt(self, prompt_ids: list[int]) -> None:
+        """The prompt the reply is sampled from (the session's ``on_prompt``)."""
+        if self._thinking and self._tokenizer is not None:
+            self._opened = opens_thinking(self._tokenizer, prompt_ids)
+
     def text(self, delta: str) -> Iterator[bytes]:
         self._raw += delta
         if not self._thinking:
@@ -392,7 +426,7 @@ class MessageEvents:
             return
         if THINK_OPEN.startswith(self._raw):
             return  # not yet known whether the reply opens with reasoning
-        thought, text = split_thinking(self._raw)
+        thought, text = split_thinking(self._raw, self._opened)
         if thought is None:
             yield from self._stream("text", text)
         elif text:  # past the reasoning: it is whole
@@ -406,7 +440,7 @@ class MessageEvents:
     def closing(self, result: TurnResult, rest: str) -> Iterator[bytes]:
         """The final message's blocks past what was streamed (``rest`` is the same for the
         text, taken from the message here so that thinking and text part the same way)."""
-        message = message_response(result, self._model, self._thinking)
+        message = message_response(result, self._model, self._thinking, self._opened)
         for block in message["content"]:
             if block["type"] == "thinking":
                 yield from self._stream("thinking", block["thinking"])

@@ -42,6 +42,7 @@ from rolloutbus.streams.gateway.anthropic import (
     MessagesRequest,
     anthropic_error,
     message_response,
+    opens_thinking,
 )
 from rolloutbus.streams.gateway.metrics import GatewayMetrics
 from rolloutbus.streams.gateway.responses import ChatChunks, chat_completion, text_completion
@@ -202,10 +203,11 @@ async def messages(request: web.Request) -> web.StreamResponse:
         raise BadRequestError(refused)
     model = body.model or _model_name(request)
     headers = _ignored_header(body, session)
+    tokenizer = session.ctx.tokenizer
     if body.stream:
-        wire = MessageEvents(model, body.shows_thinking)
+        wire = MessageEvents(model, body.shows_thinking, tokenizer)
         return await _streamed(
-            request, session, headers, wire, chat_messages, tools, body.max_tokens
+            request, session, headers, wire, chat_messages, tools, body.max_tokens, wire.prompt
         )
     async with session.lock:
         try:
@@ -213,7 +215,8 @@ async def messages(request: web.Request) -> web.StreamResponse:
         finally:
             _after_call(request, session)
     request.app[METRICS_KEY].turns.labels(outcome=result.outcome).inc()
-    answer = message_response(result, model, body.shows_thinking)
+    opened = body.shows_thinking and opens_thinking(tokenizer, result.prompt_ids)
+    answer = message_response(result, model, body.shows_thinking, opened)
     return web.json_response(answer, headers=headers)
 
 
@@ -225,6 +228,7 @@ async def _streamed(
     messages: list[dict[str, Any]],
     tools: list[dict[str, Any]] | None,
     max_tokens: int | None,
+    on_prompt: Callable[[list[int]], None] | None = None,
 ) -> web.StreamResponse:
     """A turn streamed as it is sampled (``streaming.py``). An error before the first event
     is an HTTP error; after it, an error event ends the stream."""
@@ -232,7 +236,7 @@ async def _streamed(
     stream = ReplyStream(request, headers, wire, text)
     async with session.lock:
         try:
-            result = await session.chat(messages, tools, max_tokens, stream.on_tokens)
+            result = await session.chat(messages, tools, max_tokens, stream.on_tokens, on_prompt)
         except (RolloutBusError, ValueError) as exc:
             if not stream.started:
                 raise

@@ -180,13 +180,17 @@ class GatewaySession:
         tools: list[dict[str, Any]] | None,
         max_tokens: int | None,
         on_tokens: TokenSink | None = None,
+        on_prompt: Callable[[list[int]], None] | None = None,
     ) -> TurnResult:
         """One chat completion: align, then answer from the log or sample a turn (its new
-        tokens go to ``on_tokens`` as they are sampled, where the replicas stream)."""
+        tokens go to ``on_tokens`` as they are sampled, where the replicas stream; the
+        prompt's ids to ``on_prompt`` before that)."""
         self._check_open()
         check_messages(messages)
         await self._parse_replies(tools)
         alignment: Alignment = await asyncio.to_thread(self.aligner.align, messages, tools)
+        if on_prompt is not None:
+            on_prompt(alignment.prompt_ids)
         if alignment.repeats is not None:
             return await self._repeat(alignment.repeats, alignment.prompt_ids, tools)
         result = await self._sample(alignment.prompt_ids, max_tokens, tools, on_tokens)

@@ -1,21 +1,34 @@
-"""Anthropic's Messages shapes ↔ the gateway's chat messages (pure; the SDK end to end is
-test_gateway_anthropic.py)."""
+"""Anthropic's Messages shapes ↔ the gateway's chat messages, no broker (the SDK end to end
+is test_gateway_anthropic.py): the blocks of a reply, plain and streamed, thinking where the
+model samples the open marker (Qwen3's template) and where the prompt opened the think (a
+template double of Qwen3-thinking-2507's), and the history rendered back into the tokens
+sampled, through a gateway session whose replica is the scripted server."""
 
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 
+from rolloutbus.config import Config
 from rolloutbus.schemas.prompts import GroupSamplingParams
+from rolloutbus.streams.agent_loop.continuous_token import get_builder
+from rolloutbus.streams.agent_loop.tool_parser import ToolParser
 from rolloutbus.streams.gateway.anthropic import (
     MessageEvents,
     MessagesRequest,
     message_response,
+    opens_thinking,
     split_thinking,
 )
 from rolloutbus.streams.gateway.messages import Reply
-from rolloutbus.streams.gateway.session import TurnResult
+from rolloutbus.streams.gateway.session import GatewayContext, GatewaySession, TurnResult
+from rolloutbus.streams.gateway.streaming import ReplyText
+from rolloutbus.streams.reward import default_compute_score
+from tests.builders import make_group_started
+from tests.gateway.templates import open_think_template
+from tests.scripted_server import ScriptedServerManager, scripted_turn
 
 
 def _request(messages: list[dict], **fields) -> MessagesRequest:
@@ -182,21 +195,42 @@ def _streamed_blocks(wire: MessageEvents, deltas: list[str], result: TurnResult)
     return names, blocks
 
 
+# the end of a prompt: Qwen3's generation prompt, and one that opens the think (the
+# prompt then leaves the reply inside its reasoning: DeepSeek-R1's, QwQ's, Qwen3-2507's)
+PROMPT_END = {False: "<|im_start|>assistant\n", True: "<|im_start|>assistant\n<think>\n"}
+
+
+def _events(tok, opened: bool) -> MessageEvents:
+    """A thinking stream whose prompt ends as ``PROMPT_END[opened]``."""
+    wire = MessageEvents("policy", thinking=True, tokenizer=tok)
+    wire.prompt([1, 2] + tok.encode(PROMPT_END[opened], add_special_tokens=False))
+    return wire
+
+
 @pytest.mark.parametrize(
-    "content",
+    ("content", "opened"),
     [
-        REASONED,
-        "<think>Add   2 and 3.</think>Adding.",  # not the template's layout: kept as sampled
-        "<think>\n\n</think>\n\nAdding.",  # an empty reasoning (enable_thinking off)
-        "<think>\nAdd 2 and",  # cut short by max_tokens inside the reasoning
-        "Adding.",  # no reasoning at all
+        (REASONED, False),
+        ("<think>Add   2 and 3.</think>Adding.", False),  # not the template's layout: as sampled
+        ("<think>\n\n</think>\n\nAdding.", False),  # an empty reasoning (enable_thinking off)
+        ("<think>\nAdd 2 and", False),  # cut short by max_tokens inside the reasoning
+        ("Adding.", False),  # no reasoning at all
+        ("Add 2 and 3.\n</think>\n\nAdding.", True),  # the prompt opened the think
+        ("Add   2 and 3.</think>Adding.", True),
+        ("</think>\n\nAdding.", True),  # an empty reasoning
+        ("Add 2 and", True),  # cut short inside the reasoning: all of it reasoning
+        (REASONED, True),  # a model that opens the think again: its marker is sampled
     ],
 )
-def test_a_reply_with_thinking_is_a_thinking_block_that_renders_back_as_sampled(content):
+def test_a_reply_with_thinking_is_a_thinking_block_that_renders_back_as_sampled(
+    tok, content, opened
+):
     call = {"id": "call_1_0", "type": "function", "function": {"name": "add", "arguments": "{}"}}
     result = _result(content, [call], "tool_calls")
-    message = message_response(result, "policy", thinking=True)
-    thought, text = split_thinking(content)
+    message = message_response(result, "policy", thinking=True, opened=opened)
+    thought, text = split_thinking(content, opened)
+    if opened:
+        assert thought is not None and (thought.head == "") != content.startswith("<think>")
     if thought is None:
         assert [b["type"] for b in message["content"]] == ["text", "tool_use"]
     else:
@@ -212,7 +246,7 @@ def test_a_reply_with_thinking_is_a_thinking_block_that_renders_back_as_sampled(
     assistant = _request(history).chat_messages()[1]
     assert assistant["content"] == content
     # streamed character by character, the blocks are the message's
-    names, blocks = _streamed_blocks(MessageEvents("policy", thinking=True), list(content), result)
+    names, blocks = _streamed_blocks(_events(tok, opened), list(content), result)
     assert blocks == message["content"]
     if thought is not None and thought.thinking:
         assert names.count("content_block_delta") > 3  # in pieces, as it came
@@ -274,3 +308,146 @@ def test_thinking_needs_think_markers_in_the_template(tok):
     assert asked.ignored_sampling(sampling) == ["thinking.budget_tokens"]
     with pytest.raises(ValueError, match="thinking"):  # thinking belongs to the assistant
         _request([{"role": "user", "content": [block]}]).chat_messages()
+
+
+# -- a prompt that opens the think (DeepSeek-R1's, QwQ's, Qwen3-thinking-2507's templates) ----
+# the template is a test double (tests/gateway/templates.py): Qwen3's, whose generation
+# prompt opens the think as those templates' do
+
+CALCULATOR = {
+    "name": "calculator",
+    "input_schema": {"type": "object", "properties": {"expression": {"type": "string"}}},
+}
+CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2 + 3"}}\n</tool_call>'
+
+
+class _Log:
+    """A session's events in a list (no broker)."""
+
+    def __init__(self) -> None:
+        self.events: list = []
+
+    async def emit(self, event) -> None:
+        self.events.append(event)
+
+
+async def _session(tok, replies: list[str], **template_kwargs) -> tuple[GatewaySession, Any]:
+    """A gateway session whose replica is the scripted server (a test double) sampling the
+    tokens of ``replies``, each ended by ``<|im_end|>``, one per call."""
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    server = ScriptedServerManager(
+        [scripted_turn(tok.encode(r, add_special_tokens=False) + [end]) for r in replies]
+    )
+    ctx = GatewayContext(
+        config=Config.model_validate({"model": {"name": "tiny-qwen3"}}),
+        tokenizer=tok,
+        llm_client=server,
+        emit=_Log().emit,
+        builder=get_builder(tok, **template_kwargs),
+        parser=ToolParser.get_tool_parser("hermes", tok),
+        scorer=default_compute_score,
+    )
+    group = make_group_started("g1", attempt="ga", row={}, sampling_params={})
+    session = GatewaySession(ctx, group, 0)
+    await session.begin()
+    return session, server
+
+
+def test_opens_thinking_reads_the_end_of_the_rendered_prompt(tok):
+    question = [{"role": "user", "content": "add 2 and 3"}]
+    assert opens_thinking(tok, get_builder(tok).build_initial_tokens(question)) is False
+    opened = get_builder(tok, chat_template=open_think_template(tok))
+    assert opens_thinking(tok, opened.build_initial_tokens(question)) is True
+    no_think = get_builder(tok, enable_thinking=False)  # <think>\n\n</think>\n\n: closed
+    assert opens_thinking(tok, no_think.build_initial_tokens(question)) is False
+    # an earlier reply cut short inside its reasoning leaves no later turn open
+    cut = tok.encode("<|im_start|>assistant\n<think>\nAdd 2 and", add_special_tokens=False)
+    later = tok.encode("<|im_end|>\n<|im_start|>user\nso?<|im_end|>\n<|im_start|>assistant\n")
+    assert opens_thinking(tok, cut + later) is False
+
+
+REASONED_TURNS = [  # Qwen3's template: the model samples the open marker
+    (
+        "<think>\nI should use the calculator.\n</think>\n\n" + CALL,
+        "<think>\nIt is 5.\n</think>\n\n5.",
+    ),
+    # the template's generation prompt opened the think: the reasoning comes first
+    ("I should use the calculator.\n</think>\n\n" + CALL, "It is 5.\n</think>\n\n5."),
+]
+
+
+@pytest.mark.parametrize(
+    ("opened", "replies"), [(False, REASONED_TURNS[0]), (True, REASONED_TURNS[1])]
+)
+async def test_thinking_blocks_echoed_back_render_into_the_sampled_tokens(tok, opened, replies):
+    template = {"chat_template": open_think_template(tok)} if opened else {}
+    session, server = await _session(tok, list(replies), **template)
+    history: list[dict] = [{"role": "user", "content": "add 2 and 3"}]
+    fields = {"tools": [CALCULATOR], "thinking": {"type": "enabled"}}
+    results, messages = [], []
+    for _ in replies:
+        request = _request(history, **fields)
+        result = await session.chat(request.chat_messages(), request.chat_tools(), 256)
+        assert opens_thinking(tok, result.prompt_ids) is opened
+        message = message_response(result, "policy", True, opened)
+        results.append(result)
+        messages.append(message)
+        history.append({"role": "assistant", "content": message["content"]})
+        history.append(
+            {
+                "role": "user",
+                "content": [{"type": "tool_result", "tool_use_id": "x", "content": "5"}],
+            }
+        )
+    call, answer = messages
+    assert [b["type"] for b in call["content"]] == ["thinking", "tool_use"]
+    assert call["content"][0]["thinking"] == "I should use the calculator."
+    assert call["content"][1]["input"] == {"expression": "2 + 3"}
+    assert [b["type"] for b in answer["content"]] == ["thinking", "text"]
+    assert answer["content"][0]["thinking"] == "It is 5." and answer["content"][1]["text"] == "5."
+    # the echoed call turn rendered into the very tokens sampled: the second prompt extends
+    # the first prompt and its sampled ids, one segment, nothing re-rendered
+    first, second = results
+    assert second.prompt_ids[: len(first.prompt_ids) + len(first.token_ids)] == (
+        first.prompt_ids + first.token_ids
+    )
+    assert len(session.transcript.segments) == 1 and len(server.calls) == 2
+    # the echoed reasoning is the text the model sampled (its open marker the prompt's)
+    echoed = _request(history[:2]).chat_messages()[1]
+    assert (
+        echoed["content"] == results[0].reply.content == replies[0].split("<tool_call>")[0].strip()
+    )
+
+
+@pytest.mark.parametrize("opened", [False, True])
+async def test_streamed_the_reasoning_comes_first_as_it_is_sampled(tok, opened):
+    reply = REASONED_TURNS[int(opened)][1]
+    template = {"chat_template": open_think_template(tok)} if opened else {}
+    session, _ = await _session(tok, [reply], **template)
+    request = _request([{"role": "user", "content": "add 2 and 3"}], thinking={"type": "enabled"})
+    result = await session.chat(request.chat_messages(), None, 256)
+    whole = message_response(result, "policy", True, opened)["content"]
+    assert [b["type"] for b in whole] == ["thinking", "text"] and whole[0]["thinking"] == "It is 5."
+    # the tokens fed one by one, as a replica streams them, through the gateway's decoding
+    text = ReplyText(tok, "hermes")
+    wire = MessageEvents("policy", thinking=True, tokenizer=tok)
+    wire.prompt(result.prompt_ids)
+    sent, close = [*wire.opening()], tok.convert_tokens_to_ids("</think>")
+    for token in result.token_ids:
+        if token == close:
+            before_close = _delta_types(sent)
+        sent += wire.text(text.add([token]))
+    sent += wire.closing(result, text.rest(result.reply.content))
+    assert len(before_close) > 1 and set(before_close) == {"thinking_delta"}  # as sampled
+    types = _delta_types(sent)
+    signed = types.index("signature_delta")
+    assert set(types[:signed]) == {"thinking_delta"} and set(types[signed + 1 :]) == {"text_delta"}
+    _, blocks = _streamed_blocks(
+        _events(tok, opened), [text.text.removesuffix("<|im_end|>")], result
+    )
+    assert blocks == whole  # the same blocks from the text in one piece
+
+
+def _delta_types(sent: list[bytes]) -> list[str]:
+    bodies = [json.loads(e.decode().split("\n", 2)[1].removeprefix("data: ")) for e in sent]
+    return [b["delta"]["type"] for b in bodies if b["type"] == "content_block_delta"]

@@ -13,6 +13,8 @@ streamed, or not gated, decodes straight through. Checked:
 - the same with the Anthropic SDK's ``messages.stream``;
 - a client that hangs up mid-stream: the turn is sampled to its end and logged once, and
   the retried request is answered from the log (no second engine call);
+- Anthropic's thinking where the chat template's generation prompt opens the think (a
+  template double, the scripted engine): the reply's start is the thinking block;
 - (no broker) the text deltas: whole characters, and nothing of a tool call.
 """
 
@@ -30,9 +32,11 @@ import pytest
 from rolloutbus.config import Config
 from rolloutbus.consumers.log_replay import replay_turns
 from rolloutbus.kafka.admin import ensure_topics
+from rolloutbus.replica.scripted import ScriptedEngine, ScriptedTurn
 from rolloutbus.replica.server import replica_in_thread
 from rolloutbus.streams.gateway import gateway_in_thread
 from rolloutbus.streams.gateway.streaming import ReplyText
+from tests.gateway.templates import open_think_template
 from tests.helpers import unique_name
 
 GATE_AT = 6  # tokens a gated call samples before its engine waits for the test
@@ -106,24 +110,29 @@ def replica():
 @pytest.fixture
 def gateway(kafka_bootstrap, replica):
     handle, gate = replica
-    cfg = Config.model_validate(
+    cfg = _config(kafka_bootstrap, handle.url)
+    ensure_topics(cfg.kafka)
+    with gateway_in_thread(cfg) as running:
+        yield cfg, running.url, gate
+
+
+def _config(bootstrap: str, replica_url: str, **fields: Any) -> Config:
+    return Config.model_validate(
         {
             "kafka": {
-                "bootstrap_servers": kafka_bootstrap,
+                "bootstrap_servers": bootstrap,
                 "topic_prefix": unique_name("gws"),
                 "partitions": 2,
             },
             "model": {"name": "tiny-qwen3"},
-            "replicas": {"urls": [handle.url]},
+            "replicas": {"urls": [replica_url]},
             "rollout": {"prompt_length": 512, "response_length": 128},
             "gateway": {"port": 0},
             "sessions": {"app_id": unique_name("s")},
             "replay_buffer": {"group_id": unique_name("rb"), "transactional_id": unique_name("tx")},
+            **fields,
         }
     )
-    ensure_topics(cfg.kafka)
-    with gateway_in_thread(cfg) as running:
-        yield cfg, running.url, gate
 
 
 def _open(url: str, n: int) -> list[dict]:
@@ -242,3 +251,41 @@ def test_streamed_text_is_whole_characters_up_to_a_tool_call(tok):
     plain = ReplyText(tok, "hermes")
     assert "".join(plain.add([t]) for t in tok.encode("a <b> c ", add_special_tokens=False))
     assert plain.sent == "a <b> c" and plain.rest("a <b> c") == ""
+
+
+def test_anthropic_thinking_where_the_template_opens_the_think(kafka_bootstrap, tok):
+    """The chat template is a test double (Qwen3's with Qwen3-thinking-2507's generation
+    prompt, which opens the think) and the replica the scripted engine (a test double): its
+    reply starts inside the reasoning, as such a model's does. Plain and streamed, the
+    reasoning is a thinking block; echoed back, it extends the logged tokens."""
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    sampled = tok.encode("A poem about waves.\n</think>\n\nThe sea.", add_special_tokens=False)
+    turn = ScriptedTurn([*sampled, end], [-0.5] * (len(sampled) + 1))
+    engine = ScriptedEngine(lambda _: turn, tokenizer=tok, eos_token_ids=frozenset({end}))
+    with replica_in_thread(
+        Config.model_validate({"replica_server": {"port": 0}}), engine
+    ) as replica:
+        template = {"chat_template": open_think_template(tok)}  # every render of the gateway's
+        cfg = _config(kafka_bootstrap, replica.url, data={"apply_chat_template_kwargs": template})
+        ensure_topics(cfg.kafka)
+        with gateway_in_thread(cfg) as running:
+            [session] = _open(running.url, 1)
+            root = f"{running.url}/sessions/{session['id']}"
+            thinking = {"type": "enabled", "budget_tokens": 1024}
+            with anthropic.Anthropic(base_url=root, api_key="x", max_retries=0) as client:
+                plain = client.messages.create(
+                    model="policy", max_tokens=64, messages=MESSAGES, thinking=thinking
+                )
+                echoed = {"role": "assistant", "content": [b.model_dump() for b in plain.content]}
+                history = [*MESSAGES, echoed, {"role": "user", "content": "Another."}]
+                request = {"model": "policy", "max_tokens": 64, "messages": history}
+                with client.messages.stream(**request, thinking=thinking) as stream:
+                    deltas = [e.delta.type for e in stream if e.type == "content_block_delta"]
+                    final = stream.get_final_message()
+    for message in (plain, final):
+        assert [b.type for b in message.content] == ["thinking", "text"]
+        assert message.content[0].thinking == "A poem about waves."
+        assert message.content[1].text == "The sea."
+    assert deltas[0] == "thinking_delta" and deltas[-1] == "text_delta"
+    first, second = (call.prompt_ids for call in engine.calls)
+    assert second[: len(first) + len(turn.token_ids)] == first + turn.token_ids
