@@ -1,7 +1,7 @@
 """The gateway as a real process for the restart tests (test_gateway.py's OpenAI agent,
 test_gateway_anthropic.py's Anthropic agent): started through the ``rolloutbus`` command
 line on a fixed port, SIGKILLed and started again on the same port, and a session worker
-beside it."""
+beside it; ``gateway_processes`` sets up both tests alike."""
 
 from __future__ import annotations
 
@@ -9,9 +9,14 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from rolloutbus.config import Config
+from rolloutbus.kafka.admin import ensure_topics
+from rolloutbus.replica.generation import Engine
+from rolloutbus.replica.server import replica_in_thread
 from tests.helpers import free_port
 from tests.pipeline import spawn, stop, wait_http_ok, write_config
 
@@ -61,3 +66,23 @@ class Processes:
         for proc in (self.worker, self.gateway):
             if proc is not None:
                 stop(proc)
+
+
+@contextmanager
+def gateway_processes(
+    engine: Engine, make_config: Callable[[str], Config], tmp: Path
+) -> Iterator[tuple[Config, Processes]]:
+    """``engine`` behind the replica's own HTTP server (in this process), the config that
+    ``make_config`` makes for the replica's URL with the gateway on a fixed port
+    (``on_a_fixed_port``) and its topics made, and the restart test's processes on it, none
+    started yet; on the way out it stops the processes, then the replica."""
+    with replica_in_thread(
+        Config.model_validate({"replica_server": {"port": 0}}), engine
+    ) as replica:
+        cfg, config, url = on_a_fixed_port(make_config(replica.url), tmp)
+        ensure_topics(cfg.kafka)
+        procs = Processes(config, tmp, url)
+        try:
+            yield cfg, procs
+        finally:
+            procs.stop()

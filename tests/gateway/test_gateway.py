@@ -19,6 +19,7 @@ calculator call (logprob -0.25 per token), one with a tool response gets the ans
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import time
@@ -36,7 +37,7 @@ from rolloutbus.schemas.turns import decode_turn_event
 from rolloutbus.streams.agent_loop.continuous_token import get_builder
 from rolloutbus.streams.gateway import gateway_in_thread
 from rolloutbus.topics import Topics
-from tests.gateway.processes import Processes, on_a_fixed_port
+from tests.gateway.processes import gateway_processes
 from tests.helpers import unique_name
 from tests.pipeline import read_topic, receive_groups, running, spawn
 from tests.source_tree import ROOT
@@ -252,34 +253,26 @@ def test_an_idle_session_is_failed_so_its_group_is_released(kafka_bootstrap, tok
 @pytest.mark.slow
 def test_a_gateway_restart_mid_session_resumes_from_the_log(kafka_bootstrap, tok, tmp_path):
     engine = _engine(tok)
-    with replica_in_thread(
-        Config.model_validate({"replica_server": {"port": 0}}), engine
-    ) as replica:
-        cfg, config, url = on_a_fixed_port(_config(kafka_bootstrap, replica.url), tmp_path)
-        ensure_topics(cfg.kafka)
-        procs = Processes(config, tmp_path, url)
-        buffer = spawn(["replay-buffer", "run"], config, tmp_path / "replay.log")
+    make_config = functools.partial(_config, kafka_bootstrap)
+    with gateway_processes(engine, make_config, tmp_path) as (cfg, procs):
+        url = procs.url
+        buffer = spawn(["replay-buffer", "run"], procs.config, tmp_path / "replay.log")
         with running([buffer]):
             procs.start_gateway()
-            try:
-                sessions = openai_agent.open_sessions(url, 2, row=ROW)
-                uid = sessions[0]["id"].rsplit("_", 1)[0]
+            sessions = openai_agent.open_sessions(url, 2, row=ROW)
+            uid = sessions[0]["id"].rsplit("_", 1)[0]
 
-                def restart_then_calculate(expression: str) -> str:
-                    procs.crash_and_restart_gateway()
-                    procs.start_session_worker()  # scans the turn log with the group in it
-                    return openai_agent.calculator(expression)
+            def restart_then_calculate(expression: str) -> str:
+                procs.crash_and_restart_gateway()
+                procs.start_session_worker()  # scans the turn log with the group in it
+                return openai_agent.calculator(expression)
 
-                tools = {"calculator": restart_then_calculate}
-                assert (
-                    openai_agent.run_agent(sessions[0]["base_url"], QUESTION, tools=tools) == ANSWER
-                )
-                assert openai_agent.run_agent(sessions[1]["base_url"], QUESTION) == ANSWER
-                for session in sessions:
-                    openai_agent.finish(url, session["id"], None)
-                groups = receive_groups(cfg, {uid}, timeout_s=240)
-            finally:
-                procs.stop()
+            tools = {"calculator": restart_then_calculate}
+            assert openai_agent.run_agent(sessions[0]["base_url"], QUESTION, tools=tools) == ANSWER
+            assert openai_agent.run_agent(sessions[1]["base_url"], QUESTION) == ANSWER
+            for session in sessions:
+                openai_agent.finish(url, session["id"], None)
+            groups = receive_groups(cfg, {uid}, timeout_s=240)
     rows = sorted(groups[uid].batch.to_pylist(), key=lambda r: r["session_id"])
     assert [r["session_id"] for r in rows] == [0, 1]
     for row in rows:

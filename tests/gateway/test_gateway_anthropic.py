@@ -16,6 +16,7 @@ makes the same trajectory, nothing sampled twice.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import anthropic
@@ -30,7 +31,7 @@ from rolloutbus.replica.server import replica_in_thread
 from rolloutbus.schemas.turns import decode_turn_event
 from rolloutbus.streams.gateway import gateway_in_thread
 from rolloutbus.topics import Topics
-from tests.gateway.processes import Processes, on_a_fixed_port
+from tests.gateway.processes import gateway_processes
 from tests.gateway.test_gateway import (
     ANSWER,
     CALL,
@@ -196,33 +197,26 @@ def _check_reasoned_replies(replies) -> None:
 @pytest.mark.slow
 def test_an_anthropic_sdk_agent_across_a_gateway_sigkill(kafka_bootstrap, tok, tmp_path):
     engine = _engine(tok)
-    with replica_in_thread(
-        Config.model_validate({"replica_server": {"port": 0}}), engine
-    ) as replica:
-        cfg, config, url = on_a_fixed_port(_config(kafka_bootstrap, replica.url), tmp_path)
-        ensure_topics(cfg.kafka)
-        procs = Processes(config, tmp_path, url)
+    make_config = functools.partial(_config, kafka_bootstrap)
+    with gateway_processes(engine, make_config, tmp_path) as (cfg, procs):
+        url = procs.url
         procs.start_gateway()
-        try:
-            [session] = openai_agent.open_sessions(url, 1, row=ROW)
-            uid = session["id"].rsplit("_", 1)[0]
+        [session] = openai_agent.open_sessions(url, 1, row=ROW)
+        uid = session["id"].rsplit("_", 1)[0]
 
-            def crash_then_calculate(expression: str) -> str:
-                procs.crash_and_restart_gateway()  # between the tool_use and its tool_result
-                return openai_agent.calculator(expression)
+        def crash_then_calculate(expression: str) -> str:
+            procs.crash_and_restart_gateway()  # between the tool_use and its tool_result
+            return openai_agent.calculator(expression)
 
-            with _client(url, session["id"]) as client:
-                _, replies = _run_agent(client, stream=False, calculator=crash_then_calculate)
-            _check_replies(tok, replies)
-            openai_agent.finish(url, session["id"], None)
-        finally:
-            procs.stop()
-        assert procs.starts == 2
-        [record] = [t.model_dump() for t in replay_turns(cfg).trajectories if t.uid == uid]
-        events = [
-            decode_turn_event(m.value())
-            for m in read_topic(cfg, Topics.from_config(cfg.kafka).turns)
-        ]
+        with _client(url, session["id"]) as client:
+            _, replies = _run_agent(client, stream=False, calculator=crash_then_calculate)
+        _check_replies(tok, replies)
+        openai_agent.finish(url, session["id"], None)
+    assert procs.starts == 2
+    [record] = [t.model_dump() for t in replay_turns(cfg).trajectories if t.uid == uid]
+    events = [
+        decode_turn_event(m.value()) for m in read_topic(cfg, Topics.from_config(cfg.kafka).turns)
+    ]
     _check_agent_trajectory(tok, record, reward=1.0)  # token for token, as without the kill
     assert len(engine.calls) == 2, "a turn was sampled twice"
     starts = [e for e in events if e.uid == uid and e.type == "session_started"]
