@@ -9,15 +9,13 @@ leaks into this test process.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-SETUP = ROOT / "ops" / "contract" / "setup_vllm_env.sh"
+from tests.contract.vllm_site import build_contract_site, run_in_contract_site
+from tests.source_tree import ROOT
+
 CHECK = ROOT / "ops" / "contract" / "check_vllm_protocol.py"
 
 pytestmark = pytest.mark.contract
@@ -25,25 +23,11 @@ pytestmark = pytest.mark.contract
 
 @pytest.fixture(scope="module")
 def contract_site() -> str:
-    """Build (or reuse) the contract environment; fails, never skips, when it cannot."""
-    env = {**os.environ, "PYTHON": sys.executable}
-    built = subprocess.run(
-        ["bash", str(SETUP)], capture_output=True, text=True, env=env, timeout=600
-    )
-    assert built.returncode == 0, f"contract env build failed:\n{built.stderr[-4000:]}"
-    return built.stdout.strip().splitlines()[-1]
+    return build_contract_site()
 
 
 def test_requests_and_responses_match_vllm_protocol(contract_site: str, tmp_path: Path):
-    env = {**os.environ, "PYTHONPATH": contract_site}
-    result = subprocess.run(
-        [sys.executable, str(CHECK)],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=tmp_path,
-        timeout=300,
-    )
+    result = run_in_contract_site(contract_site, [str(CHECK)], tmp_path)
     report = result.stdout + result.stderr[-4000:]
     assert result.returncode == 0, report
     assert "vLLM 0.33.0" in result.stdout

@@ -6,15 +6,11 @@ running vLLM)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-SETUP = ROOT / "ops" / "contract" / "setup_vllm_env.sh"
+from tests.contract.vllm_site import build_contract_site, run_in_contract_site
 
 pytestmark = pytest.mark.contract
 
@@ -59,23 +55,10 @@ print("vLLM", __version__, "stream contract ok")
 
 @pytest.fixture(scope="module")
 def contract_site() -> str:
-    env = {**os.environ, "PYTHON": sys.executable}
-    built = subprocess.run(
-        ["bash", str(SETUP)], capture_output=True, text=True, env=env, timeout=600
-    )
-    assert built.returncode == 0, f"contract env build failed:\n{built.stderr[-4000:]}"
-    return built.stdout.strip().splitlines()[-1]
+    return build_contract_site()
 
 
 def test_the_streamed_request_and_events_match_vllm_protocol(contract_site: str, tmp_path: Path):
-    env = {**os.environ, "PYTHONPATH": contract_site}
-    result = subprocess.run(
-        [sys.executable, "-c", CHECK],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=tmp_path,
-        timeout=300,
-    )
+    result = run_in_contract_site(contract_site, ["-c", CHECK], tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr[-4000:]
     assert "vLLM 0.33.0 stream contract ok" in result.stdout
