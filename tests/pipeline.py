@@ -1,5 +1,6 @@
 """A whole pipeline of real processes for integration tests: replica, session worker,
-replay buffer, each started through the ``rolloutbus`` command line on the test broker."""
+replay buffer, each started through the ``rolloutbus`` command line on the test broker;
+``pipeline_config`` builds its config and ``pipeline_running`` starts it."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -19,9 +21,82 @@ from confluent_kafka import Consumer, KafkaError, TopicPartition
 from rolloutbus.config import Config
 from rolloutbus.consumers.client import TrainerClient
 from rolloutbus.consumers.groups import TrajectoryGroup
+from rolloutbus.kafka.admin import ensure_topics
 from rolloutbus.topics import Topics
+from tests.helpers import free_port, unique_name
+from tests.source_tree import PLUGINS
 
 READY_TIMEOUT_S = 180.0  # seconds; torch import and model build on 2 shared cores
+
+
+def pipeline_config(kafka_bootstrap: str, topic_prefix: str, **sections: Any) -> Config:
+    """A pipeline's config on the test broker: topics of its own (``topic_prefix`` plus
+    random hex, 2 partitions), tiny-qwen3's replica on a free port (16 sequences a batch,
+    120 s a request), 64-token prompts, 4 concurrent sessions, groups of its own for the
+    session worker and the replay buffer. Each of ``sections`` (a dict, keyed by the
+    config's section name) adds to that section's values or overrides them."""
+    port = free_port()
+    values: dict[str, dict[str, Any]] = {
+        "kafka": {
+            "bootstrap_servers": kafka_bootstrap,
+            "topic_prefix": unique_name(topic_prefix),
+            "partitions": 2,
+        },
+        "model": {"name": "tiny-qwen3"},
+        "replica_server": {"port": port, "max_batch_size": 16},
+        "replicas": {"urls": [f"http://127.0.0.1:{port}"], "request_timeout_s": 120},
+        "rollout": {"prompt_length": 64},
+        "sessions": {"app_id": unique_name("sessions"), "concurrency": 4},
+        "replay_buffer": {"group_id": unique_name("rb")},
+    }
+    for name, section in sections.items():
+        values[name] = {**values.get(name, {}), **section}
+    return Config.model_validate(values)
+
+
+def agent_loop_registry(path: Path, loops: dict[str, str]) -> Path:
+    """The file ``rollout.agent.agent_loop_config_path`` names: each loop's name and the
+    import path of its class (importable by a session worker that ``pipeline_running``
+    started: tests/plugins is on its path)."""
+    path.write_text("".join(f"- name: {name}\n  _target_: {cls}\n" for name, cls in loops.items()))
+    return path
+
+
+def even_token_rollout(
+    folder: Path, *, n: int, response_length: int, temperature: float
+) -> dict[str, Any]:
+    """The ``rollout`` section for groups of ``n`` sessions of tests/plugins/even_token_loop.py
+    (its reward: the share of sampled token ids that are even), its registry written in
+    ``folder``."""
+    loops = {"even_token_agent": "even_token_loop.EvenTokenLoop"}
+    registry = agent_loop_registry(folder / "agent_loops.yaml", loops)
+    agent = {"default_agent_loop": "even_token_agent", "agent_loop_config_path": str(registry)}
+    return {"n": n, "response_length": response_length, "temperature": temperature, "agent": agent}
+
+
+@contextmanager
+def pipeline_running(
+    cfg: Config, config_path: Path, beside: dict[str, list[str]] | None = None
+) -> Iterator[dict[str, Path]]:
+    """``cfg``'s topics made and ``cfg`` written to ``config_path``, then its replica
+    (healthy), a session worker that imports tests/plugins' agent loops, a replay buffer
+    and each command of ``beside`` running, each logging to ``NAME.log`` beside the config
+    file; yields those logs by name (replica, sessions, rb and the names of ``beside``)."""
+    beside = beside or {}
+    ensure_topics(cfg.kafka)
+    write_config(cfg, config_path)
+    names = ("replica", "sessions", "rb", *beside)
+    logs = {name: config_path.parent / f"{name}.log" for name in names}
+    replica = spawn(["replica", "serve"], config_path, logs["replica"])
+    with running([replica]):
+        wait_http_ok(f"{cfg.replicas.urls[0]}/health", replica, logs["replica"])
+        workers = [
+            spawn(["sessions", "run"], config_path, logs["sessions"], python_path=[PLUGINS]),
+            spawn(["replay-buffer", "run"], config_path, logs["rb"]),
+            *(spawn(argv, config_path, logs[name]) for name, argv in beside.items()),
+        ]
+        with running(workers):
+            yield logs
 
 
 def write_config(cfg: Config, path: Path) -> Path:

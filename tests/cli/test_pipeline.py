@@ -18,7 +18,6 @@ from confluent_kafka import Producer
 
 from rolloutbus.config import Config, with_overrides
 from rolloutbus.consumers.log_replay import replay_turns
-from rolloutbus.kafka.admin import ensure_topics
 from rolloutbus.models.tokenizers import load_tokenizer
 from rolloutbus.producers.datasets import make_arithmetic_rows, write_jsonl
 from rolloutbus.producers.publish import PromptPublisher, build_group
@@ -31,15 +30,13 @@ from rolloutbus.schemas.turns import GroupSettings, decode_turn_event
 from rolloutbus.topics import Topics, uid_of_key
 from tests.helpers import free_port, unique_name
 from tests.pipeline import (
+    agent_loop_registry,
     dead_letters,
+    pipeline_config,
+    pipeline_running,
     read_topic,
     receive_groups,
-    running,
-    spawn,
-    wait_http_ok,
-    write_config,
 )
-from tests.source_tree import PLUGINS
 
 pytestmark = pytest.mark.kafka  # worker processes on the test broker
 
@@ -49,53 +46,27 @@ N = 2
 @pytest.fixture(scope="module")
 def pipeline(kafka_bootstrap: str, tmp_path_factory: pytest.TempPathFactory):
     tmp = tmp_path_factory.mktemp("pipeline")
-    replica_port = free_port()
-    registry_yaml = tmp / "agent_loops.yaml"
-    registry_yaml.write_text(
-        "- name: my_single_turn\n  _target_: my_agent_loop.MySingleTurnLoop\n"
-        "- name: over_budget\n  _target_: bad_loops.OverBudgetLoop\n"
-    )
-    cfg = Config.model_validate(
+    registry_yaml = agent_loop_registry(
+        tmp / "agent_loops.yaml",
         {
-            "kafka": {
-                "bootstrap_servers": kafka_bootstrap,
-                "topic_prefix": unique_name("p"),
-                "partitions": 2,
-            },
-            "model": {"name": "tiny-qwen3"},
-            "replica_server": {"port": replica_port, "max_batch_size": 16},
-            "replicas": {"urls": [f"http://127.0.0.1:{replica_port}"], "request_timeout_s": 120},
-            "rollout": {
-                "n": N,
-                "prompt_length": 64,
-                "response_length": 16,
-                "agent": {"agent_loop_config_path": str(registry_yaml)},
-            },
-            "sessions": {
-                "app_id": unique_name("sessions"),
-                "concurrency": 4,
-                "metrics_port": free_port(),
-            },
-            "replay_buffer": {
-                "group_id": unique_name("rb"),
-                "transactional_id": unique_name("rbtx"),
-                "metrics_port": free_port(),
-            },
-            "monitoring": {"progress_log_s": 2},
-        }
+            "my_single_turn": "my_agent_loop.MySingleTurnLoop",
+            "over_budget": "bad_loops.OverBudgetLoop",
+        },
     )
-    ensure_topics(cfg.kafka)
-    config_path = write_config(cfg, tmp / "config.yaml")
-    logs = {name: tmp / f"{name}.log" for name in ("replica", "sessions", "replay")}
-    replica = spawn(["replica", "serve"], config_path, logs["replica"])
-    with running([replica]):
-        wait_http_ok(f"http://127.0.0.1:{replica_port}/health", replica, logs["replica"])
-        workers = [
-            spawn(["sessions", "run"], config_path, logs["sessions"], python_path=[PLUGINS]),
-            spawn(["replay-buffer", "run"], config_path, logs["replay"]),
-        ]
-        with running(workers):
-            yield cfg, tmp, logs
+    cfg = pipeline_config(
+        kafka_bootstrap,
+        "p",
+        rollout={
+            "n": N,
+            "response_length": 16,
+            "agent": {"agent_loop_config_path": str(registry_yaml)},
+        },
+        sessions={"metrics_port": free_port()},
+        replay_buffer={"transactional_id": unique_name("rbtx"), "metrics_port": free_port()},
+        monitoring={"progress_log_s": 2},
+    )
+    with pipeline_running(cfg, tmp / "config.yaml") as logs:
+        yield cfg, tmp, logs
 
 
 @pytest.fixture(scope="module")
@@ -391,7 +362,7 @@ def test_workers_serve_prometheus_metrics_of_the_work_done(pipeline):
     sampled = value(sessions, 'rolloutbus_sessions_tokens_total{kind="sampled"}')
     assert 0 < _progress(logs["sessions"], "sessions", "tokens sampled") <= sampled
     released = value(buffer, "rolloutbus_replay_buffer_groups_released_total")
-    assert 0 < _progress(logs["replay"], "replay buffer", "groups") <= released
+    assert 0 < _progress(logs["rb"], "replay buffer", "groups") <= released
 
 
 def test_malformed_prompt_group_on_the_topic_is_dead_lettered_and_the_worker_goes_on(pipeline):

@@ -20,13 +20,18 @@ from statistics import fmean
 import pytest
 
 from rolloutbus.config import Config
-from rolloutbus.kafka.admin import ensure_topics
 from rolloutbus.producers.datasets import write_jsonl
 from rolloutbus.schemas.trajectories import batch_to_trajectories, decode_trajectory_batch
 from rolloutbus.topics import Topics
-from tests.helpers import free_port, unique_name
-from tests.pipeline import read_topic, running, spawn, stop, wait_http_ok, write_config
-from tests.source_tree import PLUGINS
+from tests.helpers import unique_name
+from tests.pipeline import (
+    even_token_rollout,
+    pipeline_config,
+    pipeline_running,
+    read_topic,
+    spawn,
+    stop,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.kafka]
 
@@ -50,71 +55,43 @@ def _rows(count: int) -> list[dict]:
 
 @pytest.fixture
 def loop_config(kafka_bootstrap: str, tmp_path: Path) -> Config:
-    port = free_port()
-    registry = tmp_path / "agent_loops.yaml"
-    registry.write_text("- name: even_token_agent\n  _target_: even_token_loop.EvenTokenLoop\n")
-    return Config.model_validate(
-        {
-            "kafka": {
-                "bootstrap_servers": kafka_bootstrap,
-                "topic_prefix": unique_name("learn"),
-                "partitions": 2,
-            },
-            "model": {"name": "tiny-qwen3", "seed": 0},
-            "replica_server": {"port": port, "max_batch_size": 16},
-            "replicas": {"urls": [f"http://127.0.0.1:{port}"], "request_timeout_s": 120},
-            "rollout": {
-                "n": 4,
-                "prompt_length": 64,
-                "response_length": 12,
-                "temperature": 0.05,
-                "agent": {
-                    "default_agent_loop": "even_token_agent",
-                    "agent_loop_config_path": str(registry),
-                },
-            },
-            "sessions": {"app_id": unique_name("sessions"), "concurrency": 4},
-            "replay_buffer": {"group_id": unique_name("rb")},
-            "async_training": {
-                "staleness_threshold": STALENESS,
-                "ppo_mini_batch_size": 2,
-                "require_batches": 1,
-                "trigger_parameter_sync_step": 1,
-            },
-            "actor": {"optim": {"lr": 1e-3}},
-            "trainer": {
-                "group_id": unique_name("trainer"),
-                "default_local_dir": str(tmp_path / "ckpt"),
-                "metrics_log": str(tmp_path / "steps.jsonl"),
-                "seed": 0,
-                "torch_threads": 1,
-            },
-        }
+    return pipeline_config(
+        kafka_bootstrap,
+        "learn",
+        model={"seed": 0},
+        rollout=even_token_rollout(tmp_path, n=4, response_length=12, temperature=0.05),
+        async_training={
+            "staleness_threshold": STALENESS,
+            "ppo_mini_batch_size": 2,
+            "require_batches": 1,
+            "trigger_parameter_sync_step": 1,
+        },
+        actor={"optim": {"lr": 1e-3}},
+        trainer={
+            "group_id": unique_name("trainer"),
+            "default_local_dir": str(tmp_path / "ckpt"),
+            "metrics_log": str(tmp_path / "steps.jsonl"),
+            "seed": 0,
+            "torch_threads": 1,
+        },
     )
 
 
 def test_reward_rises_through_the_closed_loop(loop_config: Config, tmp_path: Path):
     cfg = loop_config
-    ensure_topics(cfg.kafka)
-    config_path = write_config(cfg, tmp_path / "config.yaml")
+    config_path = tmp_path / "config.yaml"
     dataset = write_jsonl(_rows(8), tmp_path / "prompts.jsonl")
-    logs = {n: tmp_path / f"{n}.log" for n in ("replica", "sessions", "rb", "sync", "dispatch")}
-    replica = spawn(["replica", "serve"], config_path, logs["replica"])
-    with running([replica]):
-        wait_http_ok(f"{cfg.replicas.urls[0]}/health", replica, logs["replica"])
-        workers = [
-            spawn(["sessions", "run"], config_path, logs["sessions"], python_path=[PLUGINS]),
-            spawn(["replay-buffer", "run"], config_path, logs["rb"]),
-            spawn(["weight-sync"], config_path, logs["sync"]),
-            spawn(["dispatch", str(dataset), "--epochs", "20"], config_path, logs["dispatch"]),
-        ]
-        with running(workers):
-            trainer = spawn(["train", "--steps", str(STEPS)], config_path, tmp_path / "train.log")
-            try:
-                code = trainer.wait(TRAIN_TIMEOUT_S)
-            finally:
-                stop(trainer)
-            assert code == 0, _tails(tmp_path)
+    beside = {
+        "sync": ["weight-sync"],
+        "dispatch": ["dispatch", str(dataset), "--epochs", "20"],
+    }
+    with pipeline_running(cfg, config_path, beside):
+        trainer = spawn(["train", "--steps", str(STEPS)], config_path, tmp_path / "train.log")
+        try:
+            code = trainer.wait(TRAIN_TIMEOUT_S)
+        finally:
+            stop(trainer)
+        assert code == 0, _tails(tmp_path)
     steps = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
     assert [s["global_step"] for s in steps] == list(range(1, STEPS + 1))
 
