@@ -93,6 +93,9 @@ LOGPROB_MAX_TOL = 0.75
 PERTURB_SCALE = 2.0  # noise std, in units of each tensor's std: greedy outputs must change
 VL_RESPONSE = 8  # tokens per tiny-Qwen2-VL trajectory: what is checked is the prompt side
 VL_MAX_MODEL_LEN = 1024  # a small KV cache for the third server on the same two cores
+# seconds for three vLLM servers starting together on two cores: a hang detector, not a
+# speed check (the third was ready after about 300 s in a CI run at load 14)
+THREE_SERVERS_READY_S = 900.0
 # (width, height, colour) of the test images: 56x56 is a (1, 4, 4) grid, 4 image tokens;
 # 84 wide a (1, 4, 6) grid, 6 tokens (28x28 pixels per token after the 2x2 merge)
 VL_IMAGES = ((56, 56, (220, 40, 40)), (84, 56, (40, 40, 220)))
@@ -257,7 +260,9 @@ def stack(vllm_python: VllmPython, kafka_bootstrap: str, tmp_path_factory):
             workers.append((spawn(argv, path, log), log))
     # the workers start while vLLM loads: both take a minute or two on two cores
     with running([proc for proc, _ in workers]):
-        replicas = launch_vllm_replicas(specs, tmp / "vllm-logs", python=vllm_python)
+        replicas = launch_vllm_replicas(
+            specs, tmp / "vllm-logs", python=vllm_python, ready_timeout_s=THREE_SERVERS_READY_S
+        )
         try:
             stack = Stack(smol, tiny, vl, replicas, tmp)
             stack.vl_skip_reason = vl_skip or ""
