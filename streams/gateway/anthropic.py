@@ -11,9 +11,11 @@ so both APIs share one session, one alignment with the turn log and one reply pa
 
 The reply goes back as content blocks: the text, then one ``tool_use`` per parsed call, with
 the ids the OpenAI endpoint gives (``call_{turn}_{i}``: stable across a gateway restart,
-since they come from the logged turn). ``stop_reason`` is ``end_turn``, ``tool_use`` or
-``max_tokens``. A field the gateway cannot honour is a 400 that names it: ``stop_sequences``
-(the engines stop on token ids only), a forced ``tool_choice``, image or document blocks.
+since they come from the logged turn). ``stop_reason`` is ``end_turn``, ``tool_use``,
+``max_tokens`` or ``stop_sequence`` (``stop_sequence`` then names the string matched): the
+gateway finds ``stop_sequences`` as the replica streams and ends the turn at the token that
+completes one, the text before it returned (``stops.py``). A field the gateway cannot honour
+is a 400 that names it: a forced ``tool_choice``, image or document blocks.
 Sampling fields are accepted and not applied, as on the OpenAI endpoint (the session samples
 with its group's logged parameters; the ``X-Rolloutbus-Ignored`` header names them).
 
@@ -110,8 +112,6 @@ class MessagesRequest(BaseModel):
         unknown = sorted(set(self.model_extra or {}) - _INERT_FIELDS)
         if unknown:
             return f"unsupported request fields: {', '.join(unknown)}"
-        if self.stop_sequences:
-            return "stop_sequences are not supported (the engines stop on token ids only)"
         if self.tool_choice and self.tool_choice.get("type") != "auto":
             return (
                 "tool_choice must be {'type': 'auto'}: the model's calls are parsed from what "
@@ -364,10 +364,16 @@ def message_response(
         "role": "assistant",
         "model": model,
         "content": content,
-        "stop_reason": STOP_REASONS.get(reply.finish_reason, "end_turn"),
-        "stop_sequence": None,
+        "stop_reason": _stop_reason(result),
+        "stop_sequence": result.stop_sequence,
         "usage": {"input_tokens": len(result.prompt_ids), "output_tokens": len(result.token_ids)},
     }
+
+
+def _stop_reason(result: TurnResult) -> str:
+    if result.stop_sequence and result.reply.finish_reason == "stop":
+        return "stop_sequence"
+    return STOP_REASONS.get(result.reply.finish_reason, "end_turn")
 
 
 def _arguments(raw: Any) -> dict[str, Any]:
@@ -456,7 +462,7 @@ class MessageEvents:
             partial = json.dumps(block["input"])
             yield self._block_delta({"type": "input_json_delta", "partial_json": partial})
             yield self._block_stop()
-        final = {"stop_reason": message["stop_reason"], "stop_sequence": None}
+        final = {"stop_reason": message["stop_reason"], "stop_sequence": message["stop_sequence"]}
         usage = {**message["usage"]}
         yield _event("message_delta", {"type": "message_delta", "delta": final, "usage": usage})
         yield _event("message_stop", {"type": "message_stop"})

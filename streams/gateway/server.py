@@ -153,10 +153,13 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             body.messages,
             body.tools or None,
             body.turn_max_tokens(),
+            stop=body.stop_strings(),
         )
     async with session.lock:
         try:
-            result = await session.chat(body.messages, body.tools or None, body.turn_max_tokens())
+            result = await session.chat(
+                body.messages, body.tools or None, body.turn_max_tokens(), stop=body.stop_strings()
+            )
         finally:
             _after_call(request, session)
     completion = chat_completion(
@@ -207,11 +210,21 @@ async def messages(request: web.Request) -> web.StreamResponse:
     if body.stream:
         wire = MessageEvents(model, body.shows_thinking, tokenizer)
         return await _streamed(
-            request, session, headers, wire, chat_messages, tools, body.max_tokens, wire.prompt
+            request,
+            session,
+            headers,
+            wire,
+            chat_messages,
+            tools,
+            body.max_tokens,
+            wire.prompt,
+            body.stop_sequences,
         )
     async with session.lock:
         try:
-            result = await session.chat(chat_messages, tools, body.max_tokens)
+            result = await session.chat(
+                chat_messages, tools, body.max_tokens, stop=body.stop_sequences
+            )
         finally:
             _after_call(request, session)
     request.app[METRICS_KEY].turns.labels(outcome=result.outcome).inc()
@@ -229,14 +242,18 @@ async def _streamed(
     tools: list[dict[str, Any]] | None,
     max_tokens: int | None,
     on_prompt: Callable[[list[int]], None] | None = None,
+    stop: list[str] | None = None,
 ) -> web.StreamResponse:
     """A turn streamed as it is sampled (``streaming.py``). An error before the first event
     is an HTTP error; after it, an error event ends the stream."""
-    text = ReplyText(session.ctx.tokenizer, session.ctx.config.rollout.multi_turn.format)
+    rollout = session.ctx.config.rollout
+    text = ReplyText(session.ctx.tokenizer, rollout.multi_turn.format, stop)
     stream = ReplyStream(request, headers, wire, text)
     async with session.lock:
         try:
-            result = await session.chat(messages, tools, max_tokens, stream.on_tokens, on_prompt)
+            result = await session.chat(
+                messages, tools, max_tokens, stream.on_tokens, on_prompt, stop
+            )
         except (RolloutBusError, ValueError) as exc:
             if not stream.started:
                 raise

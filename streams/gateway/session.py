@@ -56,6 +56,7 @@ from rolloutbus.streams.agent_loop.tracing import collect_spans
 from rolloutbus.streams.gateway.alignment import Alignment, HistoryAligner, LoggedTurn, Transcript
 from rolloutbus.streams.gateway.messages import Reply, check_messages, comparable, parse_reply
 from rolloutbus.streams.gateway.outputs import segment_output
+from rolloutbus.streams.gateway.stops import STOP_FIELD, StopWatch, cut_at_stop
 from rolloutbus.streams.gateway.streamed_turns import StreamingLLMClient, TokenSink
 from rolloutbus.streams.reward import ComputeScore, score_outputs_async
 from rolloutbus.streams.sessions.recorder import RecordingLLMClient
@@ -98,6 +99,7 @@ class TurnResult:
     logprobs: list[float] | None
     reply: Reply
     outcome: Literal["sampled", "repeated", "length"]
+    stop_sequence: str | None = None  # the stop string the turn ended with (``stops.py``)
 
 
 @dataclass
@@ -181,19 +183,23 @@ class GatewaySession:
         max_tokens: int | None,
         on_tokens: TokenSink | None = None,
         on_prompt: Callable[[list[int]], None] | None = None,
+        stop: list[str] | None = None,
     ) -> TurnResult:
         """One chat completion: align, then answer from the log or sample a turn (its new
         tokens go to ``on_tokens`` as they are sampled, where the replicas stream; the
-        prompt's ids to ``on_prompt`` before that)."""
+        prompt's ids to ``on_prompt`` before that), ended at a ``stop`` string if one is
+        sampled."""
         self._check_open()
         check_messages(messages)
+        self._check_stops(stop)
         await self._parse_replies(tools)
         alignment: Alignment = await asyncio.to_thread(self.aligner.align, messages, tools)
         if on_prompt is not None:
             on_prompt(alignment.prompt_ids)
         if alignment.repeats is not None:
             return await self._repeat(alignment.repeats, alignment.prompt_ids, tools)
-        result = await self._sample(alignment.prompt_ids, max_tokens, tools, on_tokens)
+        watch = StopWatch(self.ctx.tokenizer, stop) if stop else None
+        result = await self._sample(alignment.prompt_ids, max_tokens, tools, on_tokens, watch)
         if result.outcome == "sampled":
             self.aligner.remember(self._last_segment(), messages, tools)
         return result
@@ -230,6 +236,7 @@ class GatewaySession:
         max_tokens: int | None,
         tools: list[dict[str, Any]] | None,
         on_tokens: TokenSink | None = None,
+        stop: StopWatch | None = None,
     ) -> TurnResult:
         budget = self._budget(prompt_ids, max_tokens)
         if budget.max_tokens is None:  # the observation would spend the response budget
@@ -237,7 +244,9 @@ class GatewaySession:
             return TurnResult(prompt_ids, [], None, reply, "length")
         params = {**self.sampling.model_dump(), "max_tokens": budget.max_tokens}
         params = with_stop_tokens(params, self.ctx.parser.stop_token_ids)
-        streamed = {} if on_tokens is None else {"on_tokens": on_tokens}
+        streamed: dict[str, Any] = {} if on_tokens is None else {"on_tokens": on_tokens}
+        if stop is not None:
+            streamed["stop"] = stop
         with collect_spans() as spans:
             out = await self.recorder.generate(
                 self.key, prompt_ids=prompt_ids, sampling_params=params, **streamed
@@ -247,14 +256,16 @@ class GatewaySession:
         turn = self.transcript.segments[segment].turns[-1]
         reply = await self._reply(turn.generation, tools)
         turn.reply = comparable(reply.message())
-        return TurnResult(prompt_ids, list(out.token_ids), out.log_probs, reply, "sampled")
+        stopped = turn.generation.extra_fields.get(STOP_FIELD)
+        return TurnResult(prompt_ids, list(out.token_ids), out.log_probs, reply, "sampled", stopped)
 
     async def _repeat(
         self, turn: LoggedTurn, prompt_ids: list[int], tools: list[dict[str, Any]] | None
     ) -> TurnResult:
         g = turn.generation
         reply = await self._reply(g, tools)
-        return TurnResult(prompt_ids, list(g.token_ids), g.logprobs, reply, "repeated")
+        stopped = g.extra_fields.get(STOP_FIELD)
+        return TurnResult(prompt_ids, list(g.token_ids), g.logprobs, reply, "repeated", stopped)
 
     def _budget(self, prompt_ids: list[int], cap: int | None) -> _Budget:
         """The turn's token cap within ``rollout.response_length`` (a budget for the whole
@@ -280,8 +291,26 @@ class GatewaySession:
             return _Budget(None, segment)
         return _Budget(min(left, cap) if cap else left, segment)
 
+    def _check_stops(self, stop: list[str] | None) -> None:
+        """Stop strings are found in the gateway as the replica streams (``stops.py``)."""
+        if not stop:
+            return
+        if not getattr(self.ctx.llm_client, "streams", False):
+            raise ValueError(
+                "stop sequences are not supported with this replica backend: the gateway "
+                "finds them as the replica streams a turn, and this backend does not stream "
+                "(the embedded replica's and vLLM's completions backends do)"
+            )
+        if self.ctx.config.rollout.enable_rollout_routing_replay:
+            raise ValueError(
+                "stop sequences are not supported with routing replay: a turn cut at a stop "
+                "string has no routed experts from the replica"
+            )
+
     async def _reply(self, generation: Generation, tools: list[dict[str, Any]] | None) -> Reply:
-        return await parse_reply(
+        """The reply parsed from the logged tokens, its text before the stop string it
+        ended with (logged with the generation)."""
+        reply = await parse_reply(
             self.ctx.parser,
             self.ctx.tokenizer,
             list(generation.token_ids),
@@ -289,6 +318,11 @@ class GatewaySession:
             engine_finish_reason=generation.extra_fields.get("finish_reason"),
             call_id_prefix=f"call_{self.key}_{generation.turn}",
         )
+        stopped = generation.extra_fields.get(STOP_FIELD)
+        if not stopped:
+            return reply
+        content = cut_at_stop(reply.content, stopped)
+        return Reply(content, reply.tool_calls, reply.finish_reason)
 
     async def _parse_replies(self, tools: list[dict[str, Any]] | None) -> None:
         """Replies of turns replayed from the log, parsed as the request's tools say."""

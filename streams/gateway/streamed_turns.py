@@ -15,6 +15,7 @@ from typing import Any
 
 from rolloutbus.config import RolloutConfig
 from rolloutbus.schemas.agent_loop import TokenOutput
+from rolloutbus.streams.gateway.stops import STOP_FIELD, StopMatchedError, StopWatch
 from rolloutbus.streams.inference.llm_client import per_turn_max_tokens
 from rolloutbus.streams.sessions.chunking import SEED_MODULUS, TurnPieces
 
@@ -39,9 +40,10 @@ class StreamingLLMClient:
         prompt_ids: list[int],
         sampling_params: dict[str, Any],
         on_tokens: TokenSink | None = None,
+        stop: StopWatch | None = None,
         **kwargs: Any,
     ) -> TokenOutput:
-        if on_tokens is None or not getattr(self._client, "streams", False):
+        if (on_tokens is None and stop is None) or not getattr(self._client, "streams", False):
             out: TokenOutput = await self._client.generate(
                 request_id, prompt_ids=prompt_ids, sampling_params=sampling_params, **kwargs
             )
@@ -49,8 +51,12 @@ class StreamingLLMClient:
         budget = per_turn_max_tokens(
             len(prompt_ids), self._rollout, sampling_params.get("max_tokens")
         )
-        turn = _ForwardedTurn(list(prompt_ids), sampling_params, budget, on_tokens)
-        last: TokenOutput = await self._client.stream_turn(request_id, turn, **kwargs)
+        turn = _ForwardedTurn(list(prompt_ids), sampling_params, budget, on_tokens or _unsent)
+        turn.stop = stop
+        try:
+            last: TokenOutput = await self._client.stream_turn(request_id, turn, **kwargs)
+        except StopMatchedError:
+            return turn.pieces.output(turn.stopped_at())
         if last.stop_reason == "aborted" and turn.remaining() <= 0:
             return turn.pieces.out_of_budget()
         return turn.pieces.output(last)
@@ -62,6 +68,8 @@ class _ForwardedTurn:
     def __init__(self, prompt_ids: list[int], params: dict[str, Any], budget: int, sink: TokenSink):
         self._prompt_ids, self._params, self._budget, self._sink = prompt_ids, params, budget, sink
         self.pieces = TurnPieces()
+        self.stop: StopWatch | None = None
+        self._last: TokenOutput | None = None  # the last piece kept
 
     def remaining(self) -> int:
         return self._budget - len(self.pieces.tokens)
@@ -75,9 +83,29 @@ class _ForwardedTurn:
         return self._prompt_ids + self.pieces.tokens, params
 
     async def take(self, delta: TokenOutput) -> None:
+        kept = self.stop.scan(list(delta.token_ids)) if self.stop is not None else None
+        if kept is not None:  # the tokens up to the stop string's last; the rest dropped
+            logprobs = delta.log_probs[:kept] if delta.log_probs is not None else None
+            delta = delta.model_copy(
+                update={"token_ids": list(delta.token_ids[:kept]), "log_probs": logprobs}
+            )
         self.pieces.add(delta)
+        self._last = delta
         if delta.token_ids:
             await self._sink(list(delta.token_ids))
+        if kept is not None:
+            raise StopMatchedError  # ends the replica's stream: the request is cut
+
+    def stopped_at(self) -> TokenOutput:
+        """The last piece as the end of a turn that stopped at a stop string."""
+        assert self._last is not None and self.stop is not None, "a stop string was sampled"
+        extra = {**self._last.extra_fields, "finish_reason": "stop"}
+        extra[STOP_FIELD] = self.stop.matched
+        return self._last.model_copy(update={"stop_reason": "completed", "extra_fields": extra})
 
     async def aborted(self) -> bool:
         return self.remaining() > 0
+
+
+async def _unsent(token_ids: list[int]) -> None:
+    """The sink of an unstreamed request's turn: its tokens go out whole at the end."""

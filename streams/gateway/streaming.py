@@ -4,7 +4,8 @@
 - ``ReplyText``: the tokens decoded incrementally (never half a UTF-8 character), and the
   part of the text the reply's content will surely start with: text from a tool-call
   marker on (``<tool_call>``; any ``<`` for other formats, whose parsers reshape more) and
-  trailing whitespace wait for the end, where the parsed reply says what is left.
+  trailing whitespace wait for the end, where the parsed reply says what is left; so does a
+  part of a stop string, and nothing from a whole one on is sent (``stops.py``).
 - ``ReplyStream``: the server-sent events of one answer, in the shapes of the API the route
   speaks (``SseWire``). The response starts with the first text an agent may see; before
   that an error is still an HTTP error. A client that goes away stops the writes, not the
@@ -21,6 +22,7 @@ from typing import Any, Protocol
 from aiohttp import web
 
 from rolloutbus.streams.gateway.session import TurnResult
+from rolloutbus.streams.gateway.stops import partial_stop_end
 
 __all__ = ["ReplyStream", "ReplyText", "SseWire"]
 
@@ -34,8 +36,9 @@ class ReplyText:
     """The sampled tokens decoded as they come (vLLM's incremental detokenization: a window
     of tokens decoded again, new text only once it is whole characters)."""
 
-    def __init__(self, tokenizer: Any, tool_format: str):
+    def __init__(self, tokenizer: Any, tool_format: str, stops: list[str] | None = None):
         self._tokenizer = tokenizer
+        self._stops = [s for s in stops or () if s]
         self._marker = TOOL_CALL_MARKERS.get(tool_format, "<")
         self._specials = [s for s in getattr(tokenizer, "all_special_tokens", ()) if s]
         self._tokens: list[int] = []
@@ -68,7 +71,7 @@ class ReplyText:
     def _settled(self) -> str:
         """The text up to a tool-call marker, or a part of one, without trailing whitespace
         and special tokens: what the parsed content will begin with."""
-        text = self.text
+        text = partial_stop_end(self.text, self._stops) if self._stops else self.text
         cut = text.find(self._marker)
         if cut >= 0:
             text = text[:cut]

@@ -2,12 +2,14 @@
 sends), and the session endpoints of the bus.
 
 A request field the gateway cannot honour is an error that names it (HTTP 400), never
-silently dropped: ``n`` over 1, stop strings, ``response_format``, a forced ``tool_choice``,
-``top_logprobs``, audio. Fields that only describe the caller (``user``, ``metadata``,
-``store``...) are accepted and unused. Sampling fields (``temperature``, ``top_p``, ...) are
-accepted and not applied: the session samples with its group's logged sampling parameters,
-because the trainer's importance ratios assume them; the response names what it did not
-apply in the ``X-Rolloutbus-Ignored`` header (docs/gateway.md).
+silently dropped: ``n`` over 1, stop strings on text completions, ``response_format``, a
+forced ``tool_choice``, ``top_logprobs``, audio (a chat completion's ``stop`` strings are
+found by the gateway as the replica streams: ``stops.py``). Fields that only describe the
+caller (``user``, ``metadata``, ``store``...) are accepted and unused. Sampling fields
+(``temperature``, ``top_p``, ...) are accepted and not applied: the session samples with
+its group's logged sampling parameters, because the trainer's importance ratios assume
+them; the response names what it did not apply in the ``X-Rolloutbus-Ignored`` header
+(docs/gateway.md).
 """
 
 from __future__ import annotations
@@ -84,9 +86,13 @@ class _Request(BaseModel):
             return f"unsupported request fields: {', '.join(unknown)}"
         if self.n not in (None, 1):
             return "n must be 1: a session is one trajectory (open a group of n sessions)"
-        if self.stop:
-            return "stop strings are not supported (the engines stop on token ids only)"
         return None
+
+    def stop_strings(self) -> list[str] | None:
+        """``stop`` as a list (OpenAI takes one string or several)."""
+        if not self.stop:
+            return None
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
     def turn_max_tokens(self) -> int | None:
         """The caller's cap on this turn's tokens (on top of the session's budget)."""
@@ -135,6 +141,12 @@ class ChatCompletionRequest(_Request):
 
 class CompletionRequest(_Request):
     prompt: str | list[int] | list[str] | list[list[int]]
+
+    def unsupported(self) -> str | None:
+        problem = super().unsupported()
+        if problem is None and self.stop:
+            return "stop strings are supported on chat completions and messages only"
+        return problem
 
     @model_validator(mode="after")
     def _one_prompt(self) -> CompletionRequest:

@@ -93,7 +93,6 @@ def test_tool_use_and_tool_result_blocks_become_calls_and_tool_messages():
 @pytest.mark.parametrize(
     ("fields", "named"),
     [
-        ({"stop_sequences": ["END"]}, "stop_sequences"),
         ({"tool_choice": {"type": "tool", "name": "add"}}, "tool_choice"),
         ({"thinking": {"type": "adaptive"}}, "thinking.type"),
         ({"frobnicate": 1}, "frobnicate"),

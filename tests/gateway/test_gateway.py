@@ -220,7 +220,7 @@ def _errors_an_sdk_sees(gateway_url: str, finished: dict, uid: str) -> None:
     with pytest.raises(openai.NotFoundError, match="no open gateway session nosuch_0"):
         never.chat.completions.create(model="policy", messages=messages)  # after a scan
     with pytest.raises(openai.BadRequestError, match="stop strings"):
-        client.chat.completions.create(model="policy", messages=messages, stop=["\n"])
+        client.completions.create(model="policy", prompt=QUESTION, stop=["\n"])
     response = httpx.post(f"{gateway_url}/v1/sessions", json={"n": 1, "uid": "a_b"})
     assert response.status_code == 400 and "uid 'a_b'" in response.json()["error"]["message"]
     # a finish without a completion is refused, and the session stays open (not resumed)

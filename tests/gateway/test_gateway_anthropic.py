@@ -251,9 +251,11 @@ def _errors_an_sdk_sees(gateway_url: str, session: str, uid: str) -> None:
 def _refused_requests(client: anthropic.Anthropic, stray: anthropic.Anthropic) -> None:
     history = [{"role": "user", "content": QUESTION}]
     with pytest.raises(anthropic.BadRequestError) as refused:
-        client.messages.create(**_request(history), stop_sequences=["\n\n"])
+        client.messages.create(
+            **_request(history), tool_choice={"type": "tool", "name": "calculator"}
+        )
     assert refused.value.body["error"]["type"] == "invalid_request_error"  # type: ignore[index]
-    assert "stop_sequences" in refused.value.body["error"]["message"]  # type: ignore[index]
+    assert "tool_choice" in refused.value.body["error"]["message"]  # type: ignore[index]
     with pytest.raises(anthropic.BadRequestError, match="image"):
         client.messages.create(
             **_request(

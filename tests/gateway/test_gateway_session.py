@@ -40,7 +40,7 @@ from rolloutbus.streams.gateway.session import (
     GatewaySession,
     SessionClosedError,
 )
-from rolloutbus.streams.gateway.wire import ChatCompletionRequest
+from rolloutbus.streams.gateway.wire import ChatCompletionRequest, CompletionRequest
 from rolloutbus.streams.reward import default_compute_score
 from rolloutbus.streams.sessions.recovery import LoggedAttempt
 from tests.builders import make_group_started
@@ -348,7 +348,9 @@ def test_request_fields_that_cannot_be_honoured_are_named():
 
     assert problem(user="u", metadata={}, parallel_tool_calls=False) is None
     assert "n must be 1" in problem(n=2)
-    assert "stop strings" in problem(stop=["\n"])
+    assert problem(stop=["\n"]) is None  # found as the replica streams (stops.py)
+    text = CompletionRequest.model_validate({"prompt": "x", "stop": "\n"}).unsupported()
+    assert text is not None and "stop strings" in text
     assert "tool_choice" in problem(tool_choice="required")
     assert "response_format" in problem(response_format={"type": "json_object"})
     assert "frobnicate" in problem(frobnicate=1)
