@@ -17,6 +17,8 @@ makes the same trajectory, nothing sampled twice.
 from __future__ import annotations
 
 import functools
+import json
+import sys
 from collections.abc import Callable
 
 import anthropic
@@ -44,30 +46,13 @@ from tests.gateway.test_gateway import (
     openai_agent,
 )
 from tests.pipeline import read_topic
+from tests.source_tree import ROOT
 
-CALCULATOR = {  # openai_agent.CALCULATOR_TOOL in Anthropic's shape
-    "name": openai_agent.CALCULATOR_TOOL["function"]["name"],
-    "description": openai_agent.CALCULATOR_TOOL["function"]["description"],
-    "input_schema": openai_agent.CALCULATOR_TOOL["function"]["parameters"],
-}
+sys.path.insert(0, str(ROOT / "examples"))
+import anthropic_agent  # noqa: E402
 
-
-def _client(gateway_url: str, session: str) -> anthropic.Anthropic:
-    # an Anthropic SDK's base_url is the session's root: it posts to {base_url}/v1/messages
-    return anthropic.Anthropic(
-        base_url=f"{gateway_url}/sessions/{session}", api_key="unused", max_retries=0
-    )
-
-
-def _request(history: list[dict], **fields) -> dict:
-    return {
-        "model": "policy",
-        "max_tokens": 256,
-        "system": openai_agent.SYSTEM,
-        "tools": [CALCULATOR],
-        "messages": history,
-        **fields,
-    }
+_client = anthropic_agent.client_for
+_request = anthropic_agent.request
 
 
 def _run_agent(
@@ -77,30 +62,31 @@ def _run_agent(
     calculator: Callable[..., str] = openai_agent.calculator,
     **fields,
 ) -> tuple[list[dict], list]:
-    """Ask, run the calculator on the model's call, answer: the history and the replies."""
-    history: list[dict] = [{"role": "user", "content": QUESTION}]
-    replies = []
-    for _ in range(2):
-        if stream:
-            with client.messages.stream(**_request(history, **fields)) as events:
-                reply = events.get_final_message()
-        else:
-            reply = client.messages.create(**_request(history, **fields))
-        replies.append(reply)
-        history.append({"role": "assistant", "content": [b.model_dump() for b in reply.content]})
-        calls = [b for b in reply.content if b.type == "tool_use"]
-        if not calls:
-            break
-        results = [
-            {
-                "type": "tool_result",
-                "tool_use_id": c.id,
-                "content": calculator(**c.input),
-            }
-            for c in calls
-        ]
-        history.append({"role": "user", "content": results})
-    return history, replies
+    """examples/anthropic_agent.py's loop: ask, run the calculator on the model's call,
+    answer; the history and the replies."""
+    return anthropic_agent.run_agent(
+        client, QUESTION, tools={"calculator": calculator}, stream=stream, **fields
+    )
+
+
+def test_the_example_anthropic_agent_trains_through_the_gateway(kafka_bootstrap, tok, capsys):
+    """examples/anthropic_agent.py as its docstring runs it (streamed, a group of 2): each
+    session answers, is finished with its reward, and becomes the exact trajectory."""
+    with replica_in_thread(
+        Config.model_validate({"replica_server": {"port": 0}}), _engine(tok)
+    ) as replica:
+        cfg = _config(kafka_bootstrap, replica.url)
+        ensure_topics(cfg.kafka)
+        with gateway_in_thread(cfg) as gateway:
+            argv = [gateway.url, QUESTION, "--answer", "126", "-n", "2", "--stream"]
+            assert anthropic_agent.main(argv) == 0
+        printed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+        uid = printed[0]["session"].rsplit("_", 1)[0]
+        records = [t.model_dump() for t in replay_turns(cfg).trajectories if t.uid == uid]
+    assert [(p["answer"], p["reward"]) for p in printed] == [(ANSWER, 1.0)] * 2
+    assert sorted(t["session_id"] for t in records) == [0, 1]
+    for record in records:
+        _check_agent_trajectory(tok, record, reward=1.0)
 
 
 def _check_replies(tok, replies) -> None:
