@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import namedtuple
-from functools import partial
 from types import SimpleNamespace
 
 import pytest
@@ -403,20 +402,23 @@ async def test_a_session_that_outlives_its_revocation_logs_nothing_more(monkeypa
     worker.turn_log = SlowTurnLog()  # type: ignore[assignment]
     worker.turn_log.done.set()
     state = worker.partitions[0]
-    emit = partial(worker._emit_owned, state)
     first = SessionStarted(uid="g1", session_id=0, attempt="a", agent_name="single_turn_agent")
     second = SessionStarted(uid="g1", session_id=1, attempt="a", agent_name="single_turn_agent")
 
-    async def session_that_swallows_its_cancel() -> None:
+    async def sessions_that_swallow_their_cancel(ctx, group, attempt, emit, resume):
+        # test double for run_sessions: it logs through the emit the worker hands it
         await emit(first)
         try:
             await asyncio.sleep(3600)
         except asyncio.CancelledError:
             pass  # swallowed
         await emit(second)
+        return []
 
-    task = asyncio.ensure_future(session_that_swallows_its_cancel())
-    state.tasks.add(task)
+    monkeypatch.setattr(worker_module, "run_sessions", sessions_that_swallow_their_cancel)
+    group = PromptGroup.model_validate_json(_group())
+    await worker._slots.acquire()  # as take() does before it starts a group
+    task = worker._spawn(state, group.uid, worker._run_logged(state, group, "a", None))
     await asyncio.sleep(0)
     await worker.on_revoked({TP(worker.topics.prompts, 0)})
     assert task.cancelled()  # ended at its next write, well inside the revocation's drain
