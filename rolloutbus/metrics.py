@@ -12,11 +12,15 @@ series a dashboard never reads; importing this module turns them off in the proc
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 from prometheus_client import (
     REGISTRY,
     CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
     disable_created_metrics,
     generate_latest,
     start_http_server,
@@ -52,6 +56,25 @@ class PerRegistry:
 
     def _init(self, registry: CollectorRegistry) -> None:
         raise NotImplementedError
+
+
+class SeriesDeclarer:
+    """Declares a metric set's series on one registry: ``counter(name, help, *labels)`` is
+    prometheus_client's ``Counter(name, help, labels, registry=registry)`` (likewise
+    ``gauge``, and ``histogram`` with its ``buckets``); names, help texts, labels and
+    buckets pass through as written."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+
+    def counter(self, name: str, doc: str, *labels: str) -> Counter:
+        return Counter(name, doc, labels, registry=self.registry)
+
+    def gauge(self, name: str, doc: str, *labels: str) -> Gauge:
+        return Gauge(name, doc, labels, registry=self.registry)
+
+    def histogram(self, name: str, doc: str, *labels: str, buckets: Sequence[float]) -> Histogram:
+        return Histogram(name, doc, labels, buckets=buckets, registry=self.registry)
 
 
 def failure_class_of(record: object) -> str:

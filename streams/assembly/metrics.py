@@ -3,9 +3,14 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Gauge, Histogram
 
-from rolloutbus.metrics import AGENT_LOOP_SECONDS_BUCKETS, GROUP_SECONDS_BUCKETS, PerRegistry
+from rolloutbus.metrics import (
+    AGENT_LOOP_SECONDS_BUCKETS,
+    GROUP_SECONDS_BUCKETS,
+    PerRegistry,
+    SeriesDeclarer,
+)
 
 __all__ = ["ReplayBufferMetrics", "RolloutMetrics"]
 
@@ -17,101 +22,88 @@ class ReplayBufferMetrics(PerRegistry):
 
     def _init_fold(self, registry: CollectorRegistry) -> None:
         """What the fold of the turn log counts: events, groups, trajectories."""
-        self.events = Counter(
+        series = SeriesDeclarer(registry)
+        self.events = series.counter(
             "rolloutbus_replay_buffer_events_total",
             "Turn events consumed, by type; events",
-            ["type"],
-            registry=registry,
+            "type",
         )
-        self.trajectories = Counter(
+        self.trajectories = series.counter(
             "rolloutbus_replay_buffer_trajectories_total",
             "Trajectories released, by status; trajectories",
-            ["status"],
-            registry=registry,
+            "status",
         )
-        self.groups = Counter(
+        self.groups = series.counter(
             "rolloutbus_replay_buffer_groups_released_total",
             "Prompt groups released; groups",
-            registry=registry,
         )
-        self.open_groups = Gauge(
+        self.open_groups = series.gauge(
             "rolloutbus_replay_buffer_open_groups",
             "Groups with sessions still running; groups",
-            registry=registry,
         )
-        self.duplicates = Counter(
+        self.duplicates = series.counter(
             "rolloutbus_replay_buffer_ignored_events_total",
             "Events ignored: superseded attempts or already released groups; events",
-            registry=registry,
         )
-        self.dead_letters = Counter(
+        self.dead_letters = series.counter(
             "rolloutbus_replay_buffer_dead_letters_total",
             "Turn events sent to the dead-letter topic; events",
-            registry=registry,
         )
-        self.groups_released_early = Counter(
+        self.groups_released_early = series.counter(
             "rolloutbus_replay_buffer_groups_released_early_total",
             "Groups released before all their sessions settled (unsettled ones as failed "
             "records) or rejected, by kind: deadline, too_many_open_groups, head_missing, "
             "rejected; groups",
-            ["kind"],
-            registry=registry,
+            "kind",
         )
-        self.oldest_open_group = Gauge(
+        self.oldest_open_group = series.gauge(
             "rolloutbus_replay_buffer_oldest_open_group_timestamp_seconds",
             "Log timestamp of the first event of the oldest group still open (0: none open); "
             "seconds since the epoch",
-            registry=registry,
         )
-        self.group_deadline = Gauge(
+        self.group_deadline = series.gauge(
             "rolloutbus_replay_buffer_group_deadline_seconds",
             "deadlines.group_s: log time a group may stay open before its unsettled sessions "
             "are released as failed; seconds",
-            registry=registry,
         )
 
     def _init_recovery(self, registry: CollectorRegistry) -> None:
         """What makes a release exactly once: released uids remembered, partitions
         recovered, transactions aborted and producers replaced."""
-        self.released_uids = Gauge(
+        series = SeriesDeclarer(registry)
+        self.released_uids = series.gauge(
             "rolloutbus_replay_buffer_released_uids",
             "Released uids remembered (read back from the released topic on assignment); uids",
-            registry=registry,
         )
-        self.released_uids_forgotten = Counter(
+        self.released_uids_forgotten = series.counter(
             "rolloutbus_replay_buffer_released_uids_forgotten_total",
             "Released uids dropped from memory past replay_buffer.max_released_uids; uids",
-            registry=registry,
         )
-        self.recoveries = Counter(
+        self.recoveries = series.counter(
             "rolloutbus_replay_buffer_partition_recoveries_total",
             "Partitions (re)loaded from committed offsets and the released "
             "topic: on assignment and after an aborted transaction; partitions",
-            registry=registry,
         )
-        self.transaction_aborts = Counter(
+        self.transaction_aborts = series.counter(
             "rolloutbus_replay_buffer_transaction_aborts_total",
             "Transactions aborted and retried from the committed offsets, by cause: abortable "
             "(a broker error), retries_exhausted, stalled (retriable errors on one producer for "
             "replay_buffer.txn_stall_s), wedged (a client call that never returned), fatal "
             "(the producer fenced or its transaction state beyond repair); transactions",
-            ["cause"],
-            registry=registry,
+            "cause",
         )
-        self.consumer_replacements = Counter(
+        self.consumer_replacements = series.counter(
             "rolloutbus_replay_buffer_consumer_replacements_total",
             "Turn-log consumers replaced because recovering a partition failed for "
             "replay_buffer.txn_stall_s (coordinator requests stuck after a broker restart); "
             "replacement events",
-            registry=registry,
         )
-        self.producer_replacements = Counter(
+        self.producer_replacements = series.counter(
             "rolloutbus_replay_buffer_producer_replacements_total",
             "Transactional producers replaced by a new one with the same transactional id "
             "(which fences the old and ends its transaction) after a failed transaction, by "
             "its cause (as transaction_aborts_total); replacement events",
-            ["cause"],
-            registry=registry,
+            "cause",
         )
 
 
@@ -140,14 +132,14 @@ class RolloutMetrics(PerRegistry):
 
     def _init_windows(self, registry: CollectorRegistry) -> None:
         """Gauges over the last trajectories released of each data source."""
+        series = SeriesDeclarer(registry)
 
         def window(name: str, doc: str, unit: str) -> Gauge:
-            return Gauge(
+            return series.gauge(
                 f"rolloutbus_rollout_{name}",
                 f"{doc}, over the last {RELEASE_WINDOW_TRAJECTORIES} trajectories released "
                 f"of each data source; {unit}",
-                ["data_source"],
-                registry=registry,
+                "data_source",
             )
 
         score = "in the scorer's units"
@@ -183,78 +175,72 @@ class RolloutMetrics(PerRegistry):
 
     def _init_per_trajectory(self, registry: CollectorRegistry) -> None:
         """Counters and histograms every released trajectory adds to."""
-        self.trajectories = Counter(
+        series = SeriesDeclarer(registry)
+        self.trajectories = series.counter(
             "rolloutbus_rollout_trajectories_total",
             "Trajectories released, by data source and status (completed, truncated, failed); "
             "trajectories",
-            ["data_source", "status"],
-            registry=registry,
+            "data_source",
+            "status",
         )
-        self.response_length = Histogram(
+        self.response_length = series.histogram(
             "rolloutbus_rollout_response_length_tokens",
             "Response length of each trajectory released (prompt excluded, observations "
             "included); tokens",
-            ["data_source"],
+            "data_source",
             buckets=LENGTH_TOKENS_BUCKETS,
-            registry=registry,
         )
-        self.num_turns = Histogram(
+        self.num_turns = series.histogram(
             "rolloutbus_rollout_num_turns",
             "Turns per trajectory as the loop counts them (verl: num_turns); turns",
-            ["agent_name"],
+            "agent_name",
             buckets=TURNS_BUCKETS,
-            registry=registry,
         )
-        self.failed = Counter(
+        self.failed = series.counter(
             "rolloutbus_rollout_failed_trajectories_total",
             "Failed trajectory records released, by failure class (infrastructure, loop, "
             "reward; unknown when the record names none); trajectories",
-            ["failure_class"],
-            registry=registry,
+            "failure_class",
         )
-        self.staleness = Histogram(
+        self.staleness = series.histogram(
             "rolloutbus_rollout_staleness_at_release_versions",
             "Policy-version gap at release: the newest version any released trajectory "
             "carries minus this trajectory's oldest; versions",
             buckets=VERSIONS_BUCKETS,
-            registry=registry,
         )
-        self.group_latency = Histogram(
+        self.group_latency = series.histogram(
             "rolloutbus_rollout_group_latency_seconds",
             "From a group's first turn event (its log timestamp) to its release; seconds",
             buckets=GROUP_SECONDS_BUCKETS,
-            registry=registry,
         )
 
     def _init_agent_loop(self, registry: CollectorRegistry) -> None:
         """verl's agent_loop/* figures, per trajectory as the loop reports them."""
+        series = SeriesDeclarer(registry)
         self.agent_loop = {
-            name: Histogram(
+            name: series.histogram(
                 f"rolloutbus_agent_loop_{name}_seconds",
                 f"Per-trajectory {name} time as the agent loop reports it (verl: "
                 f"agent_loop/{name}/min|max|mean over a batch); seconds",
                 buckets=AGENT_LOOP_SECONDS_BUCKETS,
-                registry=registry,
             )
             for name in ("generate_sequences", "tool_calls", "compute_score")
         }
-        self.num_preempted = Histogram(
+        self.num_preempted = series.histogram(
             "rolloutbus_agent_loop_num_preempted",
             "Preemptions per trajectory where the engine reports them (verl: "
             "agent_loop/num_preempted/min|max|mean); preemptions",
             buckets=PREEMPTED_BUCKETS,
-            registry=registry,
         )
 
     def agent_loop_extra(self, name: str) -> Histogram:
         """A histogram for an agent-loop metric this code does not name (a newer loop's):
         ``rolloutbus_agent_loop_<name>``, what arrives is exported."""
         if name not in self._extra:
-            self._extra[name] = Histogram(
+            self._extra[name] = SeriesDeclarer(self._registry).histogram(
                 f"rolloutbus_agent_loop_{name}",
                 f"Per-trajectory agent-loop metric {name} (verl: agent_loop/{name}), in the "
                 "loop's own units",
                 buckets=AGENT_LOOP_SECONDS_BUCKETS,
-                registry=self._registry,
             )
         return self._extra[name]

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry
 
-from rolloutbus.metrics import PerRegistry
+from rolloutbus.metrics import PerRegistry, SeriesDeclarer
 
 __all__ = ["ClientMetrics"]
 
@@ -40,76 +40,69 @@ class ClientMetrics(PerRegistry):
         self._fleet_series(registry)
 
     def _request_series(self, registry: CollectorRegistry) -> None:
-        self.in_flight = Gauge(
+        series = SeriesDeclarer(registry)
+        self.in_flight = series.gauge(
             "rolloutbus_client_in_flight",
             "generate calls in flight from this process; calls",
-            ["replica"],
-            registry=registry,
+            "replica",
         )
-        self.requests = Counter(
+        self.requests = series.counter(
             "rolloutbus_client_requests",
             "generate calls by replica and outcome "
             "(completed, aborted, timeout, connection_error, server_error, bad_request, "
             "bad_response); calls",
-            ["replica", "outcome"],
-            registry=registry,
+            "replica",
+            "outcome",
         )
-        self.retries = Counter(
+        self.retries = series.counter(
             "rolloutbus_client_retries",
             "turns sent again to another replica; turns",
-            registry=registry,
         )
-        self.latency = Histogram(
+        self.latency = series.histogram(
             "rolloutbus_client_request_latency_seconds",
             "time from sending a generate call to its parsed answer; seconds",
-            ["replica"],
+            "replica",
             buckets=LATENCY_BUCKETS_S,
-            registry=registry,
         )
 
     def _fleet_series(self, registry: CollectorRegistry) -> None:
-        self.healthy = Gauge(
+        series = SeriesDeclarer(registry)
+        self.healthy = series.gauge(
             "rolloutbus_client_replica_healthy",
             "1 while a replica is routed to, else 0; boolean",
-            ["replica"],
-            registry=registry,
+            "replica",
         )
-        self.admitted = Gauge(
+        self.admitted = series.gauge(
             "rolloutbus_client_replica_admitted",
             "1 when the replica is routed to, 0 while a replica that (re)started waits to report "
             "the current policy version; boolean",
-            ["replica"],
-            registry=registry,
+            "replica",
         )
-        self.admissions = Counter(
+        self.admissions = series.counter(
             "rolloutbus_client_replica_admissions",
             "replicas routed to again after a (re)start, by reason: current_version, "
             "stale_timeout (replicas.admit_stale_s passed first), no_version_published, "
             "no_version_reported (the replica names no weight version); replicas",
-            ["replica", "reason"],
-            registry=registry,
+            "replica",
+            "reason",
         )
-        self.paused_seconds = Gauge(
+        self.paused_seconds = series.gauge(
             "rolloutbus_client_replica_paused_seconds",
             "time a replica has been paused (0 while it is not); seconds",
-            ["replica"],
-            registry=registry,
+            "replica",
         )
-        self.paused_too_long = Counter(
+        self.paused_too_long = series.counter(
             "rolloutbus_client_replica_paused_too_long",
             "Warnings that a replica stayed paused longer than replicas.paused_warn_s; warnings",
-            ["replica"],
-            registry=registry,
+            "replica",
         )
-        self.waiting = Gauge(
+        self.waiting = series.gauge(
             "rolloutbus_client_turns_waiting",
             "turns waiting for a routable replica (none is healthy and admitted); turns",
-            registry=registry,
         )
-        self.unavailable = Counter(
+        self.unavailable = series.counter(
             "rolloutbus_client_unavailable",
             "turns that gave up after replicas.unavailable_wait_s with no routable replica; turns",
-            registry=registry,
         )
 
     def forget(self, replica: str) -> None:
