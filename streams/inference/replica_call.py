@@ -131,22 +131,13 @@ class ReplicaCaller:
         try:
             async with asyncio.timeout(self._timeout_s):
                 yield
-        except (TimeoutError, httpx.TimeoutException) as exc:
-            self._count(replica, "timeout")
-            raise ReplicaRequestError(
-                replica,
-                f"{what} timed out after {self._timeout_s} s",
-                outcome="timeout",
-                retriable=True,
-            ) from exc
-        except httpx.TransportError as exc:
-            self._count(replica, "connection_error")
-            raise ReplicaRequestError(
-                replica,
-                f"{what} {cut}: {type(exc).__name__}: {exc}",
-                outcome="connection_error",
-                retriable=True,
-            ) from exc
+        except (TimeoutError, httpx.TransportError) as exc:  # httpx's timeouts included
+            if isinstance(exc, (TimeoutError, httpx.TimeoutException)):
+                outcome, message = "timeout", f"{what} timed out after {self._timeout_s} s"
+            else:
+                outcome, message = "connection_error", f"{what} {cut}: {type(exc).__name__}: {exc}"
+            self._count(replica, outcome)
+            raise ReplicaRequestError(replica, message, outcome=outcome, retriable=True) from exc
 
     async def stream(self, replica: str, call: EngineCall, on_delta: DeltaSink) -> TokenOutput:
         """One streamed call: ``on_delta`` gets each event's new tokens as they come; returns
