@@ -35,9 +35,10 @@ request drew.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from typing import Any
 
 from rolloutbus.config import RolloutConfig
@@ -53,6 +54,7 @@ __all__ = [
     "chunk_event",
     "generate_in_chunks",
     "generate_streamed",
+    "sample_turn",
 ]
 
 SEED_MODULUS = 1 << 31  # a chunk's seed stays in the range every engine accepts (31 bits)
@@ -138,7 +140,7 @@ class TurnPieces:
         )
 
 
-async def generate_in_chunks(
+async def sample_turn(
     client: Any,
     request_id: str,
     prompt_ids: list[int],
@@ -147,91 +149,109 @@ async def generate_in_chunks(
     log_chunk: LogChunk,
     *,
     logged: Sequence[GenerationChunk] = (),
+    streamed: bool,
     **kwargs: Any,
 ) -> TokenOutput:
-    """Sample one turn in requests of at most ``settings.chunk_tokens`` tokens, after the
-    ``logged`` chunks of it; ``log_chunk`` logs every piece that does not end the turn."""
-    budget = settings.turn_budget(len(prompt_ids), sampling_params)
-    turn = TurnPieces.from_logged(logged)
+    """Sample one turn after the ``logged`` chunks of it, within the turn's budget: in one
+    streamed request (``streamed``), or in requests of at most ``settings.chunk_tokens``
+    tokens; ``log_chunk`` logs the chunks on the way (``generate_streamed`` and
+    ``generate_in_chunks`` say which)."""
+    sampling = (_StreamedTurn if streamed else _TurnSampling)(
+        prompt_ids, sampling_params, settings, log_chunk, logged
+    )
+    if sampling.remaining() <= 0:
+        return sampling.turn.out_of_budget()
+    if isinstance(sampling, _StreamedTurn):
+        return await _sample_streamed(client, request_id, sampling, kwargs)
+    return await _sample_in_chunks(client, request_id, sampling, kwargs)
+
+
+# Sample one turn in requests of at most ``settings.chunk_tokens`` tokens, after the
+# ``logged`` chunks of it; ``log_chunk`` logs every piece that does not end the turn.
+generate_in_chunks = functools.partial(sample_turn, streamed=False)
+# Sample one turn in one streamed request after the ``logged`` chunks of it, logging a
+# chunk every ``chunk_tokens`` tokens or ``chunk_s`` seconds, whichever comes first.
+generate_streamed = functools.partial(sample_turn, streamed=True)
+
+
+@dataclass(eq=False)  # compared and hashed by identity
+class _TurnSampling:
+    """What sampling a turn starts from, either way: its prompt and sampling params, its
+    budget, and ``turn``: the logged chunks' tokens, then what is sampled after them."""
+
+    prompt_ids: list[int]
+    params: dict[str, Any]
+    settings: ChunkSettings
+    log_chunk: LogChunk
+    logged: InitVar[Sequence[GenerationChunk]]
+    budget: int = field(init=False)
+    turn: TurnPieces = field(init=False)
+
+    def __post_init__(self, logged: Sequence[GenerationChunk]) -> None:
+        self.budget = self.settings.turn_budget(len(self.prompt_ids), self.params)
+        self.turn = TurnPieces.from_logged(logged)
+
+    def remaining(self) -> int:
+        return self.budget - len(self.turn.tokens)
+
+    def continuation(self, max_tokens: int) -> tuple[list[int], dict[str, Any]]:
+        """The request that goes on after the turn's tokens so far: prompt ‖ those tokens,
+        the params asking for ``max_tokens`` more (and the seed moved past them)."""
+        start = len(self.turn.tokens)
+        return self.prompt_ids + self.turn.tokens, _chunk_params(self.params, max_tokens, start)
+
+
+async def _sample_in_chunks(
+    client: Any, request_id: str, sampling: _TurnSampling, kwargs: dict[str, Any]
+) -> TokenOutput:
+    """One request per chunk until a piece ends the turn or the budget is spent; every
+    piece but the last is logged."""
+    turn, chunk_tokens = sampling.turn, sampling.settings.chunk_tokens
     while True:
-        remaining = budget - len(turn.tokens)
-        if remaining <= 0:
-            return turn.out_of_budget()
-        ask = remaining if settings.chunk_tokens <= 0 else min(settings.chunk_tokens, remaining)
+        remaining = sampling.remaining()
+        ask = remaining if chunk_tokens <= 0 else min(chunk_tokens, remaining)
         start = len(turn.tokens)
+        prompt_ids, params = sampling.continuation(ask)
         piece: TokenOutput = await client.generate(
-            request_id,
-            prompt_ids=prompt_ids + turn.tokens,
-            sampling_params=_chunk_params(sampling_params, ask, start),
-            **kwargs,
+            request_id, prompt_ids=prompt_ids, sampling_params=params, **kwargs
         )
         turn.add(piece)
-        if not _turn_goes_on(piece, ask) or len(turn.tokens) >= budget:
+        if not _turn_goes_on(piece, ask) or sampling.remaining() <= 0:
             return turn.output(piece)
-        await log_chunk(turn.chunks, start, piece)
+        await sampling.log_chunk(turn.chunks, start, piece)
         turn.chunks += 1
 
 
-async def generate_streamed(
-    client: Any,
-    request_id: str,
-    prompt_ids: list[int],
-    sampling_params: dict[str, Any],
-    settings: ChunkSettings,
-    log_chunk: LogChunk,
-    *,
-    logged: Sequence[GenerationChunk] = (),
-    **kwargs: Any,
+async def _sample_streamed(
+    client: Any, request_id: str, streamed: _StreamedTurn, kwargs: dict[str, Any]
 ) -> TokenOutput:
-    """Sample one turn in one streamed request after the ``logged`` chunks of it, logging a
-    chunk every ``chunk_tokens`` tokens or ``chunk_s`` seconds, whichever comes first."""
-    streamed = _StreamedTurn(prompt_ids, sampling_params, settings, log_chunk, logged)
-    if streamed.remaining() <= 0:
-        return streamed.turn.out_of_budget()
     last: TokenOutput = await client.stream_turn(request_id, streamed, **kwargs)
     if last.stop_reason == "aborted" and streamed.remaining() <= 0:
         return streamed.turn.out_of_budget()
     return streamed.finish(last)
 
 
-class _StreamedTurn:
+@dataclass(eq=False)
+class _StreamedTurn(_TurnSampling):
     """A turn as it streams: ``turn`` holds what is logged, ``pending`` what came since."""
 
-    def __init__(
-        self,
-        prompt_ids: list[int],
-        sampling_params: dict[str, Any],
-        settings: ChunkSettings,
-        log_chunk: LogChunk,
-        logged: Sequence[GenerationChunk],
-    ) -> None:
-        self._prompt_ids, self._params = prompt_ids, sampling_params
-        self._settings, self._log_chunk = settings, log_chunk
-        self._budget = settings.turn_budget(len(prompt_ids), sampling_params)
-        self.turn = TurnPieces.from_logged(logged)
-        self._pending: list[TokenOutput] = []
-        self._since = time.monotonic()
-
-    def remaining(self) -> int:
-        return self._budget - len(self.turn.tokens)
+    _pending: list[TokenOutput] = field(default_factory=list, init=False)
+    _since: float = field(default_factory=time.monotonic, init=False)
 
     def request(self) -> tuple[list[int], dict[str, Any]]:
         """A (new) try goes on from the logged tokens: what was not logged is sampled again."""
         self._pending.clear()
         self._since = time.monotonic()
-        start = len(self.turn.tokens)
-        return self._prompt_ids + self.turn.tokens, _chunk_params(
-            self._params, self.remaining(), start
-        )
+        return self.continuation(self.remaining())
 
     async def take(self, delta: TokenOutput) -> None:
         self._pending.append(delta)
         if delta.stop_reason is not None:
             return  # the turn ends here: its last tokens go with the turn, not as a chunk
-        size = self._settings.chunk_tokens
+        size = self.settings.chunk_tokens
         while size > 0 and self._pending_count() >= size:
             await self._log(size)
-        timer = self._settings.chunk_s
+        timer = self.settings.chunk_s
         if timer and self._pending_count() and time.monotonic() - self._since >= timer:
             await self._log(self._pending_count())
 
@@ -259,7 +279,7 @@ class _StreamedTurn:
         piece = _slice_piece(joined, 0, count, self._pending)
         rest = _slice_piece(joined, count, len(joined.token_ids), self._pending)
         start = len(self.turn.tokens)
-        await self._log_chunk(self.turn.chunks, start, piece)
+        await self.log_chunk(self.turn.chunks, start, piece)
         self.turn.add(piece)
         self.turn.chunks += 1
         self._pending = [rest] if rest.token_ids else []
