@@ -30,15 +30,11 @@ import pytest
 
 from rolloutbus.config import Config
 from rolloutbus.consumers.log_replay import replay_turns
-from rolloutbus.kafka.admin import ensure_topics
 from rolloutbus.replica.scripted import ScriptedEngine, ScriptedTurn
-from rolloutbus.replica.server import replica_in_thread
 from rolloutbus.schemas.turns import decode_turn_event
 from rolloutbus.streams.agent_loop.continuous_token import get_builder
-from rolloutbus.streams.gateway import gateway_in_thread
 from rolloutbus.topics import Topics
-from tests.gateway.processes import gateway_processes
-from tests.helpers import unique_name
+from tests.gateway.processes import gateway_config, gateway_processes, gateway_stack
 from tests.pipeline import read_topic, receive_groups, running, spawn
 from tests.source_tree import ROOT
 
@@ -75,21 +71,9 @@ def _engine(tok, call_text: str = CALL, answer_text: str = ANSWER) -> ScriptedEn
 
 
 def _config(bootstrap: str, replica_url: str, **gateway) -> Config:
-    return Config.model_validate(
-        {
-            "kafka": {
-                "bootstrap_servers": bootstrap,
-                "topic_prefix": unique_name("gw"),
-                "partitions": 2,
-            },
-            "model": {"name": "tiny-qwen3"},
-            "replicas": {"urls": [replica_url]},
-            "rollout": {"prompt_length": 1024, "response_length": 256},
-            "gateway": {"port": 0, **gateway},
-            "sessions": {"app_id": unique_name("s")},
-            "replay_buffer": {"group_id": unique_name("rb"), "transactional_id": unique_name("tx")},
-        }
-    )
+    """The agent tests' config: budgets for a tool call, its response and the answer."""
+    rollout = {"prompt_length": 1024, "response_length": 256}
+    return gateway_config(bootstrap, replica_url, "gw", rollout=rollout, gateway=gateway)
 
 
 def _check_agent_trajectory(
@@ -122,27 +106,22 @@ def _check_agent_trajectory(
 
 def test_an_openai_sdk_agent_becomes_trajectories(kafka_bootstrap, tok):
     engine = _engine(tok)
-    with replica_in_thread(
-        Config.model_validate({"replica_server": {"port": 0}}), engine
-    ) as replica:
-        cfg = _config(kafka_bootstrap, replica.url)
-        ensure_topics(cfg.kafka)
-        with gateway_in_thread(cfg) as gateway:
-            sessions = openai_agent.open_sessions(gateway.url, 3, row=ROW)
-            uid = sessions[0]["id"].rsplit("_", 1)[0]
-            first, second, third = sessions
-            assert first["base_url"] == f"{gateway.url}/sessions/{first['id']}/v1"
+    with gateway_stack(engine, functools.partial(_config, kafka_bootstrap)) as (cfg, gateway):
+        sessions = openai_agent.open_sessions(gateway.url, 3, row=ROW)
+        uid = sessions[0]["id"].rsplit("_", 1)[0]
+        first, second, third = sessions
+        assert first["base_url"] == f"{gateway.url}/sessions/{first['id']}/v1"
 
-            answer = openai_agent.run_agent(first["base_url"], QUESTION)
-            assert answer == ANSWER
-            scored = openai_agent.finish(gateway.url, first["id"], None)  # the row's scorer
-            assert scored["rewards"] == [1.0]
-            openai_agent.run_agent(second["base_url"], QUESTION)
-            openai_agent.finish(gateway.url, second["id"], 0.5)
+        answer = openai_agent.run_agent(first["base_url"], QUESTION)
+        assert answer == ANSWER
+        scored = openai_agent.finish(gateway.url, first["id"], None)  # the row's scorer
+        assert scored["rewards"] == [1.0]
+        openai_agent.run_agent(second["base_url"], QUESTION)
+        openai_agent.finish(gateway.url, second["id"], 0.5)
 
-            _streamed_call_then_abort(tok, gateway.url, third)
-            _errors_an_sdk_sees(gateway.url, first, uid)
-        records = [t.model_dump() for t in replay_turns(cfg).trajectories if t.uid == uid]
+        _streamed_call_then_abort(tok, gateway.url, third)
+        _errors_an_sdk_sees(gateway.url, first, uid)
+    records = [t.model_dump() for t in replay_turns(cfg).trajectories if t.uid == uid]
     assert len(engine.calls) == 5  # 2 + 2 + 1 streamed; the repeated request sampled nothing
     by_session = {t["session_id"]: t for t in records}
     assert sorted(by_session) == [0, 1, 2]
@@ -234,19 +213,15 @@ def _errors_an_sdk_sees(gateway_url: str, finished: dict, uid: str) -> None:
 
 
 def test_an_idle_session_is_failed_so_its_group_is_released(kafka_bootstrap, tok):
-    with replica_in_thread(
-        Config.model_validate({"replica_server": {"port": 0}}), _engine(tok)
-    ) as replica:
-        cfg = _config(kafka_bootstrap, replica.url, session_idle_timeout_s=1.0)
-        ensure_topics(cfg.kafka)
-        with gateway_in_thread(cfg) as gateway:
-            [session] = openai_agent.open_sessions(gateway.url, 1)
-            deadline = time.monotonic() + 60
-            while session["id"] in gateway.sessions.open and time.monotonic() < deadline:
-                time.sleep(0.2)
-            assert session["id"] not in gateway.sessions.open
-        uid = session["id"].rsplit("_", 1)[0]
-        [t] = [t for t in replay_turns(cfg).trajectories if t.uid == uid]
+    idle = functools.partial(_config, kafka_bootstrap, session_idle_timeout_s=1.0)
+    with gateway_stack(_engine(tok), idle) as (cfg, gateway):
+        [session] = openai_agent.open_sessions(gateway.url, 1)
+        deadline = time.monotonic() + 60
+        while session["id"] in gateway.sessions.open and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert session["id"] not in gateway.sessions.open
+    uid = session["id"].rsplit("_", 1)[0]
+    [t] = [t for t in replay_turns(cfg).trajectories if t.uid == uid]
     assert t.status == "failed" and "gateway.session_idle_timeout_s" in t.error
 
 

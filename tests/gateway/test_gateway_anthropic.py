@@ -25,15 +25,11 @@ import anthropic
 import httpx
 import pytest
 
-from rolloutbus.config import Config
 from rolloutbus.consumers.log_replay import replay_turns
-from rolloutbus.kafka.admin import ensure_topics
 from rolloutbus.monitoring.session_traces import read_traces
-from rolloutbus.replica.server import replica_in_thread
 from rolloutbus.schemas.turns import decode_turn_event
-from rolloutbus.streams.gateway import gateway_in_thread
 from rolloutbus.topics import Topics
-from tests.gateway.processes import gateway_processes
+from tests.gateway.processes import gateway_processes, gateway_stack
 from tests.gateway.test_gateway import (
     ANSWER,
     CALL,
@@ -72,17 +68,13 @@ def _run_agent(
 def test_the_example_anthropic_agent_trains_through_the_gateway(kafka_bootstrap, tok, capsys):
     """examples/anthropic_agent.py as its docstring runs it (streamed, a group of 2): each
     session answers, is finished with its reward, and becomes the exact trajectory."""
-    with replica_in_thread(
-        Config.model_validate({"replica_server": {"port": 0}}), _engine(tok)
-    ) as replica:
-        cfg = _config(kafka_bootstrap, replica.url)
-        ensure_topics(cfg.kafka)
-        with gateway_in_thread(cfg) as gateway:
-            argv = [gateway.url, QUESTION, "--answer", "126", "-n", "2", "--stream"]
-            assert anthropic_agent.main(argv) == 0
-        printed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-        uid = printed[0]["session"].rsplit("_", 1)[0]
-        records = [t.model_dump() for t in replay_turns(cfg).trajectories if t.uid == uid]
+    make_config = functools.partial(_config, kafka_bootstrap)
+    with gateway_stack(_engine(tok), make_config) as (cfg, gateway):
+        argv = [gateway.url, QUESTION, "--answer", "126", "-n", "2", "--stream"]
+        assert anthropic_agent.main(argv) == 0
+    printed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    uid = printed[0]["session"].rsplit("_", 1)[0]
+    records = [t.model_dump() for t in replay_turns(cfg).trajectories if t.uid == uid]
     assert [(p["answer"], p["reward"]) for p in printed] == [(ANSWER, 1.0)] * 2
     assert sorted(t["session_id"] for t in records) == [0, 1]
     for record in records:
@@ -102,36 +94,32 @@ def _check_replies(tok, replies) -> None:
 
 def test_an_anthropic_sdk_agent_makes_the_openai_agents_trajectory(kafka_bootstrap, tok):
     engine = _engine(tok)
-    with replica_in_thread(
-        Config.model_validate({"replica_server": {"port": 0}}), engine
-    ) as replica:
-        cfg = _config(kafka_bootstrap, replica.url)
-        ensure_topics(cfg.kafka)
-        with gateway_in_thread(cfg) as gateway:
-            plain, streamed = openai_agent.open_sessions(gateway.url, 2, row=ROW)
-            uid = plain["id"].rsplit("_", 1)[0]
-            with _client(gateway.url, plain["id"]) as client:
-                history, replies = _run_agent(client, stream=False)
-                _check_replies(tok, replies)
-                calls = len(engine.calls)
-                again = client.messages.create(**_request(history[:-1]))  # a retried request
-            assert again.content[0].text == ANSWER and len(engine.calls) == calls
-
-            _disconnect_mid_stream(gateway.url, streamed["id"])
+    make_config = functools.partial(_config, kafka_bootstrap)
+    with gateway_stack(engine, make_config) as (cfg, gateway):
+        plain, streamed = openai_agent.open_sessions(gateway.url, 2, row=ROW)
+        uid = plain["id"].rsplit("_", 1)[0]
+        with _client(gateway.url, plain["id"]) as client:
+            history, replies = _run_agent(client, stream=False)
+            _check_replies(tok, replies)
             calls = len(engine.calls)
-            with _client(gateway.url, streamed["id"]) as client:
-                _, streamed_replies = _run_agent(client, stream=True)
-            _check_replies(tok, streamed_replies)
-            assert len(engine.calls) == calls + 1  # the dropped stream's turn came from the log
-            _errors_an_sdk_sees(gateway.url, plain["id"], uid)
-            openai_agent.finish(gateway.url, plain["id"], None)  # the row's scorer
-            openai_agent.finish(gateway.url, streamed["id"], 0.5)
-        records = [t.model_dump() for t in replay_turns(cfg).trajectories if t.uid == uid]
-        traces = read_traces(cfg, uid)
+            again = client.messages.create(**_request(history[:-1]))  # a retried request
+        assert again.content[0].text == ANSWER and len(engine.calls) == calls
+
+        _disconnect_mid_stream(gateway.url, streamed["id"])
+        calls = len(engine.calls)
+        with _client(gateway.url, streamed["id"]) as client:
+            _, streamed_replies = _run_agent(client, stream=True)
+        _check_replies(tok, streamed_replies)
+        assert len(engine.calls) == calls + 1  # the dropped stream's turn came from the log
+        _errors_an_sdk_sees(gateway.url, plain["id"], uid)
+        openai_agent.finish(gateway.url, plain["id"], None)  # the row's scorer
+        openai_agent.finish(gateway.url, streamed["id"], 0.5)
+    records = [t.model_dump() for t in replay_turns(cfg).trajectories if t.uid == uid]
+    traces = read_traces(cfg, uid)
     by_session = {t["session_id"]: t for t in records}
     _check_agent_trajectory(tok, by_session[0], reward=1.0)
     _check_agent_trajectory(tok, by_session[1], reward=0.5)
-    _check_traces(traces, replica.url)
+    _check_traces(traces, cfg.replicas.urls[0])
 
 
 THINKING = {"type": "enabled", "budget_tokens": 1024}
@@ -142,26 +130,22 @@ REASONED_ANSWER = f"<think>\nThe calculator says 126.\n</think>\n\n{ANSWER}"
 def test_an_anthropic_sdk_agent_with_thinking_gets_thinking_blocks(kafka_bootstrap, tok):
     # scripted replies that reason first, as Qwen3 does (tiny-qwen3 cannot be made to)
     engine = _engine(tok, REASONED_CALL, REASONED_ANSWER)
-    with replica_in_thread(
-        Config.model_validate({"replica_server": {"port": 0}}), engine
-    ) as replica:
-        cfg = _config(kafka_bootstrap, replica.url)
-        ensure_topics(cfg.kafka)
-        with gateway_in_thread(cfg) as gateway:
-            plain, streamed = openai_agent.open_sessions(gateway.url, 2, row=ROW)
-            uid = plain["id"].rsplit("_", 1)[0]
-            for session, stream in ((plain, False), (streamed, True)):
-                with _client(gateway.url, session["id"]) as client:
-                    history, replies = _run_agent(
-                        client, stream=stream, thinking=THINKING, max_tokens=2048
-                    )
-                    _check_reasoned_replies(replies)
-                    retried = _request(history[:-1], thinking=THINKING, max_tokens=2048)
-                    with client.messages.stream(**retried) as events:  # answered from the log
-                        deltas = [e.delta.type for e in events if e.type == "content_block_delta"]
-                assert deltas[0] == "thinking_delta" and "signature_delta" in deltas
-                openai_agent.finish(gateway.url, session["id"], None)
-        records = [t.model_dump() for t in replay_turns(cfg).trajectories if t.uid == uid]
+    make_config = functools.partial(_config, kafka_bootstrap)
+    with gateway_stack(engine, make_config) as (cfg, gateway):
+        plain, streamed = openai_agent.open_sessions(gateway.url, 2, row=ROW)
+        uid = plain["id"].rsplit("_", 1)[0]
+        for session, stream in ((plain, False), (streamed, True)):
+            with _client(gateway.url, session["id"]) as client:
+                history, replies = _run_agent(
+                    client, stream=stream, thinking=THINKING, max_tokens=2048
+                )
+                _check_reasoned_replies(replies)
+                retried = _request(history[:-1], thinking=THINKING, max_tokens=2048)
+                with client.messages.stream(**retried) as events:  # answered from the log
+                    deltas = [e.delta.type for e in events if e.type == "content_block_delta"]
+            assert deltas[0] == "thinking_delta" and "signature_delta" in deltas
+            openai_agent.finish(gateway.url, session["id"], None)
+    records = [t.model_dump() for t in replay_turns(cfg).trajectories if t.uid == uid]
     assert len(engine.calls) == 4, "an echoed thinking block did not align with its turn"
     assert sorted(t["session_id"] for t in records) == [0, 1]  # one segment each
     for record in records:

@@ -15,6 +15,7 @@ extends the logged tokens in the same segment. With the real Anthropic SDK over 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -25,13 +26,11 @@ import httpx
 import pytest
 
 from rolloutbus.config import Config
-from rolloutbus.kafka.admin import ensure_topics
 from rolloutbus.replica.scripted import ScriptedEngine, ScriptedTurn
 from rolloutbus.replica.server import replica_in_thread
 from rolloutbus.schemas.turns import Generation
 from rolloutbus.streams.agent_loop.continuous_token import get_builder
 from rolloutbus.streams.agent_loop.tool_parser import ToolParser
-from rolloutbus.streams.gateway import gateway_in_thread
 from rolloutbus.streams.gateway.anthropic import MessageEvents, MessagesRequest, message_response
 from rolloutbus.streams.gateway.session import GatewayContext, GatewaySession
 from rolloutbus.streams.gateway.stops import StopWatch, cut_at_stop, partial_stop_end
@@ -39,7 +38,7 @@ from rolloutbus.streams.gateway.streaming import ReplyText
 from rolloutbus.streams.inference.llm_client import LLMClient
 from rolloutbus.streams.reward import default_compute_score
 from tests.builders import make_group_started
-from tests.helpers import unique_name
+from tests.gateway.processes import gateway_config, gateway_stack
 
 REPLY = "The sea is wide. END of the poem, and more words after it."
 QUESTION = [{"role": "user", "content": "Write a short poem about the sea."}]
@@ -229,24 +228,22 @@ def test_anthropic_sdk_stop_sequences_plain_and_streamed(kafka_bootstrap, tok):
     """The real Anthropic SDK, the gateway in a thread, the scripted engine (a test double)
     behind the embedded replica's server: a plain call and a streamed one that extends it."""
     engine, turns = _scripted(tok, [REPLY, "Waves END here."])
-    with replica_in_thread(Config.model_validate({"replica_server": {"port": 0}}), engine) as r:
-        cfg = _gateway_config(kafka_bootstrap, r.url)
-        ensure_topics(cfg.kafka)
-        with gateway_in_thread(cfg) as running:
-            body = {"n": 1, "sampling_params": {"temperature": 1.0, "seed": 7}}
-            opened = httpx.post(f"{running.url}/v1/sessions", json=body, timeout=60)
-            [session] = opened.json()["sessions"]
-            root = f"{running.url}/sessions/{session['id']}"
-            with anthropic.Anthropic(base_url=root, api_key="x", max_retries=0) as client:
-                plain = client.messages.create(
-                    model="policy", max_tokens=64, messages=QUESTION, stop_sequences=["END"]
-                )
-                echoed = {"role": "assistant", "content": [b.model_dump() for b in plain.content]}
-                history = [*QUESTION, echoed, {"role": "user", "content": "Another."}]
-                request = {"model": "policy", "max_tokens": 64, "messages": history}
-                with client.messages.stream(**request, stop_sequences=["END"]) as stream:
-                    streamed = "".join(stream.text_stream)
-                    final = stream.get_final_message()
+    make_config = functools.partial(gateway_config, kafka_bootstrap, topic_prefix="gwstop")
+    with gateway_stack(engine, make_config) as (_, running):
+        body = {"n": 1, "sampling_params": {"temperature": 1.0, "seed": 7}}
+        opened = httpx.post(f"{running.url}/v1/sessions", json=body, timeout=60)
+        [session] = opened.json()["sessions"]
+        root = f"{running.url}/sessions/{session['id']}"
+        with anthropic.Anthropic(base_url=root, api_key="x", max_retries=0) as client:
+            plain = client.messages.create(
+                model="policy", max_tokens=64, messages=QUESTION, stop_sequences=["END"]
+            )
+            echoed = {"role": "assistant", "content": [b.model_dump() for b in plain.content]}
+            history = [*QUESTION, echoed, {"role": "user", "content": "Another."}]
+            request = {"model": "policy", "max_tokens": 64, "messages": history}
+            with client.messages.stream(**request, stop_sequences=["END"]) as stream:
+                streamed = "".join(stream.text_stream)
+                final = stream.get_final_message()
     assert plain.stop_reason == "stop_sequence" and plain.stop_sequence == "END"
     assert plain.content[0].text == "The sea is wide."
     assert final.stop_reason == "stop_sequence" and final.stop_sequence == "END"
@@ -254,21 +251,3 @@ def test_anthropic_sdk_stop_sequences_plain_and_streamed(kafka_bootstrap, tok):
     first, second = (call.prompt_ids for call in engine.calls)
     kept = _stop_index(tok, turns[0].token_ids, "END")
     assert second[: len(first) + kept] == first + turns[0].token_ids[:kept]
-
-
-def _gateway_config(bootstrap: str, replica_url: str) -> Config:
-    return Config.model_validate(
-        {
-            "kafka": {
-                "bootstrap_servers": bootstrap,
-                "topic_prefix": unique_name("gwstop"),
-                "partitions": 2,
-            },
-            "model": {"name": "tiny-qwen3"},
-            "replicas": {"urls": [replica_url]},
-            "rollout": {"prompt_length": 512, "response_length": 128},
-            "gateway": {"port": 0},
-            "sessions": {"app_id": unique_name("s")},
-            "replay_buffer": {"group_id": unique_name("rb"), "transactional_id": unique_name("tx")},
-        }
-    )

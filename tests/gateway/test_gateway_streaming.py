@@ -20,6 +20,7 @@ streamed, or not gated, decodes straight through. Checked:
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -36,8 +37,8 @@ from rolloutbus.replica.scripted import ScriptedEngine, ScriptedTurn
 from rolloutbus.replica.server import replica_in_thread
 from rolloutbus.streams.gateway import gateway_in_thread
 from rolloutbus.streams.gateway.streaming import ReplyText
+from tests.gateway.processes import gateway_config, gateway_stack
 from tests.gateway.templates import open_think_template
-from tests.helpers import unique_name
 
 GATE_AT = 6  # tokens a gated call samples before its engine waits for the test
 GATE_WAIT_S = 120.0  # seconds; only a gateway that does not stream waits this long
@@ -110,29 +111,10 @@ def replica():
 @pytest.fixture
 def gateway(kafka_bootstrap, replica):
     handle, gate = replica
-    cfg = _config(kafka_bootstrap, handle.url)
+    cfg = gateway_config(kafka_bootstrap, handle.url, "gws")
     ensure_topics(cfg.kafka)
     with gateway_in_thread(cfg) as running:
         yield cfg, running.url, gate
-
-
-def _config(bootstrap: str, replica_url: str, **fields: Any) -> Config:
-    return Config.model_validate(
-        {
-            "kafka": {
-                "bootstrap_servers": bootstrap,
-                "topic_prefix": unique_name("gws"),
-                "partitions": 2,
-            },
-            "model": {"name": "tiny-qwen3"},
-            "replicas": {"urls": [replica_url]},
-            "rollout": {"prompt_length": 512, "response_length": 128},
-            "gateway": {"port": 0},
-            "sessions": {"app_id": unique_name("s")},
-            "replay_buffer": {"group_id": unique_name("rb"), "transactional_id": unique_name("tx")},
-            **fields,
-        }
-    )
 
 
 def _open(url: str, n: int) -> list[dict]:
@@ -262,26 +244,23 @@ def test_anthropic_thinking_where_the_template_opens_the_think(kafka_bootstrap, 
     sampled = tok.encode("A poem about waves.\n</think>\n\nThe sea.", add_special_tokens=False)
     turn = ScriptedTurn([*sampled, end], [-0.5] * (len(sampled) + 1))
     engine = ScriptedEngine(lambda _: turn, tokenizer=tok, eos_token_ids=frozenset({end}))
-    with replica_in_thread(
-        Config.model_validate({"replica_server": {"port": 0}}), engine
-    ) as replica:
-        template = {"chat_template": open_think_template(tok)}  # every render of the gateway's
-        cfg = _config(kafka_bootstrap, replica.url, data={"apply_chat_template_kwargs": template})
-        ensure_topics(cfg.kafka)
-        with gateway_in_thread(cfg) as running:
-            [session] = _open(running.url, 1)
-            root = f"{running.url}/sessions/{session['id']}"
-            thinking = {"type": "enabled", "budget_tokens": 1024}
-            with anthropic.Anthropic(base_url=root, api_key="x", max_retries=0) as client:
-                plain = client.messages.create(
-                    model="policy", max_tokens=64, messages=MESSAGES, thinking=thinking
-                )
-                echoed = {"role": "assistant", "content": [b.model_dump() for b in plain.content]}
-                history = [*MESSAGES, echoed, {"role": "user", "content": "Another."}]
-                request = {"model": "policy", "max_tokens": 64, "messages": history}
-                with client.messages.stream(**request, thinking=thinking) as stream:
-                    deltas = [e.delta.type for e in stream if e.type == "content_block_delta"]
-                    final = stream.get_final_message()
+    template = {"chat_template": open_think_template(tok)}  # every render of the gateway's
+    data = {"apply_chat_template_kwargs": template}
+    make_config = functools.partial(gateway_config, kafka_bootstrap, topic_prefix="gws", data=data)
+    with gateway_stack(engine, make_config) as (_, running):
+        [session] = _open(running.url, 1)
+        root = f"{running.url}/sessions/{session['id']}"
+        thinking = {"type": "enabled", "budget_tokens": 1024}
+        with anthropic.Anthropic(base_url=root, api_key="x", max_retries=0) as client:
+            plain = client.messages.create(
+                model="policy", max_tokens=64, messages=MESSAGES, thinking=thinking
+            )
+            echoed = {"role": "assistant", "content": [b.model_dump() for b in plain.content]}
+            history = [*MESSAGES, echoed, {"role": "user", "content": "Another."}]
+            request = {"model": "policy", "max_tokens": 64, "messages": history}
+            with client.messages.stream(**request, thinking=thinking) as stream:
+                deltas = [e.delta.type for e in stream if e.type == "content_block_delta"]
+                final = stream.get_final_message()
     for message in (plain, final):
         assert [b.type for b in message.content] == ["thinking", "text"]
         assert message.content[0].thinking == "A poem about waves."
