@@ -51,8 +51,7 @@ class StreamingLLMClient:
         budget = per_turn_max_tokens(
             len(prompt_ids), self._rollout, sampling_params.get("max_tokens")
         )
-        turn = _ForwardedTurn(list(prompt_ids), sampling_params, budget, on_tokens or _unsent)
-        turn.stop = stop
+        turn = _ForwardedTurn(list(prompt_ids), sampling_params, budget, on_tokens or _unsent, stop)
         try:
             last: TokenOutput = await self._client.stream_turn(request_id, turn, **kwargs)
         except StopMatchedError:
@@ -65,10 +64,17 @@ class StreamingLLMClient:
 class _ForwardedTurn:
     """A turn as it streams (``StreamedTurn``): every token kept and forwarded."""
 
-    def __init__(self, prompt_ids: list[int], params: dict[str, Any], budget: int, sink: TokenSink):
+    def __init__(
+        self,
+        prompt_ids: list[int],
+        params: dict[str, Any],
+        budget: int,
+        sink: TokenSink,
+        stop: StopWatch | None,
+    ):
         self._prompt_ids, self._params, self._budget, self._sink = prompt_ids, params, budget, sink
+        self.stop = stop  # ends the turn at the token completing a stop string (None: no stops)
         self.pieces = TurnPieces()
-        self.stop: StopWatch | None = None
         self._last: TokenOutput | None = None  # the last piece kept
 
     def remaining(self) -> int:
