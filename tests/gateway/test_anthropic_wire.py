@@ -14,7 +14,6 @@ import pytest
 from rolloutbus.config import Config
 from rolloutbus.schemas.prompts import GroupSamplingParams
 from rolloutbus.streams.agent_loop.continuous_token import get_builder
-from rolloutbus.streams.agent_loop.tool_parser import ToolParser
 from rolloutbus.streams.gateway.anthropic import (
     MessageEvents,
     MessagesRequest,
@@ -23,10 +22,10 @@ from rolloutbus.streams.gateway.anthropic import (
     split_thinking,
 )
 from rolloutbus.streams.gateway.messages import Reply
-from rolloutbus.streams.gateway.session import GatewayContext, GatewaySession, TurnResult
+from rolloutbus.streams.gateway.session import GatewaySession, TurnResult
 from rolloutbus.streams.gateway.streaming import ReplyText
-from rolloutbus.streams.reward import default_compute_score
 from tests.builders import make_group_started
+from tests.gateway.contexts import gateway_context
 from tests.gateway.templates import open_think_template
 from tests.scripted_server import ScriptedServerManager, scripted_turn
 
@@ -337,15 +336,8 @@ async def _session(tok, replies: list[str], **template_kwargs) -> tuple[GatewayS
     server = ScriptedServerManager(
         [scripted_turn(tok.encode(r, add_special_tokens=False) + [end]) for r in replies]
     )
-    ctx = GatewayContext(
-        config=Config.model_validate({"model": {"name": "tiny-qwen3"}}),
-        tokenizer=tok,
-        llm_client=server,
-        emit=_Log().emit,
-        builder=get_builder(tok, **template_kwargs),
-        parser=ToolParser.get_tool_parser("hermes", tok),
-        scorer=default_compute_score,
-    )
+    cfg = Config.model_validate({"model": {"name": "tiny-qwen3"}})
+    ctx = gateway_context(tok, cfg, server, _Log().emit, **template_kwargs)
     group = make_group_started("g1", attempt="ga", row={}, sampling_params={})
     session = GatewaySession(ctx, group, 0)
     await session.begin()

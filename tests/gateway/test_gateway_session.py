@@ -29,21 +29,19 @@ from rolloutbus.schemas.turns import (
     encode_turn_event,
 )
 from rolloutbus.streams.agent_loop import DictConfigWrap, ToolAgentLoop
-from rolloutbus.streams.agent_loop.continuous_token import get_builder
-from rolloutbus.streams.agent_loop.tool_parser import ToolParser, rendered_tool_schema
+from rolloutbus.streams.agent_loop.tool_parser import rendered_tool_schema
 from rolloutbus.streams.agent_loop.tools import CalculatorTool
 from rolloutbus.streams.assembly.session_fold import SessionFold
 from rolloutbus.streams.assembly.trajectories import build_group_trajectories
 from rolloutbus.streams.gateway.messages import BadMessagesError
 from rolloutbus.streams.gateway.session import (
-    GatewayContext,
     GatewaySession,
     SessionClosedError,
 )
 from rolloutbus.streams.gateway.wire import ChatCompletionRequest, CompletionRequest
-from rolloutbus.streams.reward import default_compute_score
 from rolloutbus.streams.sessions.recovery import LoggedAttempt
 from tests.builders import make_group_started
+from tests.gateway.contexts import gateway_context
 from tests.scripted_server import (
     ScriptedServerManager,
     scripted_turn,
@@ -82,15 +80,7 @@ def make_session(tok, outputs, log, *, row=None, partitions=4, **rollout):
         {"model": {"name": "tiny-qwen3"}, "rollout": rollout, "kafka": {"partitions": partitions}}
     )
     server = ScriptedServerManager(outputs)
-    ctx = GatewayContext(
-        config=cfg,
-        tokenizer=tok,
-        llm_client=server,
-        emit=log.emit,
-        builder=get_builder(tok),
-        parser=ToolParser.get_tool_parser("hermes", tok),
-        scorer=default_compute_score,
-    )
+    ctx = gateway_context(tok, cfg, server, log.emit)
     group = make_group_started(
         "g1", attempt="ga", row=row or {}, sampling_params={}, driven_by="gateway"
     )

@@ -29,15 +29,13 @@ from rolloutbus.config import Config
 from rolloutbus.replica.scripted import ScriptedEngine, ScriptedTurn
 from rolloutbus.replica.server import replica_in_thread
 from rolloutbus.schemas.turns import Generation
-from rolloutbus.streams.agent_loop.continuous_token import get_builder
-from rolloutbus.streams.agent_loop.tool_parser import ToolParser
 from rolloutbus.streams.gateway.anthropic import MessageEvents, MessagesRequest, message_response
-from rolloutbus.streams.gateway.session import GatewayContext, GatewaySession
+from rolloutbus.streams.gateway.session import GatewaySession
 from rolloutbus.streams.gateway.stops import StopWatch, cut_at_stop, partial_stop_end
 from rolloutbus.streams.gateway.streaming import ReplyText
 from rolloutbus.streams.inference.llm_client import LLMClient
-from rolloutbus.streams.reward import default_compute_score
 from tests.builders import make_group_started
+from tests.gateway.contexts import gateway_context
 from tests.gateway.processes import gateway_config, gateway_stack
 
 REPLY = "The sea is wide. END of the poem, and more words after it."
@@ -85,15 +83,7 @@ async def _stack(tok, replies: list[str]) -> AsyncIterator[Stack]:
         )
         async with LLMClient(client_cfg.replicas, client_cfg.rollout) as client:
             log = _Log()
-            ctx = GatewayContext(
-                config=client_cfg,
-                tokenizer=tok,
-                llm_client=client,
-                emit=log.emit,
-                builder=get_builder(tok),
-                parser=ToolParser.get_tool_parser("hermes", tok),
-                scorer=default_compute_score,
-            )
+            ctx = gateway_context(tok, client_cfg, client, log.emit)
             group = make_group_started("g1", attempt="ga", row={}, sampling_params={})
             session = GatewaySession(ctx, group, 0)
             await session.begin()
