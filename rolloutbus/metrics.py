@@ -59,21 +59,23 @@ class PerRegistry:
 
 
 class SeriesDeclarer:
-    """Declares a metric set's series on one registry: ``counter(name, help, *labels)`` is
-    prometheus_client's ``Counter(name, help, labels, registry=registry)`` (likewise
+    """Declares a metric set's series on one registry: ``counter(name, help, labels=...)``
+    is prometheus_client's ``Counter(name, help, labels, registry=registry)`` (likewise
     ``gauge``, and ``histogram`` with its ``buckets``); names, help texts, labels and
     buckets pass through as written."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
 
-    def counter(self, name: str, doc: str, *labels: str) -> Counter:
+    def counter(self, name: str, doc: str, labels: Sequence[str] = ()) -> Counter:
         return Counter(name, doc, labels, registry=self.registry)
 
-    def gauge(self, name: str, doc: str, *labels: str) -> Gauge:
+    def gauge(self, name: str, doc: str, labels: Sequence[str] = ()) -> Gauge:
         return Gauge(name, doc, labels, registry=self.registry)
 
-    def histogram(self, name: str, doc: str, *labels: str, buckets: Sequence[float]) -> Histogram:
+    def histogram(
+        self, name: str, doc: str, labels: Sequence[str] = (), *, buckets: Sequence[float]
+    ) -> Histogram:
         return Histogram(name, doc, labels, buckets=buckets, registry=self.registry)
 
 

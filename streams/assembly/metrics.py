@@ -26,12 +26,12 @@ class ReplayBufferMetrics(PerRegistry):
         self.events = series.counter(
             "rolloutbus_replay_buffer_events_total",
             "Turn events consumed, by type; events",
-            "type",
+            labels=("type",),
         )
         self.trajectories = series.counter(
             "rolloutbus_replay_buffer_trajectories_total",
             "Trajectories released, by status; trajectories",
-            "status",
+            labels=("status",),
         )
         self.groups = series.counter(
             "rolloutbus_replay_buffer_groups_released_total",
@@ -54,7 +54,7 @@ class ReplayBufferMetrics(PerRegistry):
             "Groups released before all their sessions settled (unsettled ones as failed "
             "records) or rejected, by kind: deadline, too_many_open_groups, head_missing, "
             "rejected; groups",
-            "kind",
+            labels=("kind",),
         )
         self.oldest_open_group = series.gauge(
             "rolloutbus_replay_buffer_oldest_open_group_timestamp_seconds",
@@ -90,7 +90,7 @@ class ReplayBufferMetrics(PerRegistry):
             "(a broker error), retries_exhausted, stalled (retriable errors on one producer for "
             "replay_buffer.txn_stall_s), wedged (a client call that never returned), fatal "
             "(the producer fenced or its transaction state beyond repair); transactions",
-            "cause",
+            labels=("cause",),
         )
         self.consumer_replacements = series.counter(
             "rolloutbus_replay_buffer_consumer_replacements_total",
@@ -103,7 +103,7 @@ class ReplayBufferMetrics(PerRegistry):
             "Transactional producers replaced by a new one with the same transactional id "
             "(which fences the old and ends its transaction) after a failed transaction, by "
             "its cause (as transaction_aborts_total); replacement events",
-            "cause",
+            labels=("cause",),
         )
 
 
@@ -139,7 +139,7 @@ class RolloutMetrics(PerRegistry):
                 f"rolloutbus_rollout_{name}",
                 f"{doc}, over the last {RELEASE_WINDOW_TRAJECTORIES} trajectories released "
                 f"of each data source; {unit}",
-                "data_source",
+                labels=("data_source",),
             )
 
         score = "in the scorer's units"
@@ -180,27 +180,26 @@ class RolloutMetrics(PerRegistry):
             "rolloutbus_rollout_trajectories_total",
             "Trajectories released, by data source and status (completed, truncated, failed); "
             "trajectories",
-            "data_source",
-            "status",
+            labels=("data_source", "status"),
         )
         self.response_length = series.histogram(
             "rolloutbus_rollout_response_length_tokens",
             "Response length of each trajectory released (prompt excluded, observations "
             "included); tokens",
-            "data_source",
+            labels=("data_source",),
             buckets=LENGTH_TOKENS_BUCKETS,
         )
         self.num_turns = series.histogram(
             "rolloutbus_rollout_num_turns",
             "Turns per trajectory as the loop counts them (verl: num_turns); turns",
-            "agent_name",
+            labels=("agent_name",),
             buckets=TURNS_BUCKETS,
         )
         self.failed = series.counter(
             "rolloutbus_rollout_failed_trajectories_total",
             "Failed trajectory records released, by failure class (infrastructure, loop, "
             "reward; unknown when the record names none); trajectories",
-            "failure_class",
+            labels=("failure_class",),
         )
         self.staleness = series.histogram(
             "rolloutbus_rollout_staleness_at_release_versions",

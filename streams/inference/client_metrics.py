@@ -44,15 +44,14 @@ class ClientMetrics(PerRegistry):
         self.in_flight = series.gauge(
             "rolloutbus_client_in_flight",
             "generate calls in flight from this process; calls",
-            "replica",
+            labels=("replica",),
         )
         self.requests = series.counter(
             "rolloutbus_client_requests",
             "generate calls by replica and outcome "
             "(completed, aborted, timeout, connection_error, server_error, bad_request, "
             "bad_response); calls",
-            "replica",
-            "outcome",
+            labels=("replica", "outcome"),
         )
         self.retries = series.counter(
             "rolloutbus_client_retries",
@@ -61,7 +60,7 @@ class ClientMetrics(PerRegistry):
         self.latency = series.histogram(
             "rolloutbus_client_request_latency_seconds",
             "time from sending a generate call to its parsed answer; seconds",
-            "replica",
+            labels=("replica",),
             buckets=LATENCY_BUCKETS_S,
         )
 
@@ -70,31 +69,30 @@ class ClientMetrics(PerRegistry):
         self.healthy = series.gauge(
             "rolloutbus_client_replica_healthy",
             "1 while a replica is routed to, else 0; boolean",
-            "replica",
+            labels=("replica",),
         )
         self.admitted = series.gauge(
             "rolloutbus_client_replica_admitted",
             "1 when the replica is routed to, 0 while a replica that (re)started waits to report "
             "the current policy version; boolean",
-            "replica",
+            labels=("replica",),
         )
         self.admissions = series.counter(
             "rolloutbus_client_replica_admissions",
             "replicas routed to again after a (re)start, by reason: current_version, "
             "stale_timeout (replicas.admit_stale_s passed first), no_version_published, "
             "no_version_reported (the replica names no weight version); replicas",
-            "replica",
-            "reason",
+            labels=("replica", "reason"),
         )
         self.paused_seconds = series.gauge(
             "rolloutbus_client_replica_paused_seconds",
             "time a replica has been paused (0 while it is not); seconds",
-            "replica",
+            labels=("replica",),
         )
         self.paused_too_long = series.counter(
             "rolloutbus_client_replica_paused_too_long",
             "Warnings that a replica stayed paused longer than replicas.paused_warn_s; warnings",
-            "replica",
+            labels=("replica",),
         )
         self.waiting = series.gauge(
             "rolloutbus_client_turns_waiting",
