@@ -1,8 +1,10 @@
 """The replay buffer's fold alone, in one process: CPU per turn event of decoding, folding
 and building the released groups' records, on the same events, rounds interleaved: the
-pydantic decode and build; the columnar build (``streams/assembly/columnar_fold.py``); the
-msgspec wire decode of token events (``streams/assembly/fold_events.py``) with the pydantic
-build; and both together.
+pydantic decode and build (the baseline: ``wire=False``, ``columnar=False``); the columnar
+build (``streams/assembly/columnar_fold.py``); the msgspec wire decode of token events
+(``streams/assembly/fold_events.py``) with the pydantic build; and both together, the
+replay buffer's and the offline replay's default (the wire's numpy arrays kept through the
+fold into the Arrow columns).
 
 No broker: the events are ``tests/synthetic.py``'s (what the session runner logs with an
 instant scripted replica, a test double), at two generation sizes, so the cost splits into
@@ -26,7 +28,7 @@ from rolloutbus.streams.assembly.partition_fold import PartitionFold
 from rolloutbus.streams.assembly.trajectories import finalize_group
 from tests.synthetic import make_events
 
-# path name -> (columnar build, wire decode)
+# path name -> (columnar build, wire decode); "wire+columnar" is the default path
 PATHS = {
     "pydantic": (False, False),
     "columnar": (True, False),

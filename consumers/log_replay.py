@@ -29,7 +29,7 @@ from rolloutbus.errors import RolloutBusError, SchemaError
 from rolloutbus.kafka.clients import record_position
 from rolloutbus.kafka.partition_reader import offset_for_time, read_partition
 from rolloutbus.schemas.trajectories import Trajectory
-from rolloutbus.schemas.turns import decode_turn_event
+from rolloutbus.streams.assembly.fold_events import decode_fold_event
 from rolloutbus.streams.assembly.partition_fold import FoldLimits, PartitionFold, ReleasedGroup
 from rolloutbus.streams.assembly.trajectories import finalize_group, max_record_bytes
 from rolloutbus.topics import Topics, partition_for
@@ -158,7 +158,7 @@ def _replay_record(
 ) -> list[ReleasedGroup]:
     result.events += 1
     try:
-        event = decode_turn_event(value or b"")
+        event = decode_fold_event(value or b"")  # the wire decoder, pydantic behind it
         return fold.fold(offset, event)
     except (ValidationError, SchemaError, RolloutBusError):
         result.undecodable += 1  # the live buffer dead-lettered it too

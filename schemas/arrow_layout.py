@@ -131,17 +131,28 @@ class ArrowLayout(Generic[M]):
         dumped = record.model_dump(by_alias=True, exclude=self._codec_fields)
         return {c.name: _cell(c, dumped, record) for c in self.columns if c.kind != "codec"}
 
-    def batch(self, records: Sequence[M]) -> pa.RecordBatch:
+    def batch(
+        self, records: Sequence[M], given: dict[str, pa.Array] | None = None
+    ) -> pa.RecordBatch:
         """The records as one batch, built column by column: a numeric list column (the
         token columns) is flattened into one numpy array (a row-wise ``from_pylist``
         converted every token through a Python dict and was most of the replay buffer's
         time); a column derived as the same lists as another is that column's array again;
-        the other columns are converted together (``_scalar_columns``)."""
+        the other columns are converted together (``_scalar_columns``).
+
+        ``given``: numeric list columns the caller built itself (the columnar fold's token
+        columns, from numpy), by name; they are taken as they are, the records' own values
+        of those fields not read."""
+        given = given or {}
         dumped = [r.model_dump(by_alias=True, exclude=self._not_dumped) for r in records]
         built: dict[tuple[Any, ...], tuple[list[Any], pa.Array]] = {}
         scalars = self._scalar_columns(records, dumped)
         arrays = [
-            scalars[c.name] if c.name in scalars else self._column(c, records, dumped, built)
+            given[c.name]
+            if c.name in given
+            else scalars[c.name]
+            if c.name in scalars
+            else self._column(c, records, dumped, built)
             for c in self.columns
         ]
         return pa.RecordBatch.from_arrays(arrays, schema=self.schema)

@@ -16,8 +16,6 @@ A record without ``ts`` falls back too (pydantic stamps the clock's time there).
 
 from __future__ import annotations
 
-import base64
-import binascii
 import math
 
 import msgspec
@@ -64,7 +62,7 @@ class _Base(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, tag_field=
     attempt: str
     segment: int
     turn: int
-    token_ids: str
+    token_ids: bytes  # base64 in the JSON, decoded by msgspec (~4x binascii's speed)
     schema_version: int = SCHEMA_VERSION
     seq: int = 0
     ts: float  # required: a record without it takes pydantic's default, the clock's time
@@ -77,13 +75,13 @@ class _Observation(_Base, tag="observation"):
 class _Chunk(_Base, tag="generation_chunk"):
     index: int
     start: int
-    logprobs: str | None = None
+    logprobs: bytes | None = None
     policy_version: int | None = None
     replica: str = ""
 
 
 class _Generation(_Base, tag="generation"):
-    logprobs: str | None = None
+    logprobs: bytes | None = None
     policy_version: int | None = None
     replica: str = ""
     engine_request_id: str = ""
@@ -98,11 +96,7 @@ _DECODER = msgspec.json.Decoder(_Generation | _Chunk | _Observation)
 _MIN_GLOBAL_STEPS = msgspec.json.Decoder(int | str | None)
 
 
-def _array(text: str, dtype: np.dtype) -> np.ndarray | None:
-    try:
-        raw = base64.b64decode(text, validate=True)
-    except (binascii.Error, ValueError):
-        return None
+def _array(raw: bytes, dtype: np.dtype) -> np.ndarray | None:
     if len(raw) % dtype.itemsize:
         return None
     return np.frombuffer(raw, dtype=dtype)
@@ -150,9 +144,9 @@ def decode_token_event(data: bytes) -> WireTokens | None:
     if not _covered(event):
         return None
     token_ids = _array(event.token_ids, _I32)
-    logprobs_text = getattr(event, "logprobs", None)
-    logprobs = None if logprobs_text is None else _array(logprobs_text, _F32)
-    if token_ids is None or (logprobs_text is not None and logprobs is None):
+    logprobs_raw = getattr(event, "logprobs", None)
+    logprobs = None if logprobs_raw is None else _array(logprobs_raw, _F32)
+    if token_ids is None or (logprobs_raw is not None and logprobs is None):
         return None
     readable, min_global_steps = _min_global_steps(event)
     if not readable:

@@ -7,9 +7,12 @@ logprobs and policy versions by construction.
 
 from __future__ import annotations
 
+import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from rolloutbus.schemas.control import as_policy_version
 from rolloutbus.schemas.routed_experts import RoutedExperts
@@ -97,3 +100,143 @@ def turn_version(extra_fields: dict[str, Any]) -> int | None:
         if extra_fields.get(key) is not None:
             return as_policy_version(extra_fields[key])
     return None
+
+
+class FoldSegment:
+    """A ``SegmentStream`` as the replay buffer's fold keeps it: the tokens (and logprobs) as
+    the chunks the events held (numpy arrays from the wire decoder, lists from pydantic's),
+    not extended into Python lists per token. ``tokens``, ``mask`` and ``logprobs`` are the
+    lists ``SegmentStream`` holds, made on first use (then kept, and extended as there);
+    ``arrays()`` is the same three as numpy, concatenated once, for the columnar build."""
+
+    def __init__(self, prompt_ids: list[int]):
+        self.prompt_len = len(prompt_ids)
+        self.versions: list[tuple[int, int | None]] = []
+        self.routed: list[tuple[int, RoutedExperts]] = []
+        self.length = self.prompt_len
+        self.list_logprobs = False  # a chunk's logprobs came as a list (not float32 arrays)
+        # (token ids, logprobs or None: zeros, mask value)
+        self._chunks: list[tuple[Any, Any, int]] | None = [(prompt_ids, None, 0)]
+        self._lists: tuple[list[int], list[int], list[float]] | None = None
+        self._arrays: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+
+    def add_generation(
+        self,
+        token_ids: Any,
+        logprobs: Any,
+        version: int | None,
+        first_version: int | None = None,
+        routed_experts: RoutedExperts | None = None,
+        chunk_versions: Sequence[tuple[int, int | None]] = (),
+    ) -> None:
+        """``SegmentStream.add_generation``; ``token_ids`` and ``logprobs`` may be numpy."""
+        n = len(token_ids)
+        if first_version is not None and first_version != version and n:
+            self.versions.append((self.length + 1, first_version))
+        for end, chunk_version in chunk_versions:
+            if chunk_version is not None and chunk_version != version and 0 < end <= n:
+                self.versions.append((self.length + end, chunk_version))
+        if isinstance(logprobs, list):
+            self.list_logprobs = True
+        self._add(token_ids, logprobs, 1)
+        self.versions.append((self.length, version))
+        if routed_experts is not None:
+            self.routed.append((self.length, routed_experts))
+
+    def add_observation(self, token_ids: Any) -> None:
+        self._add(token_ids, None, 0)
+
+    def _add(self, token_ids: Any, logprobs: Any, mask: int) -> None:
+        n = len(token_ids)
+        self.length += n
+        self._arrays = None
+        if self._lists is not None:
+            tokens, masks, lps = self._lists
+            tokens.extend(_as_list(token_ids))
+            masks.extend([mask] * n)
+            lps.extend(_as_list(logprobs) if logprobs is not None else [0.0] * n)
+        else:
+            assert self._chunks is not None
+            self._chunks.append((token_ids, logprobs, mask))
+
+    def _materialised(self) -> tuple[list[int], list[int], list[float]]:
+        if self._lists is None:
+            tokens: list[int] = []
+            masks: list[int] = []
+            lps: list[float] = []
+            for ids, logprobs, mask in self._chunks or ():
+                n = len(ids)
+                tokens.extend(_as_list(ids))
+                masks.extend([mask] * n)
+                lps.extend(_as_list(logprobs) if logprobs is not None else [0.0] * n)
+            self._lists, self._chunks = (tokens, masks, lps), None
+        return self._lists
+
+    @property
+    def tokens(self) -> list[int]:
+        return self._materialised()[0]
+
+    @property
+    def mask(self) -> list[int]:
+        return self._materialised()[1]
+
+    @property
+    def logprobs(self) -> list[float]:
+        return self._materialised()[2]
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(tokens int32, mask int8, logprobs float32) as numpy, made once."""
+        if self._arrays is None:
+            self._arrays = _segment_arrays(self)
+        return self._arrays
+
+    def routed_experts_until(self, end: int) -> RoutedExperts | None:
+        """``SegmentStream.routed_experts_until``."""
+        found = None
+        for stop, experts in self.routed:
+            if stop <= end:
+                found = experts
+        return None if found is None else found.head(end)
+
+    def versions_until(self, end: int) -> list[int]:
+        return [v for stop, v in self.versions if v is not None and stop - 1 < end]
+
+
+def _as_list(values: Any) -> list[Any]:
+    return values if isinstance(values, list) else values.tolist()
+
+
+def _segment_arrays(seg: FoldSegment) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    if seg._chunks is None:
+        return _from_lists(seg)
+    chunks = seg._chunks
+    ids = [c[0] if isinstance(c[0], np.ndarray) else np.array(c[0], np.int32) for c in chunks]
+    tokens = (np.concatenate(ids) if len(ids) > 1 else ids[0]).astype(np.int32, copy=False)
+    mask = np.zeros(len(tokens), np.int8)
+    logprobs = np.zeros(len(tokens), np.float32)
+    at = 0
+    for (_, chunk_lps, chunk_mask), part in zip(chunks, ids, strict=True):
+        end = at + len(part)
+        if chunk_mask:
+            mask[at:end] = chunk_mask
+        if chunk_lps is not None:
+            if isinstance(chunk_lps, list):
+                chunk_lps = _float32(chunk_lps)
+            if len(chunk_lps) != end - at:
+                # logprobs of another length than their tokens shift what follows, as
+                # ``SegmentStream``'s extended lists do: made from those lists
+                return _from_lists(seg)
+            logprobs[at:end] = chunk_lps
+        at = end
+    return tokens, mask, logprobs
+
+
+def _from_lists(seg: FoldSegment) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    tokens, masks, lps = seg._materialised()
+    return np.array(tokens, np.int32), np.frombuffer(bytes(masks), np.int8), _float32(lps)
+
+
+def _float32(values: list[float]) -> np.ndarray:
+    flat = array.array("f")
+    flat.fromlist(values)  # a float beyond float32: inf, as in arrow_layout
+    return np.frombuffer(flat, np.float32)

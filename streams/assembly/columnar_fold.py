@@ -8,16 +8,17 @@ budgets and the topic's record size) is built as:
 
 * one ``Trajectory`` per output with its token fields *empty*, so pydantic checks only the
   scalars and the prompt columns, as before;
-* its batch from those (``trajectories_to_batch``), then the token columns and the lengths
-  derived from them replaced by columns made from each segment's tokens in numpy.
+* its batch from those (``ArrowLayout.batch``), given the token columns and the lengths
+  derived from them as columns made from each segment's tokens in numpy: the chunks the
+  fold kept (``token_stream.FoldSegment``: the wire decoder's arrays, or pydantic's lists),
+  concatenated once per segment.
 
-``finalize_group(..., columnar=True)`` tries this path first. Its records
+``finalize_group`` (``columnar=True``, the default) tries this path first. Its records
 are byte-identical to the pydantic build's (``tests/assembly/test_columnar_fold.py``
 compares both over random turn logs), and so are the trajectories returned (their token
 fields are set afterwards, unchecked: they come from events pydantic decoded). Any other
 shape, or any data error, returns None and the pydantic build runs, with its failed records
-and dead letters as they always were. The columns take numpy pieces, so a fold that keeps
-the wire's numpy arrays (not Python lists) can hand them over without a conversion.
+and dead letters as they always were.
 """
 
 from __future__ import annotations
@@ -29,21 +30,18 @@ import numpy as np
 import pyarrow as pa
 
 from rolloutbus.schemas.trajectories import (
+    TRAJECTORY_LAYOUT,
     TRAJECTORY_SCHEMA,
     Trajectory,
     TrajectoryStatus,
     encode_batch,
-    trajectories_to_batch,
 )
 from rolloutbus.schemas.turns import GroupStarted, OutputSummary, SessionFinished
 from rolloutbus.streams.assembly.partition_fold import ReleasedGroup
 from rolloutbus.streams.assembly.session_fold import SessionFold
-from rolloutbus.streams.token_stream import SegmentStream
+from rolloutbus.streams.token_stream import FoldSegment, SegmentStream
 from rolloutbus.topics import trajectory_key
 
-# Not the replay buffer's path, only the benchmark's and the tests': measured
-# (benchmarks/fold_cpu.py) it saves no CPU while the fold keeps tokens as Python lists, as
-# converting a segment's lists to numpy costs what the pydantic build's checks cost
 # the token columns replaced, with their item dtype, and the lengths derived from them
 _LIST_COLUMNS = {
     "prompts": np.int32,
@@ -53,7 +51,6 @@ _LIST_COLUMNS = {
     "rollout_log_probs": np.float32,
     "rm_scores": np.float32,
 }
-_LENGTH_COLUMNS = ("prompt_len", "response_len", "seq_len")
 
 
 class _Budgets(NamedTuple):
@@ -93,7 +90,7 @@ def _plain_session(fold: SessionFold) -> bool:
 class _Output:
     """One output's place in its segment, and its record's scalar trajectory."""
 
-    def __init__(self, seg: SegmentStream, summary: OutputSummary, t: Trajectory):
+    def __init__(self, seg: SegmentStream | FoldSegment, summary: OutputSummary, t: Trajectory):
         self.seg, self.summary, self.t = seg, summary, t
         self.start = summary.prompt_len
         self.end = summary.prompt_len + summary.response_len
@@ -117,14 +114,16 @@ def _build(
     group_size = len(outputs)
     for out in outputs:
         out.t = out.t.model_copy(update={"group_size": group_size})
-    batch = _with_token_columns(trajectories_to_batch([o.t for o in outputs]), outputs)
+    segments: dict[int, _SegmentArrays] = {}
+    given = {**_token_columns(outputs, segments), **_lengths(outputs)}
+    batch = TRAJECTORY_LAYOUT.batch([o.t for o in outputs], given)
     records = encode_batch(batch)
     if max_record_bytes is not None and any(
         len(r) + len(o.t.key.encode()) > max_record_bytes
         for r, o in zip(records, outputs, strict=True)
     ):
         return None
-    return [_with_tokens(o) for o in outputs], records, batch
+    return [_with_tokens(o, segments) for o in outputs], records, batch
 
 
 def _output(
@@ -139,7 +138,7 @@ def _output(
     token lists); None where that path would fail the record or find a violation."""
     seg = fold.segments.get(summary.segment)
     start, end = summary.prompt_len, summary.prompt_len + summary.response_len
-    if seg is None or end > len(seg.tokens):
+    if seg is None or end > _length(seg):
         return None
     n = end - start
     if start > budgets.prompt_length or n > budgets.response_length:
@@ -175,16 +174,28 @@ def _output(
     return _Output(seg, summary, t)
 
 
-def _with_tokens(out: _Output) -> Trajectory:
-    """The trajectory ``finalize_group`` returns: the scalar one with its token lists."""
+def _length(seg: SegmentStream | FoldSegment) -> int:
+    return seg.length if isinstance(seg, FoldSegment) else len(seg.tokens)
+
+
+def _with_tokens(out: _Output, arrays: dict[int, _SegmentArrays]) -> Trajectory:
+    """The trajectory ``finalize_group`` returns: the scalar one with its token lists (from
+    the segment's numpy arrays where those hold the very values its lists would)."""
     seg, start, end = out.seg, out.start, out.end
-    update: dict[str, Any] = {
-        "prompts": seg.tokens[:start],
-        "responses": seg.tokens[start:end],
-        "response_mask": seg.mask[start:end],
-    }
-    if out.summary.has_logprobs:
-        update["rollout_log_probs"] = seg.logprobs[start:end]
+    update: dict[str, Any] = {}
+    if isinstance(seg, FoldSegment) and not seg.list_logprobs:
+        a = arrays[id(seg)]
+        update["prompts"] = a.tokens[:start].tolist()
+        update["responses"] = a.tokens[start:end].tolist()
+        update["response_mask"] = a.mask[start:end].tolist()
+        if out.summary.has_logprobs:
+            update["rollout_log_probs"] = a.logprobs[start:end].tolist()
+    else:
+        update["prompts"] = seg.tokens[:start]
+        update["responses"] = seg.tokens[start:end]
+        update["response_mask"] = seg.mask[start:end]
+        if out.summary.has_logprobs:
+            update["rollout_log_probs"] = seg.logprobs[start:end]
     if out.summary.reward_score is not None:
         rm_scores = [0.0] * (end - start)
         if rm_scores:
@@ -194,9 +205,13 @@ def _with_tokens(out: _Output) -> Trajectory:
 
 
 class _SegmentArrays:
-    """A segment's tokens, mask and logprobs as numpy, converted once per segment."""
+    """A segment's tokens, mask and logprobs as numpy, converted once per segment (a
+    ``FoldSegment`` concatenates the chunks it kept)."""
 
-    def __init__(self, seg: SegmentStream):
+    def __init__(self, seg: SegmentStream | FoldSegment):
+        if isinstance(seg, FoldSegment):
+            self.tokens, self.mask, self.logprobs = seg.arrays()
+            return
         self.tokens = np.array(seg.tokens, np.int32)  # ids were checked int32 when decoded
         self.mask = np.frombuffer(bytes(seg.mask), np.int8)  # the fold writes 0s and 1s only
         logprobs = array.array("f")
@@ -204,8 +219,9 @@ class _SegmentArrays:
         self.logprobs = np.frombuffer(logprobs, np.float32)
 
 
-def _pieces(outputs: list[_Output]) -> dict[str, list[np.ndarray | None]]:
-    arrays: dict[int, _SegmentArrays] = {}
+def _pieces(
+    outputs: list[_Output], arrays: dict[int, _SegmentArrays]
+) -> dict[str, list[np.ndarray | None]]:
     pieces: dict[str, list[np.ndarray | None]] = {name: [] for name in _LIST_COLUMNS}
     for out in outputs:
         seg = arrays.get(id(out.seg))
@@ -215,7 +231,6 @@ def _pieces(outputs: list[_Output]) -> dict[str, list[np.ndarray | None]]:
         pieces["prompts"].append(seg.tokens[:start])
         pieces["responses"].append(seg.tokens[start:end])
         pieces["response_mask"].append(seg.mask[start:end])
-        pieces["loss_mask"].append(seg.mask[start:end])
         logprobs = seg.logprobs[start:end] if out.summary.has_logprobs else None
         pieces["rollout_log_probs"].append(logprobs)
         pieces["rm_scores"].append(_rm_scores(out.summary.reward_score, end - start))
@@ -232,17 +247,28 @@ def _rm_scores(reward: float | None, n: int) -> np.ndarray | None:
         return scores.astype(np.float32)  # beyond float32: inf, as Arrow's conversion makes it
 
 
-def _with_token_columns(batch: pa.RecordBatch, outputs: list[_Output]) -> pa.RecordBatch:
-    arrays = list(batch.columns)
-    names = TRAJECTORY_SCHEMA.names
-    for name, values in _pieces(outputs).items():
-        arrays[names.index(name)] = _list_column(values, TRAJECTORY_SCHEMA.field(name).type)
+def _token_columns(
+    outputs: list[_Output], segments: dict[int, _SegmentArrays]
+) -> dict[str, pa.Array]:
+    """The token columns, by name, from the segments' numpy arrays (loss_mask is
+    response_mask's array again, as ``ArrowLayout.batch`` makes it)."""
+    out = {}
+    for name, values in _pieces(outputs, segments).items():
+        if name != "loss_mask":
+            out[name] = _list_column(values, TRAJECTORY_SCHEMA.field(name).type)
+    out["loss_mask"] = out["response_mask"]
+    return out
+
+
+def _lengths(outputs: list[_Output]) -> dict[str, pa.Array]:
+    """The length columns, by name, of the token columns (the trajectories' are 0)."""
     prompt = np.array([o.start for o in outputs], np.int32)
     response = np.array([o.end - o.start for o in outputs], np.int32)
-    lengths = {"prompt_len": prompt, "response_len": response, "seq_len": prompt + response}
-    for name in _LENGTH_COLUMNS:
-        arrays[names.index(name)] = pa.array(lengths[name], pa.int32())
-    return pa.RecordBatch.from_arrays(arrays, schema=TRAJECTORY_SCHEMA)
+    return {
+        "prompt_len": pa.array(prompt, pa.int32()),
+        "response_len": pa.array(response, pa.int32()),
+        "seq_len": pa.array(prompt + response, pa.int32()),
+    }
 
 
 def _list_column(values: list[np.ndarray | None], arrow_type: pa.DataType) -> pa.Array:

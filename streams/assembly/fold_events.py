@@ -16,8 +16,9 @@ from rolloutbus.schemas.wire_turns import WireTokens, decode_token_event
 FoldEvent = TurnEvent | WireTokens
 
 
-def decode_fold_event(data: bytes, *, wire: bool = False) -> FoldEvent:
-    """``data`` as the fold reads it; raises what ``decode_turn_event`` raises."""
+def decode_fold_event(data: bytes, *, wire: bool = True) -> FoldEvent:
+    """``data`` as the fold reads it; raises what ``decode_turn_event`` raises.
+    ``wire=False``: pydantic's decode alone (the baseline the benchmark and tests compare)."""
     if wire:
         event = decode_token_event(data)
         if event is not None:

@@ -157,12 +157,12 @@ def transaction_settings(cfg: Config) -> TransactionSettings:
     )
 
 
-# ReplayBuffer(wire_decode=True) reads the common token-carrying turn events with the msgspec
-# wire decoder (``fold_events.py``): the same records and dead letters. Off by default: with
-# the fold keeping tokens as Python lists it saves no measurable CPU (benchmarks/fold_cpu.py)
+# ReplayBuffer reads the common token-carrying turn events with the msgspec wire decoder
+# (``fold_events.py``), the same records and dead letters as pydantic's decode, which reads
+# every other record; wire_decode=False: pydantic's decode alone (benchmarks/fold_cpu.py)
 class ReplayBuffer:
     def __init__(
-        self, cfg: Config, *, metrics: ReplayBufferMetrics | None = None, wire_decode: bool = False
+        self, cfg: Config, *, metrics: ReplayBufferMetrics | None = None, wire_decode: bool = True
     ):
         self.cfg, self.wire_decode = cfg, wire_decode
         self.topics = Topics.from_config(cfg.kafka)

@@ -42,7 +42,7 @@ from rolloutbus.schemas.turns import (
     SessionStarted,
 )
 from rolloutbus.schemas.wire_turns import WireTokens
-from rolloutbus.streams.token_stream import SegmentStream, generation_versions
+from rolloutbus.streams.token_stream import FoldSegment, generation_versions
 
 ERROR_CHARS = 1000  # characters of an error kept in a failed record (pydantic echoes inputs)
 
@@ -54,7 +54,7 @@ class SessionFold:
     session_id: int
     attempt: str
     agent_name: str | None = None
-    segments: dict[int, SegmentStream] = field(default_factory=dict)
+    segments: dict[int, FoldSegment] = field(default_factory=dict)
     terminal: SessionFinished | SessionFailed | None = None
     error: str | None = None  # why this attempt's log cannot be folded; it settles as failed
     last_seq: int = -1  # seq of the last event applied
@@ -114,7 +114,7 @@ class SessionFold:
         elif isinstance(event, SessionStarted):
             self.agent_name = event.agent_name
         elif isinstance(event, SegmentStarted):
-            self.segments[event.segment] = SegmentStream.start(event.prompt_ids)
+            self.segments[event.segment] = FoldSegment(event.prompt_ids)
         elif isinstance(event, Generation):
             first, last = generation_versions(event.policy_version, event.extra_fields)
             self._segment(event).add_generation(
@@ -133,21 +133,19 @@ class SessionFold:
             raise SchemaError(f"unexpected event type {type(event).__name__} in session fold")
 
     def _fold_wire(self, event: WireTokens) -> None:
-        """``_fold_tokens`` of a wire-decoded event: the same calls with the same values
-        (the arrays as the Python lists pydantic's decode makes of them)."""
+        """``_fold_tokens`` of a wire-decoded event: the same calls with the same values,
+        the arrays kept as numpy (``FoldSegment`` keeps them as chunks)."""
         if event.type == "generation_chunk":
             self._add_chunk(event)
             return
         segment = self._segment(event)
-        token_ids = event.token_ids.tolist()
         if event.type == "observation":
-            segment.add_observation(token_ids)
+            segment.add_observation(event.token_ids)
             return
         extra = {"min_global_steps": event.min_global_steps}
         first, last = generation_versions(event.policy_version, extra)
-        logprobs = None if event.logprobs is None else event.logprobs.tolist()
-        chunk_versions = self._chunk_versions(event, token_ids)
-        segment.add_generation(token_ids, logprobs, last, first, None, chunk_versions)
+        chunk_versions = self._chunk_versions(event, event.token_ids)
+        segment.add_generation(event.token_ids, event.logprobs, last, first, None, chunk_versions)
 
     def _add_chunk(self, event: GenerationChunk | WireTokens) -> None:
         self._segment(event)  # a chunk of a segment that never started breaks the log
@@ -159,7 +157,7 @@ class SessionFold:
         self.chunks.append(event)
 
     def _chunk_versions(
-        self, event: Generation | WireTokens, token_ids: list[int]
+        self, event: Generation | WireTokens, token_ids: list[int] | np.ndarray
     ) -> list[tuple[int, int | None]]:
         """``(end, version)`` of the logged chunks of ``event``'s turn that its tokens
         (``token_ids``) begin with (the generation is the truth; a chunk it does not hold
@@ -169,15 +167,15 @@ class SessionFold:
         for chunk in chunks:
             start = chunk.start or 0  # a chunk's start is never None
             end = start + len(chunk.token_ids)
-            if (chunk.segment, chunk.turn) == (event.segment, event.turn) and token_ids[
-                start:end
-            ] == _as_list(chunk.token_ids):
+            if (chunk.segment, chunk.turn) == (event.segment, event.turn) and _same(
+                token_ids[start:end], chunk.token_ids
+            ):
                 spans.append((end, chunk.policy_version))
         return spans
 
     def _segment(
         self, event: Generation | GenerationChunk | Observation | WireTokens
-    ) -> SegmentStream:
+    ) -> FoldSegment:
         try:
             return self.segments[event.segment]
         except KeyError:
@@ -200,8 +198,11 @@ class SessionFold:
         return 1
 
 
-def _as_list(token_ids: list[int] | np.ndarray) -> list[int]:
-    return token_ids.tolist() if isinstance(token_ids, np.ndarray) else token_ids
+def _same(a: list[int] | np.ndarray, b: list[int] | np.ndarray) -> bool:
+    """Equal token ids, either side a list or numpy (as ``==`` of their lists)."""
+    if isinstance(a, list) and isinstance(b, list):
+        return a == b
+    return len(a) == len(b) and bool(np.array_equal(np.asarray(a), np.asarray(b)))
 
 
 def short_error(exc: BaseException, limit: int = ERROR_CHARS) -> str:

@@ -96,14 +96,14 @@ def finalize_group(
     rollout: RolloutConfig,
     *,
     max_record_bytes: int | None = None,
-    columnar: bool = False,
+    columnar: bool = True,
 ) -> FinalizedGroup:
     """Build, check and encode a released group's trajectories; never raises on bad data.
 
     ``rollout``: the budgets of a group whose ``group_started`` recorded none (a log written
-    before it did); a group's recorded settings always win. ``columnar``: build the common
-    shape of a group column by column, the same bytes (``columnar_fold.py``, which says why
-    it is not the default)."""
+    before it did); a group's recorded settings always win. ``columnar`` (the default): build
+    the common shape of a group column by column, the same bytes (``columnar_fold.py``);
+    ``columnar=False``: the pydantic build alone (the baseline)."""
     if columnar:
         done = _columnar(released, rollout, max_record_bytes)
         if done is not None:
