@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from rolloutbus.config import Config, KafkaConfig, RolloutConfig
 from rolloutbus.schemas.turns import Generation, decode_turn_event, encode_turn_event
 from rolloutbus.schemas.wire_turns import WireTokens, decode_token_event
+from rolloutbus.streams.assembly import trajectories
 from rolloutbus.streams.assembly.fold_events import decode_fold_event
 from rolloutbus.streams.assembly.partition_fold import FoldLimits, PartitionFold
 from rolloutbus.streams.assembly.replay_buffer import ReplayBuffer
@@ -24,6 +25,8 @@ from tests.fuzz_records import bad_turn_record
 
 ROLLOUT = RolloutConfig(prompt_length=48, response_length=64)
 WIRE_EVENTS = {"wire": 0, "pydantic": 0}  # how the generated token events were decoded
+# groups of wire-decoded (numpy-chunked) folds the columnar build took, or left to pydantic's
+WIRE_GROUPS = {"columnar": 0, "pydantic": 0}
 
 # what a generation's extra_fields may hold: the fold reads min_global_steps (an int, a
 # string or anything else: the wire decoder takes ints and strings and leaves the rest)
@@ -69,7 +72,7 @@ def varied_turn_log(draw: Any) -> list[bytes]:
 
 
 def _finalized(
-    wire: list[bytes], *, wire_decode: bool, limits: FoldLimits, columnar: bool
+    wire: list[bytes], *, wire_decode: bool, limits: FoldLimits, columnar: bool, limit: int
 ) -> list[Any]:
     fold, out = PartitionFold(0, limits=limits), []
     for offset, value in enumerate(wire):
@@ -77,7 +80,10 @@ def _finalized(
         if json.loads(value)["type"] in ("generation", "generation_chunk", "observation"):
             WIRE_EVENTS["wire" if isinstance(event, WireTokens) else "pydantic"] += wire_decode
         for released in fold.fold(offset, event):
-            out.append(finalize_group(released, ROLLOUT, max_record_bytes=4000, columnar=columnar))
+            if wire_decode and columnar:
+                taken = trajectories._columnar(released, ROLLOUT, limit) is not None
+                WIRE_GROUPS["columnar" if taken else "pydantic"] += 1
+            out.append(finalize_group(released, ROLLOUT, max_record_bytes=limit, columnar=columnar))
     return out
 
 
@@ -86,15 +92,16 @@ def _finalized(
     varied_turn_log(),
     st.sampled_from([FoldLimits(), FoldLimits(max_open_groups=1)]),
     st.booleans(),
+    st.sampled_from([4000, 1 << 20]),
 )
 @pytest.mark.filterwarnings("ignore")
 def test_wire_fold_records_are_byte_identical(
-    wire: list[bytes], limits: FoldLimits, columnar: bool
+    wire: list[bytes], limits: FoldLimits, columnar: bool, limit: int
 ) -> None:
     """The pure pydantic path (the baseline) against the wire decode, with the columnar
     build (the default) or the pydantic build of the numpy-chunked segments."""
-    old = _finalized(wire, wire_decode=False, limits=limits, columnar=False)
-    new = _finalized(wire, wire_decode=True, limits=limits, columnar=columnar)
+    old = _finalized(wire, wire_decode=False, limits=limits, columnar=False, limit=limit)
+    new = _finalized(wire, wire_decode=True, limits=limits, columnar=columnar, limit=limit)
     assert len(new) == len(old)
     for a, b in zip(new, old, strict=True):
         assert a.records == b.records
@@ -104,10 +111,12 @@ def test_wire_fold_records_are_byte_identical(
 
 
 def test_the_random_logs_take_both_decoders() -> None:
-    """The property above folded wire-decoded events, and fallbacks among them."""
+    """The property above folded wire-decoded events, and fallbacks among them, and built
+    numpy-chunked groups column by column as well as by the pydantic build."""
     if WIRE_EVENTS["wire"] + WIRE_EVENTS["pydantic"] == 0:
         test_wire_fold_records_are_byte_identical()
     assert WIRE_EVENTS["wire"] > 500 and WIRE_EVENTS["pydantic"] > 20, WIRE_EVENTS
+    assert WIRE_GROUPS["columnar"] > 5 and WIRE_GROUPS["pydantic"] > 20, WIRE_GROUPS
 
 
 def _outcome(decode: Any, value: bytes) -> tuple[str, str]:
