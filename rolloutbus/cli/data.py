@@ -197,6 +197,7 @@ def cmd_replay(args: argparse.Namespace, cfg: Config) -> int:
         uids=args.uid,
         since=args.since,
         until=args.until,
+        keep_trajectories=args.out is None,  # the table needs them, the file only the batches
     )
     if args.out is not None:
         write_batches(result.batches, args.out)
@@ -205,7 +206,7 @@ def cmd_replay(args: argparse.Namespace, cfg: Config) -> int:
         tokenizer = load_tokenizer(cfg.model) if result.trajectories else None
         print_table([], tokenizer, sys.stdout, trajectories=result.trajectories)
     print(
-        f"replayed {result.events} turn events: {len(result.trajectories)} trajectories, "
+        f"replayed {result.events} turn events: {result.released} trajectories, "
         f"{len(result.open_groups)} groups not settled in range, {result.undecodable} undecodable",
         file=sys.stderr,
     )

@@ -208,6 +208,10 @@ def test_replaying_the_turn_log_yields_byte_identical_trajectories(logged_work):
     assert set(replayed.records) == set(live)
     assert all(replayed.records[k] == live[k] for k in live)  # byte for byte
     assert replayed.open_groups == []
+    # keeping only the batches (as `replay --out` does): the same rows, no model per trajectory
+    lean = replay_turns(cfg, keep_trajectories=False)
+    assert lean.trajectories == [] and lean.records == {} and lean.released == len(live)
+    assert pa.Table.from_batches(lean.batches).equals(pa.Table.from_batches(replayed.batches))
     # the same through the command line, into an Arrow file
     out = tmp / "replay.arrow"
     done = subprocess.run(
@@ -226,6 +230,7 @@ def test_replaying_the_turn_log_yields_byte_identical_trajectories(logged_work):
         timeout=120,
     )
     assert done.returncode == 0, done.stderr[-2000:]
+    assert f"{len(live)} trajectories" in done.stderr
     with pa.memory_map(str(out)) as source:
         written = pa.ipc.open_file(source).read_all()
     released = pa.Table.from_batches(
