@@ -18,8 +18,48 @@ from rolloutbus.schemas.control import as_policy_version
 from rolloutbus.schemas.routed_experts import RoutedExperts
 
 
+class _SpanLookups:
+    """What an output ending at a position holds of a stream's ``versions`` and ``routed``
+    (``(end, value)`` spans, in order): shared by ``SegmentStream`` and ``FoldSegment``."""
+
+    versions: list[tuple[int, int | None]]
+    routed: list[tuple[int, RoutedExperts]]
+
+    def routed_experts_until(self, end: int) -> RoutedExperts | None:
+        """The routed experts an output ending at ``end`` holds, as verl's loops keep them:
+        those of the last generation that ends within it, cut at ``end`` tokens (the engine
+        recorded every token it fed through the model, the whole prefix included)."""
+        found = None
+        for stop, experts in self.routed:
+            if stop <= end:
+                found = experts
+        return None if found is None else found.head(end)
+
+    def versions_until(self, end: int) -> list[int]:
+        return [v for stop, v in self.versions if v is not None and stop - 1 < end]
+
+
+def _mid_turn_versions(
+    start: int,
+    n: int,
+    version: int | None,
+    first_version: int | None,
+    chunk_versions: Sequence[tuple[int, int | None]],
+) -> list[tuple[int, int | None]]:
+    """The spans a generation of ``n`` tokens at ``start`` adds before its own (``version``,
+    ending at its last token): its first token's version where the weights changed mid-turn,
+    and each logged chunk sampled by another version (``SegmentStream.add_generation``)."""
+    spans: list[tuple[int, int | None]] = []
+    if first_version is not None and first_version != version and n:
+        spans.append((start + 1, first_version))
+    for end, chunk_version in chunk_versions:
+        if chunk_version is not None and chunk_version != version and 0 < end <= n:
+            spans.append((start + end, chunk_version))
+    return spans
+
+
 @dataclass
-class SegmentStream:
+class SegmentStream(_SpanLookups):
     """One token stream: its prompt, then generations (mask 1) and observations (mask 0)."""
 
     prompt_len: int
@@ -53,11 +93,9 @@ class SegmentStream:
         version than the turn's last token (a turn resumed after a crash, the weights
         changed in between) is recorded as a span ending at its last token; chunks of the
         turn's own version add nothing, so a chunked turn folds as an unchunked one."""
-        if first_version is not None and first_version != version and token_ids:
-            self.versions.append((len(self.tokens) + 1, first_version))
-        for end, chunk_version in chunk_versions:
-            if chunk_version is not None and chunk_version != version and 0 < end <= len(token_ids):
-                self.versions.append((len(self.tokens) + end, chunk_version))
+        self.versions += _mid_turn_versions(
+            len(self.tokens), len(token_ids), version, first_version, chunk_versions
+        )
         self.tokens.extend(token_ids)
         self.mask.extend([1] * len(token_ids))
         self.logprobs.extend(logprobs if logprobs is not None else [0.0] * len(token_ids))
@@ -69,19 +107,6 @@ class SegmentStream:
         self.tokens.extend(token_ids)
         self.mask.extend([0] * len(token_ids))
         self.logprobs.extend([0.0] * len(token_ids))
-
-    def routed_experts_until(self, end: int) -> RoutedExperts | None:
-        """The routed experts an output ending at ``end`` holds, as verl's loops keep them:
-        those of the last generation that ends within it, cut at ``end`` tokens (the engine
-        recorded every token it fed through the model, the whole prefix included)."""
-        found = None
-        for stop, experts in self.routed:
-            if stop <= end:
-                found = experts
-        return None if found is None else found.head(end)
-
-    def versions_until(self, end: int) -> list[int]:
-        return [v for stop, v in self.versions if v is not None and stop - 1 < end]
 
 
 def generation_versions(
@@ -102,7 +127,7 @@ def turn_version(extra_fields: dict[str, Any]) -> int | None:
     return None
 
 
-class FoldSegment:
+class FoldSegment(_SpanLookups):
     """A ``SegmentStream`` as the replay buffer's fold keeps it: the tokens (and logprobs) as
     the chunks the events held (numpy arrays from the wire decoder, lists from pydantic's),
     not extended into Python lists per token. ``tokens``, ``mask`` and ``logprobs`` are the
@@ -130,12 +155,9 @@ class FoldSegment:
         chunk_versions: Sequence[tuple[int, int | None]] = (),
     ) -> None:
         """``SegmentStream.add_generation``; ``token_ids`` and ``logprobs`` may be numpy."""
-        n = len(token_ids)
-        if first_version is not None and first_version != version and n:
-            self.versions.append((self.length + 1, first_version))
-        for end, chunk_version in chunk_versions:
-            if chunk_version is not None and chunk_version != version and 0 < end <= n:
-                self.versions.append((self.length + end, chunk_version))
+        self.versions += _mid_turn_versions(
+            self.length, len(token_ids), version, first_version, chunk_versions
+        )
         if isinstance(logprobs, list):
             self.list_logprobs = True
         self._add(token_ids, logprobs, 1)
@@ -189,17 +211,6 @@ class FoldSegment:
         if self._arrays is None:
             self._arrays = _segment_arrays(self)
         return self._arrays
-
-    def routed_experts_until(self, end: int) -> RoutedExperts | None:
-        """``SegmentStream.routed_experts_until``."""
-        found = None
-        for stop, experts in self.routed:
-            if stop <= end:
-                found = experts
-        return None if found is None else found.head(end)
-
-    def versions_until(self, end: int) -> list[int]:
-        return [v for stop, v in self.versions if v is not None and stop - 1 < end]
 
 
 def _as_list(values: Any) -> list[Any]:
