@@ -1,11 +1,12 @@
 """Turn events' token arrays decoded at the wire by msgspec, kept as numpy (issue 28 item 2).
 
-``decode_token_event`` reads a ``generation``, ``generation_chunk`` or ``observation`` record
-into a ``WireTokens``: the ids (and logprobs) as read-only numpy arrays straight from the
-base64 bytes, with no Python int per token. It returns None for anything it does not cover
-(another event type, another schema version, routed experts, JSON lists of ids, a record
-msgspec rejects), so the caller falls back to ``turns.decode_turn_event`` and schema
-evolution and dead-letter reasons stay exactly as they are there.
+``decode_token_event`` reads a ``generation``, ``generation_chunk``, ``observation`` or
+``segment_started`` record (its prompt ids) into a ``WireTokens``: the ids (and logprobs) as
+read-only numpy arrays straight from the base64 bytes, with no Python int per token. It
+returns None for anything it does not cover (another event type, another schema version,
+routed experts, JSON lists of ids, a record msgspec rejects), so the caller falls back to
+``turns.decode_turn_event`` and schema evolution and dead-letter reasons stay exactly as
+they are there.
 
 What the fold reads of a generation's ``extra_fields`` is kept: ``min_global_steps`` (the
 turn's first policy version, ``token_stream.generation_versions``), when it is an integer or
@@ -30,6 +31,7 @@ _VERSION_OF_TYPE = {
     "generation": SCHEMA_VERSION,
     "observation": SCHEMA_VERSION,
     "generation_chunk": GENERATION_CHUNK_VERSION,
+    "segment_started": SCHEMA_VERSION,
 }
 
 
@@ -43,7 +45,7 @@ class WireTokens(msgspec.Struct, frozen=True):
     seq: int
     ts: float
     segment: int
-    turn: int
+    turn: int | None  # None for a segment_started, whose token_ids are its prompt ids
     token_ids: np.ndarray
     logprobs: np.ndarray | None
     policy_version: int | None
@@ -53,7 +55,7 @@ class WireTokens(msgspec.Struct, frozen=True):
     min_global_steps: int | str | None = None
 
 
-class _Base(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, tag_field="type"):
+class _Session(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, tag_field="type"):
     # Each event's fields, typed as pydantic reads them, and no other: a record pydantic
     # would refuse (an unknown field, a wrong type) is refused here too and falls back, so
     # its dead-letter reason stays pydantic's.
@@ -61,11 +63,18 @@ class _Base(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, tag_field=
     session_id: int
     attempt: str
     segment: int
-    turn: int
-    token_ids: bytes  # base64 in the JSON, decoded by msgspec (~4x binascii's speed)
     schema_version: int = SCHEMA_VERSION
     seq: int = 0
     ts: float  # required: a record without it takes pydantic's default, the clock's time
+
+
+class _SegmentStarted(_Session, tag="segment_started"):
+    prompt_ids: bytes  # base64 in the JSON, decoded by msgspec (~4x binascii's speed)
+
+
+class _Base(_Session):
+    turn: int
+    token_ids: bytes
 
 
 class _Observation(_Base, tag="observation"):
@@ -92,7 +101,8 @@ class _Generation(_Base, tag="generation"):
     routed_experts: None = None  # routed experts: pydantic's path reads them
 
 
-_DECODER = msgspec.json.Decoder(_Generation | _Chunk | _Observation)
+_Event = _Generation | _Chunk | _Observation | _SegmentStarted
+_DECODER = msgspec.json.Decoder(_Event)
 _MIN_GLOBAL_STEPS = msgspec.json.Decoder(int | str | None)
 
 
@@ -102,13 +112,10 @@ def _array(raw: bytes, dtype: np.dtype) -> np.ndarray | None:
     return np.frombuffer(raw, dtype=dtype)
 
 
-_Event = _Generation | _Chunk | _Observation
-
-
 def _covered(event: _Event) -> bool:
     if _VERSION_OF_TYPE[_tag(event)] != event.schema_version:
         return False
-    ranges = [event.seq, event.segment, event.turn, getattr(event, "index", 0)]
+    ranges = [event.seq, event.segment, getattr(event, "turn", 0), getattr(event, "index", 0)]
     ranges.append(getattr(event, "start", 0))
     version = getattr(event, "policy_version", None)
     return (
@@ -143,7 +150,11 @@ def decode_token_event(data: bytes) -> WireTokens | None:
         return None
     if not _covered(event):
         return None
-    token_ids = _array(event.token_ids, _I32)
+    if isinstance(event, _SegmentStarted):
+        raw_ids, turn = event.prompt_ids, None
+    else:
+        raw_ids, turn = event.token_ids, event.turn
+    token_ids = _array(raw_ids, _I32)
     logprobs_raw = getattr(event, "logprobs", None)
     logprobs = None if logprobs_raw is None else _array(logprobs_raw, _F32)
     if token_ids is None or (logprobs_raw is not None and logprobs is None):
@@ -159,7 +170,7 @@ def decode_token_event(data: bytes) -> WireTokens | None:
         seq=event.seq,
         ts=event.ts,
         segment=event.segment,
-        turn=event.turn,
+        turn=turn,
         token_ids=token_ids,
         logprobs=logprobs,
         policy_version=getattr(event, "policy_version", None),

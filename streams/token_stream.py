@@ -134,7 +134,7 @@ class FoldSegment(_SpanLookups):
     lists ``SegmentStream`` holds, made on first use (then kept, and extended as there);
     ``arrays()`` is the same three as numpy, concatenated once, for the columnar build."""
 
-    def __init__(self, prompt_ids: list[int]):
+    def __init__(self, prompt_ids: list[int] | np.ndarray):
         self.prompt_len = len(prompt_ids)
         self.versions: list[tuple[int, int | None]] = []
         self.routed: list[tuple[int, RoutedExperts]] = []

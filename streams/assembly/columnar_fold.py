@@ -104,16 +104,15 @@ def _build(
     max_record_bytes: int | None,
 ) -> tuple[list[Trajectory], list[bytes], pa.RecordBatch] | None:
     outputs = []
+    # the fields every output's record shares: the prompt columns and the group's size
+    shared = {**columns, "group_size": sum(_num_outputs(f) for f in folds)}
     for fold in folds:
         assert isinstance(fold.terminal, SessionFinished)
         for i, summary in enumerate(fold.terminal.outputs):
-            out = _output(group, fold, i, summary, budgets, columns)
+            out = _output(group, fold, i, summary, budgets, shared)
             if out is None:
                 return None
             outputs.append(out)
-    group_size = len(outputs)
-    for out in outputs:
-        out.t = out.t.model_copy(update={"group_size": group_size})
     segments: dict[int, _SegmentArrays] = {}
     given = {**_token_columns(outputs, segments), **_lengths(outputs)}
     batch = TRAJECTORY_LAYOUT.batch([o.t for o in outputs], given)
@@ -132,10 +131,11 @@ def _output(
     index: int,
     summary: OutputSummary,
     budgets: _Budgets,
-    columns: dict[str, Any],
+    shared: dict[str, Any],
 ) -> _Output | None:
     """The scalar record of one output (``trajectories._output_trajectory`` without the
-    token lists); None where that path would fail the record or find a violation."""
+    token lists); None where that path would fail the record or find a violation.
+    ``shared``: the fields of every record of the group (prompt columns, group_size)."""
     seg = fold.segments.get(summary.segment)
     start, end = summary.prompt_len, summary.prompt_len + summary.response_len
     if seg is None or end > _length(seg):
@@ -152,7 +152,6 @@ def _output(
         session_id=fold.session_id,
         output_index=index,
         num_outputs=len(fold.terminal.outputs),
-        group_size=0,
         status=(
             TrajectoryStatus.TRUNCATED
             if n >= budgets.response_length
@@ -169,9 +168,14 @@ def _output(
         reward_extra_info=summary.extra_fields.get("reward_extra_info"),
         min_global_steps=min(versions) if versions else None,
         max_global_steps=max(versions) if versions else None,
-        **columns,
+        **shared,
     )
     return _Output(seg, summary, t)
+
+
+def _num_outputs(fold: SessionFold) -> int:
+    assert isinstance(fold.terminal, SessionFinished)  # a plain session (``_plain_session``)
+    return len(fold.terminal.outputs)
 
 
 def _length(seg: SegmentStream | FoldSegment) -> int:

@@ -2,10 +2,11 @@
 token-carrying events, the wire decoder's ``WireTokens`` (issue 28 item 2).
 
 ``decode_fold_event(data, wire=True)`` tries ``wire_turns.decode_token_event`` first (a
-``generation``, ``generation_chunk`` or ``observation`` of the current schema, decoded by
-msgspec) and falls back to ``turns.decode_turn_event`` for every record it does not cover,
-so schema evolution, unknown fields and dead-letter reasons stay pydantic's. Either way the
-fold folds the same values into the same records (``tests/assembly/test_wire_fold.py``).
+``generation``, ``generation_chunk``, ``observation`` or ``segment_started`` of the current
+schema, decoded by msgspec) and falls back to ``turns.decode_turn_event`` for every record it
+does not cover, so schema evolution, unknown fields and dead-letter reasons stay pydantic's.
+Either way the fold folds the same values into the same records
+(``tests/assembly/test_wire_fold.py``).
 """
 
 from __future__ import annotations

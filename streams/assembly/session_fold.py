@@ -20,8 +20,8 @@ de-duplicate it by). A turn log that cannot be folded (a generation before its
 instead of raising; it settles as one failed record when its terminal event arrives, or
 when its group is released early (``partition_fold``).
 
-A token-carrying event may come as the wire decoder's ``WireTokens`` (``fold_events.py``)
-instead of its pydantic model: it is folded into the same state.
+A token-carrying event (a segment start too) may come as the wire decoder's ``WireTokens``
+(``fold_events.py``) instead of its pydantic model: it is folded into the same state.
 """
 
 from __future__ import annotations
@@ -137,6 +137,9 @@ class SessionFold:
         the arrays kept as numpy (``FoldSegment`` keeps them as chunks)."""
         if event.type == "generation_chunk":
             self._add_chunk(event)
+            return
+        if event.type == "segment_started":
+            self.segments[event.segment] = FoldSegment(event.token_ids)
             return
         segment = self._segment(event)
         if event.type == "observation":

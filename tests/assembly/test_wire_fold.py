@@ -143,7 +143,8 @@ def test_a_record_the_wire_decoder_refuses_fails_as_pydantic_fails_it(value: byt
         event.session_id,  # type: ignore[union-attr]
         event.attempt,
     )
-    assert (wire.seq, wire.ts, wire.token_ids.tolist()) == (event.seq, event.ts, event.token_ids)  # type: ignore[union-attr]
+    ids = event.prompt_ids if event.type == "segment_started" else event.token_ids  # type: ignore[union-attr]
+    assert (wire.seq, wire.ts, wire.token_ids.tolist()) == (event.seq, event.ts, ids)
 
 
 class _Message:

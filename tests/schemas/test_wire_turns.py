@@ -14,6 +14,7 @@ from rolloutbus.schemas.turns import (
     Generation,
     GenerationChunk,
     Observation,
+    SegmentStarted,
     decode_turn_event,
     encode_turn_event,
 )
@@ -30,12 +31,18 @@ _ids_fields = dict(
 )
 
 
+_Covered = Generation | GenerationChunk | Observation | SegmentStarted
+
+
 @st.composite
-def _events(draw: st.DrawFn) -> Generation | GenerationChunk | Observation:
+def _events(draw: st.DrawFn) -> _Covered:
     ids = draw(_ids)
     common: dict[str, Any] = {name: draw(strategy) for name, strategy in _ids_fields.items()}
     logprobs = draw(st.none() | st.just([float(np.float32(-i / 7)) for i in range(len(ids))]))
-    kind = draw(st.sampled_from(["generation", "generation_chunk", "observation"]))
+    kind = draw(st.sampled_from(["generation", "generation_chunk", "observation", "segment"]))
+    if kind == "segment":
+        common.pop("turn")
+        return SegmentStarted(prompt_ids=ids, **common)
     if kind == "observation":
         return Observation(token_ids=ids, **common)
     version = draw(st.none() | st.integers(-(2**63), 2**63 - 1))
@@ -54,18 +61,17 @@ def _events(draw: st.DrawFn) -> Generation | GenerationChunk | Observation:
 
 @settings(max_examples=300, deadline=None)
 @given(_events())
-def test_wire_decode_equals_pydantic_decode(
-    event: Generation | GenerationChunk | Observation,
-) -> None:
+def test_wire_decode_equals_pydantic_decode(event: _Covered) -> None:
     data = encode_turn_event(event)
     wire = decode_token_event(data)
     model = decode_turn_event(data)
-    assert isinstance(model, Generation | GenerationChunk | Observation)
+    assert isinstance(model, _Covered)
     assert wire is not None
     assert wire.type == model.type and wire.seq == model.seq and wire.uid == model.uid
     assert (wire.session_id, wire.attempt) == (model.session_id, model.attempt)
-    assert (wire.segment, wire.turn) == (model.segment, model.turn)
-    assert wire.token_ids.tolist() == model.token_ids
+    assert (wire.segment, wire.turn) == (model.segment, getattr(model, "turn", None))
+    ids = model.prompt_ids if isinstance(model, SegmentStarted) else model.token_ids
+    assert wire.token_ids.tolist() == ids
     model_logprobs = getattr(model, "logprobs", None)
     assert (None if wire.logprobs is None else wire.logprobs.tolist()) == model_logprobs
     assert wire.policy_version == getattr(model, "policy_version", None)
@@ -91,6 +97,9 @@ def test_uncovered_records_fall_back_to_pydantic() -> None:
         "a session id past int32": _record(session_id=2**31),
         "ids that are not whole int32s": _record(token_ids="AAE="),
         "another event type": _record(type="session_started"),
+        "a segment start with a turn": _record(
+            type="segment_started", prompt_ids="", token_ids=...
+        ),
         "not JSON": b"{",
         "no ts (pydantic stamps the clock's)": _record(ts=...),
         "a ts past float": b'{"type":"generation","uid":"u","session_id":1,"attempt":"a",'
