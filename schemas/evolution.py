@@ -159,9 +159,20 @@ def _written_version(record: object) -> Any:
     """The version this code writes ``record``'s model with: ``SCHEMA_VERSION``, or a newer
     one for an event type that a reader of ``SCHEMA_VERSION`` must refuse rather than skip
     (``turns.GenerationChunk``: its model's own ``schema_version`` default)."""
-    fields = getattr(type(record), "model_fields", {})
-    stamp = fields.get("schema_version")
-    return version.SCHEMA_VERSION if stamp is None else stamp.default
+    stamp = _version_default(type(record))
+    return version.SCHEMA_VERSION if stamp is None else stamp
+
+
+def _version_default(model: type) -> Any:
+    """The default of ``model``'s ``schema_version`` field; None without one. Cached per
+    type: pydantic's ``model_fields`` costs microseconds per read, and every record asks."""
+    if model not in _VERSION_DEFAULTS:
+        field = getattr(model, "model_fields", {}).get("schema_version")
+        _VERSION_DEFAULTS[model] = None if field is None else field.default
+    return _VERSION_DEFAULTS[model]
+
+
+_VERSION_DEFAULTS: dict[type, Any] = {}
 
 
 def _json_object(data: bytes | str) -> dict[str, Any] | None:
