@@ -173,25 +173,17 @@ class FoldSegment(_SpanLookups):
         self.length += n
         self._arrays = None
         if self._lists is not None:
-            tokens, masks, lps = self._lists
-            tokens.extend(_as_list(token_ids))
-            masks.extend([mask] * n)
-            lps.extend(_as_list(logprobs) if logprobs is not None else [0.0] * n)
+            _extend(self._lists, (token_ids, logprobs, mask))
         else:
             assert self._chunks is not None
             self._chunks.append((token_ids, logprobs, mask))
 
     def _materialised(self) -> tuple[list[int], list[int], list[float]]:
         if self._lists is None:
-            tokens: list[int] = []
-            masks: list[int] = []
-            lps: list[float] = []
-            for ids, logprobs, mask in self._chunks or ():
-                n = len(ids)
-                tokens.extend(_as_list(ids))
-                masks.extend([mask] * n)
-                lps.extend(_as_list(logprobs) if logprobs is not None else [0.0] * n)
-            self._lists, self._chunks = (tokens, masks, lps), None
+            lists: tuple[list[int], list[int], list[float]] = ([], [], [])
+            for chunk in self._chunks or ():
+                _extend(lists, chunk)
+            self._lists, self._chunks = lists, None
         return self._lists
 
     @property
@@ -211,6 +203,15 @@ class FoldSegment(_SpanLookups):
         if self._arrays is None:
             self._arrays = _segment_arrays(self)
         return self._arrays
+
+
+def _extend(lists: tuple[list[int], list[int], list[float]], chunk: tuple[Any, Any, int]) -> None:
+    """Extend (tokens, mask, logprobs) by one chunk, as ``SegmentStream`` extends its lists."""
+    ids, logprobs, mask = chunk
+    n = len(ids)
+    lists[0].extend(_as_list(ids))
+    lists[1].extend([mask] * n)
+    lists[2].extend(_as_list(logprobs) if logprobs is not None else [0.0] * n)
 
 
 def _as_list(values: Any) -> list[Any]:
