@@ -1,6 +1,7 @@
 """Recovering a turn-log partition when the replay buffer is assigned it: the fold as of
-the committed offset (recover_partition), and the rule that replaces a consumer whose
-recoveries keep failing because its own coordinator requests are stuck (StuckConsumerWatch).
+the committed offset (recover_partition), and the rules that replace a consumer whose
+recoveries keep failing because its own coordinator requests are stuck, or that owns no
+partition and reaches no broker (StuckConsumerWatch).
 """
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ from __future__ import annotations
 import logging
 import time
 
-from confluent_kafka import Consumer, TopicPartition
+from confluent_kafka import Consumer, KafkaException, TopicPartition
 
 from rolloutbus.config import Config
 from rolloutbus.errors import BrokerError
@@ -64,10 +65,17 @@ def recover_partition(
 
 
 class StuckConsumerWatch:
-    """A partition that could not be recovered for replay_buffer.txn_stall_s means the
-    consumer's coordinator requests are stuck (seen after a broker restart: committed
-    offsets timing out for a minute while a new client is answered at once): the consumer
-    is replaced, once per consumer."""
+    """Replaces a consumer that is alive but will not recover by itself, each rule once per
+    replay_buffer.txn_stall_s:
+
+    * a partition that could not be recovered for the stall limit: the consumer's
+      coordinator requests are stuck (seen after a broker restart: committed offsets timing
+      out for a minute while a new client is answered at once), once per consumer;
+    * no partition owned for the stall limit, and no metadata either: after a broker restart
+      under load librdkafka was seen to decommission the only broker it knew without
+      re-bootstrapping, so the consumer never rejoined its group and the buffer sat idle
+      (``check_unassigned``). A member that owns nothing because the others own every
+      partition still reads metadata, and stays."""
 
     def __init__(self, cfg: Config, member: GroupMember, metrics: ReplayBufferMetrics):
         self.stall_s = cfg.replay_buffer.txn_stall_s
@@ -77,6 +85,7 @@ class StuckConsumerWatch:
         self._member = member
         self._metrics = metrics
         self._consumer_since = time.monotonic()  # when the consumer in use was made
+        self._unassigned_since: float | None = None  # owning no partition since (monotonic)
 
     def replaced(self, part: int, since: float, exc: BrokerError) -> bool:
         """Replace the consumer if ``part``, pending since ``since`` (monotonic), has failed
@@ -91,3 +100,27 @@ class StuckConsumerWatch:
             f"(replay_buffer.txn_stall_s {self.stall_s:.0f} s; the last error: {exc})"
         )
         return True
+
+    def check_unassigned(self, owns_partitions: bool) -> bool:
+        """Replace the consumer if it has owned no partition for the stall limit and cannot
+        read the turn log's metadata; True if it was replaced. Probes at most once per
+        stall limit, on the caller's thread (it owns nothing: nothing waits on it)."""
+        now = time.monotonic()
+        if owns_partitions or self._unassigned_since is None:
+            self._unassigned_since = None if owns_partitions else now
+            return False
+        waited = now - self._unassigned_since
+        if waited <= self.stall_s:
+            return False
+        self._unassigned_since = now
+        try:
+            self._member.consumer.list_topics(self.topic, timeout=self.query_timeout_s)
+        except KafkaException as exc:
+            self._metrics.consumer_replacements.inc()
+            self._consumer_since = now
+            self._member.replace_stalled(
+                f"it has owned no partition of {self.topic} for {waited:.0f} s and cannot "
+                f"read its metadata ({exc}; replay_buffer.txn_stall_s {self.stall_s:.0f} s)"
+            )
+            return True
+        return False

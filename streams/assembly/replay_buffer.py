@@ -224,6 +224,7 @@ class ReplayBuffer:
         """Recover pending partitions, then one batch of polls folded and committed in one
         transaction. Returns the records read."""
         self._recover_pending()
+        self._stuck.check_unassigned(bool(self.partitions or self._pending))
         messages, generation = self._poll_batch()
         if generation != self._generation:
             self._seek_ready_partitions_back()

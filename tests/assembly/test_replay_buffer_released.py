@@ -590,6 +590,52 @@ def test_a_consumer_stuck_on_its_coordinator_is_replaced_after_the_stall_limit(
     assert not _dupes(keys) and set(keys) == _expected_keys(uids)
 
 
+class NoBroker(Consumer):
+    """Fault injector (a test double): a real consumer left with no broker, as librdkafka
+    left one after a broker restart under load (it decommissioned the only broker it knew
+    and never re-bootstrapped): it never joins its group, and metadata requests fail."""
+
+    probes = 0
+
+    def subscribe(self, *args, **kwargs):
+        pass  # never reaches the coordinator: no assignment ever comes
+
+    def list_topics(self, *args, **kwargs):
+        type(self).probes += 1
+        raise KafkaException(KafkaError(KafkaError._TRANSPORT, "injected: no usable brokers"))
+
+
+@pytest.mark.slow
+def test_a_consumer_left_with_no_broker_is_replaced_after_the_stall_limit(
+    kafka_config: KafkaConfig, replay_buffer_thread, monkeypatch
+):
+    """The first consumer owns no partition and reads no metadata: after
+    replay_buffer.txn_stall_s it is replaced, and the new one releases every group once."""
+    made: list = []
+    real_new_consumer = GroupMember._new_consumer
+
+    def first_has_no_broker(member):
+        if made:
+            made.append(real_new_consumer(member))
+        else:
+            settings = read_committed_consumer_settings(
+                member.kafka, member.group_id, overrides=member._overrides
+            )
+            made.append(NoBroker(settings))
+        return made[-1]
+
+    monkeypatch.setattr(GroupMember, "_new_consumer", first_has_no_broker)
+    cfg = _config(kafka_config, **{"replay_buffer.txn_stall_s": 3.0})
+    uids = [f"n{uuid.uuid4().hex[:10]}" for _ in range(6)]
+    _produce(kafka_config, [e for uid in uids for e in group_events(uid)])
+    metrics = ReplayBufferMetrics(CollectorRegistry())
+    with replay_buffer_thread(cfg, metrics):
+        keys = _wait_for_keys(cfg, _expected_keys(uids))
+    assert len(made) == 2 and NoBroker.probes == 1, (made, NoBroker.probes)
+    assert metrics.consumer_replacements._value.get() == 1
+    assert not _dupes(keys) and set(keys) == _expected_keys(uids)
+
+
 @pytest.mark.slow
 @pytest.mark.kafka  # a broker of its own, restarted mid-run
 def test_the_buffer_survives_a_broker_restart(tmp_path: Path):
