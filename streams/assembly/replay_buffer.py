@@ -221,8 +221,7 @@ class ReplayBuffer:
             self._transactions.close()
 
     def step(self) -> int:
-        """Recover pending partitions, then one batch of polls folded and committed in one
-        transaction. Returns the records read."""
+        """Recover pending partitions, fold one batch of polls, commit it; the records read."""
         self._recover_pending()
         self._stuck.check_unassigned(bool(self.partitions or self._pending))
         messages, generation = self._poll_batch()
