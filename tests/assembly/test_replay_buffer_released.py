@@ -565,29 +565,9 @@ def test_a_consumer_stuck_on_its_coordinator_is_replaced_after_the_stall_limit(
 ):
     """The first consumer can never read a committed offset: after replay_buffer.txn_stall_s
     of failed recoveries it is replaced, and the new one releases every group once."""
-    made: list = []
-    real_new_consumer = GroupMember._new_consumer
-
-    def first_is_stuck(member):
-        if made:
-            made.append(real_new_consumer(member))
-        else:
-            settings = read_committed_consumer_settings(
-                member.kafka, member.group_id, overrides=member._overrides
-            )
-            made.append(StuckCoordinator(settings))
-        return made[-1]
-
-    monkeypatch.setattr(GroupMember, "_new_consumer", first_is_stuck)
-    cfg = _config(kafka_config, **{"replay_buffer.txn_stall_s": 3.0})
-    uids = [f"s{uuid.uuid4().hex[:10]}" for _ in range(6)]
-    _produce(kafka_config, [e for uid in uids for e in group_events(uid)])
-    metrics = ReplayBufferMetrics(CollectorRegistry())
-    with replay_buffer_thread(cfg, metrics):
-        keys = _wait_for_keys(cfg, _expected_keys(uids))
-    assert len(made) == 2 and StuckCoordinator.queries >= 2, made  # retried, replaced once
-    assert metrics.consumer_replacements._value.get() == 1
-    assert not _dupes(keys) and set(keys) == _expected_keys(uids)
+    made = _first_consumer_is(StuckCoordinator, monkeypatch)
+    _released_after_one_replacement(kafka_config, replay_buffer_thread, made)
+    assert StuckCoordinator.queries >= 2  # retried before it was replaced
 
 
 class NoBroker(Consumer):
@@ -611,27 +591,42 @@ def test_a_consumer_left_with_no_broker_is_replaced_after_the_stall_limit(
 ):
     """The first consumer owns no partition and reads no metadata: after
     replay_buffer.txn_stall_s it is replaced, and the new one releases every group once."""
-    made: list = []
+    made = _first_consumer_is(NoBroker, monkeypatch)
+    _released_after_one_replacement(kafka_config, replay_buffer_thread, made)
+    assert NoBroker.probes == 1  # probed once, after the stall limit
+
+
+def _first_consumer_is(double: type[Consumer], monkeypatch) -> list[Consumer]:
+    """Every consumer a GroupMember makes from now on; the first is ``double``'s."""
+    made: list[Consumer] = []
     real_new_consumer = GroupMember._new_consumer
 
-    def first_has_no_broker(member):
+    def new_consumer(member):
         if made:
             made.append(real_new_consumer(member))
         else:
             settings = read_committed_consumer_settings(
                 member.kafka, member.group_id, overrides=member._overrides
             )
-            made.append(NoBroker(settings))
+            made.append(double(settings))
         return made[-1]
 
-    monkeypatch.setattr(GroupMember, "_new_consumer", first_has_no_broker)
+    monkeypatch.setattr(GroupMember, "_new_consumer", new_consumer)
+    return made
+
+
+def _released_after_one_replacement(
+    kafka_config: KafkaConfig, replay_buffer_thread, made: list[Consumer]
+) -> None:
+    """A buffer with a 3 s stall limit releases six groups once each, having replaced its
+    first consumer once."""
     cfg = _config(kafka_config, **{"replay_buffer.txn_stall_s": 3.0})
-    uids = [f"n{uuid.uuid4().hex[:10]}" for _ in range(6)]
+    uids = [f"s{uuid.uuid4().hex[:10]}" for _ in range(6)]
     _produce(kafka_config, [e for uid in uids for e in group_events(uid)])
     metrics = ReplayBufferMetrics(CollectorRegistry())
     with replay_buffer_thread(cfg, metrics):
         keys = _wait_for_keys(cfg, _expected_keys(uids))
-    assert len(made) == 2 and NoBroker.probes == 1, (made, NoBroker.probes)
+    assert len(made) == 2, made
     assert metrics.consumer_replacements._value.get() == 1
     assert not _dupes(keys) and set(keys) == _expected_keys(uids)
 
