@@ -105,7 +105,7 @@ def _build(
 ) -> tuple[list[Trajectory], list[bytes], pa.RecordBatch] | None:
     outputs = []
     # the fields every output's record shares: the prompt columns and the group's size
-    shared = {**columns, "group_size": sum(_num_outputs(f) for f in folds)}
+    shared = {**columns, "group_size": sum(f.num_records for f in folds)}
     for fold in folds:
         assert isinstance(fold.terminal, SessionFinished)
         for i, summary in enumerate(fold.terminal.outputs):
@@ -171,11 +171,6 @@ def _output(
         **shared,
     )
     return _Output(seg, summary, t)
-
-
-def _num_outputs(fold: SessionFold) -> int:
-    assert isinstance(fold.terminal, SessionFinished)  # a plain session (``_plain_session``)
-    return len(fold.terminal.outputs)
 
 
 def _length(seg: SegmentStream | FoldSegment) -> int:

@@ -93,9 +93,7 @@ class StuckConsumerWatch:
         waited = time.monotonic() - since
         if waited <= self.stall_s or since <= self._consumer_since:
             return False
-        self._metrics.consumer_replacements.inc()
-        self._consumer_since = time.monotonic()
-        self._member.replace_stalled(
+        self._replace(
             f"recovering {self.topic}[{part}] has failed for {waited:.0f} s "
             f"(replay_buffer.txn_stall_s {self.stall_s:.0f} s; the last error: {exc})"
         )
@@ -116,11 +114,14 @@ class StuckConsumerWatch:
         try:
             self._member.consumer.list_topics(self.topic, timeout=self.query_timeout_s)
         except KafkaException as exc:
-            self._metrics.consumer_replacements.inc()
-            self._consumer_since = now
-            self._member.replace_stalled(
+            self._replace(
                 f"it has owned no partition of {self.topic} for {waited:.0f} s and cannot "
                 f"read its metadata ({exc}; replay_buffer.txn_stall_s {self.stall_s:.0f} s)"
             )
             return True
         return False
+
+    def _replace(self, reason: str) -> None:
+        self._metrics.consumer_replacements.inc()
+        self._consumer_since = time.monotonic()
+        self._member.replace_stalled(reason)

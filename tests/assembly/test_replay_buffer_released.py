@@ -41,6 +41,7 @@ from rolloutbus.schemas.turns import (
     encode_turn_event,
 )
 from rolloutbus.streams.assembly.metrics import ReplayBufferMetrics
+from rolloutbus.streams.assembly.partition_recovery import StuckConsumerWatch
 from rolloutbus.streams.assembly.released import (
     Claim,
     ReleasedClaims,
@@ -594,6 +595,31 @@ def test_a_consumer_left_with_no_broker_is_replaced_after_the_stall_limit(
     made = _first_consumer_is(NoBroker, monkeypatch)
     _released_after_one_replacement(kafka_config, replay_buffer_thread, made)
     assert NoBroker.probes == 1  # probed once, after the stall limit
+
+
+def test_a_member_with_no_partition_that_reads_metadata_is_kept(kafka_config: KafkaConfig):
+    """The other side of the rule above: a consumer that owns nothing (every partition is
+    another member's) but reaches its broker is probed after the stall limit and kept."""
+    cfg = _config(kafka_config, **{"replay_buffer.txn_stall_s": 0.2})
+    member = GroupMember(
+        kafka_config,
+        unique_name("idle"),
+        [Topics.from_config(kafka_config).turns],
+        overrides={},
+        on_assign=lambda consumer, partitions: None,
+        on_revoke=lambda consumer, partitions: None,
+        on_replaced=lambda: None,
+    )
+    first = member.consumer
+    metrics = ReplayBufferMetrics(CollectorRegistry())
+    watch = StuckConsumerWatch(cfg, member, metrics)
+    try:
+        assert not watch.check_unassigned(owns_partitions=False)  # the clock starts
+        time.sleep(0.3)
+        assert not watch.check_unassigned(owns_partitions=False)  # probed: metadata read
+    finally:
+        member.close()
+    assert member.consumer is first and metrics.consumer_replacements._value.get() == 0
 
 
 def _first_consumer_is(double: type[Consumer], monkeypatch) -> list[Consumer]:
