@@ -2,9 +2,10 @@
 and building the released groups' records, on the same events, rounds interleaved: the
 pydantic decode and build (the baseline: ``wire=False``, ``columnar=False``); the columnar
 build (``streams/assembly/columnar_fold.py``); the msgspec wire decode of token events
-(``streams/assembly/fold_events.py``) with the pydantic build; and both together, the
-replay buffer's and the offline replay's default (the wire's numpy arrays kept through the
-fold into the Arrow columns).
+(``streams/assembly/fold_events.py``) with the pydantic build; both together, the offline
+replay's default (the wire's numpy arrays kept through the fold into the Arrow columns);
+and that path returning its trajectories without token lists (``buffer``: the replay
+buffer's, ``finalize_group(token_lists=False)``).
 
 No broker: the events are ``tests/synthetic.py``'s (what the session runner logs with an
 instant scripted replica, a test double), at two generation sizes, so the cost splits into
@@ -28,23 +29,26 @@ from rolloutbus.streams.assembly.partition_fold import PartitionFold
 from rolloutbus.streams.assembly.trajectories import finalize_group
 from tests.synthetic import make_events
 
-# path name -> (columnar build, wire decode); "wire+columnar" is the default path
+# path name -> (columnar build, wire decode, trajectories with token lists); "buffer" is
+# the replay buffer's path, "wire+columnar" the offline replay's when it keeps trajectories
 PATHS = {
-    "pydantic": (False, False),
-    "columnar": (True, False),
-    "wire": (False, True),
-    "wire+columnar": (True, True),
+    "pydantic": (False, False, True),
+    "columnar": (True, False, True),
+    "wire": (False, True, True),
+    "wire+columnar": (True, True, True),
+    "buffer": (True, True, False),
 }
 
 
-def fold_cpu_s(values: list[bytes], columnar: bool, wire: bool = False) -> float:
+def fold_cpu_s(values: list[bytes], path: tuple[bool, bool, bool]) -> float:
     """CPU seconds to fold ``values`` and build every released group's records."""
+    columnar, wire, token_lists = path
     rollout = RolloutConfig()
     fold = PartitionFold(0)
     started = time.process_time()
     for offset, value in enumerate(values):
         for group in fold.fold(offset, decode_fold_event(value, wire=wire)):
-            finalize_group(group, rollout, columnar=columnar)
+            finalize_group(group, rollout, columnar=columnar, token_lists=token_lists)
     return time.process_time() - started
 
 
@@ -57,8 +61,8 @@ def measure(groups: int, tokens: int, rounds: int) -> dict[str, float]:
     values = [value for _, _, value in make_events(groups, tokens)]
     runs: dict[str, list[float]] = {path: [] for path in PATHS}
     for _ in range(rounds):
-        for path, (columnar, wire) in PATHS.items():
-            runs[path].append(fold_cpu_s(values, columnar, wire))
+        for name, path in PATHS.items():
+            runs[name].append(fold_cpu_s(values, path))
     per_event = {path: statistics.median(r) / len(values) * 1e6 for path, r in runs.items()}
     base = per_event["pydantic"]
     figures = ", ".join(

@@ -173,7 +173,9 @@ def _replay_record(
 def _finalize(cfg: Config, group: ReleasedGroup, result: ReplayResult, keep: bool) -> None:
     if group.group.settings is None and group.kind not in ("head_missing", "rejected"):
         result.groups_without_settings += 1
-    done = finalize_group(group, cfg.rollout, max_record_bytes=max_record_bytes(cfg.kafka))
+    done = finalize_group(
+        group, cfg.rollout, max_record_bytes=max_record_bytes(cfg.kafka), token_lists=keep
+    )
     result.released += len(done.trajectories)
     if keep:
         result.trajectories.extend(done.trajectories)

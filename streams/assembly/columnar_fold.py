@@ -65,16 +65,19 @@ def columnar_group(
     prompt_length: int,
     response_length: int,
     max_record_bytes: int | None = None,
+    token_lists: bool = True,
 ) -> tuple[list[Trajectory], list[bytes], pa.RecordBatch] | None:
     """A group released complete, as (trajectories, records, batch); None for a shape this
     path leaves to the pydantic build. ``columns``: its prompt columns, already checked
     (``_checked_prompt_columns``); the lengths: the group's budgets (``budgets_of``), tokens.
+    ``token_lists=False``: the trajectories without their token fields (empty lists; the
+    batch holds the tokens and lengths), which spares a Python int per token.
     Raises what bad data raises; ``finalize_group`` then takes the pydantic build."""
     budgets = _Budgets(prompt_length, response_length)
     folds = sorted(released.sessions, key=lambda s: s.session_id)
     if not all(_plain_session(fold) for fold in folds):
         return None
-    return _build(released.group, folds, budgets, columns, max_record_bytes)
+    return _build(released.group, folds, budgets, columns, max_record_bytes, token_lists)
 
 
 def _plain_session(fold: SessionFold) -> bool:
@@ -102,6 +105,7 @@ def _build(
     budgets: _Budgets,
     columns: dict[str, Any],
     max_record_bytes: int | None,
+    token_lists: bool,
 ) -> tuple[list[Trajectory], list[bytes], pa.RecordBatch] | None:
     outputs = []
     # the fields every output's record shares: the prompt columns and the group's size
@@ -122,6 +126,8 @@ def _build(
         for r, o in zip(records, outputs, strict=True)
     ):
         return None
+    if not token_lists:
+        return [o.t for o in outputs], records, batch
     return [_with_tokens(o, segments) for o in outputs], records, batch
 
 

@@ -18,7 +18,7 @@ import math
 import time
 import weakref
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from statistics import fmean
 from typing import Any
@@ -134,18 +134,27 @@ class ReleaseObserver:
         return series
 
     def observe(
-        self, released: ReleasedGroup, trajectories: list[Trajectory], now: float | None = None
+        self,
+        released: ReleasedGroup,
+        trajectories: list[Trajectory],
+        now: float | None = None,
+        response_lens: Sequence[int] | None = None,
     ) -> None:
+        """``response_lens``: each trajectory's response length where its token lists were
+        left out (``finalize_group(token_lists=False)``); by default their lists' lengths."""
         now = time.time() if now is None else now
         self._observe_group_latency(released, now)
         self._note_versions(trajectories)
-        for t in trajectories:
+        lengths = response_lens
+        if lengths is None:
+            lengths = [t.response_len for t in trajectories]
+        for t, response_len in zip(trajectories, lengths, strict=True):
             source = t.data_source or "unknown"
             self._labelled(self.metrics.trajectories, source, t.status.value).inc()
             if t.status == TrajectoryStatus.FAILED:
                 self.metrics.failed.labels(failure_class=failure_class_of(t)).inc()
                 continue
-            self._observe_trajectory(t, source)
+            self._observe_trajectory(t, source, response_len)
 
     def _observe_group_latency(self, released: ReleasedGroup, now: float) -> None:
         first = released.group.ts
@@ -158,20 +167,20 @@ class ReleaseObserver:
             newest = max(versions)
             self.newest_version = max(newest, self.newest_version or newest)
 
-    def _observe_trajectory(self, t: Trajectory, source: str) -> None:
+    def _observe_trajectory(self, t: Trajectory, source: str, response_len: int) -> None:
         m = self.metrics
-        self._labelled(m.response_length, source).observe(t.response_len)
+        self._labelled(m.response_length, source).observe(response_len)
         self._labelled(m.num_turns, t.agent_name or "unknown").observe(t.num_turns)
         if t.min_global_steps is not None and self.newest_version is not None:
             m.staleness.observe(max(0, self.newest_version - t.min_global_steps))
         self._observe_agent_loop(t)
         clipped = t.status == TrajectoryStatus.TRUNCATED or (
-            self.response_length is not None and t.response_len >= self.response_length
+            self.response_length is not None and response_len >= self.response_length
         )
         window = self.windows.get(source)
         if window is None:
             window = self.windows[source] = _SourceWindow(self.metrics, source, self.window)
-        window.append(_Sample(t.reward_score, t.response_len, clipped))
+        window.append(_Sample(t.reward_score, response_len, clipped))
 
     def _observe_agent_loop(self, t: Trajectory) -> None:
         """verl's per-trajectory agent-loop metrics, and any other numeric one a loop
@@ -205,15 +214,17 @@ def observe_release(
     trajectories: list[Trajectory],
     rollout: RolloutConfig,
     registry: CollectorRegistry | None = None,
+    response_lens: Sequence[int] | None = None,
 ) -> None:
     """The replay buffer's one call per released group (the process keeps one observer per
-    registry, so the windows live as long as the process)."""
+    registry, so the windows live as long as the process); ``response_lens`` as in
+    :meth:`ReleaseObserver.observe`."""
     registry = REGISTRY if registry is None else registry
     observer = _observers.get(registry)
     if observer is None:
         observer = ReleaseObserver(RolloutMetrics(registry), rollout.response_length)
         _observers[registry] = observer
-    observer.observe(released, trajectories)
+    observer.observe(released, trajectories, response_lens=response_lens)
 
 
 def last_turn_timestamp_ms(released: ReleasedGroup) -> int | None:

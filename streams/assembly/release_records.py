@@ -37,8 +37,12 @@ class ReleaseRecords:
 
     def group(self, part: int, released: ReleasedGroup) -> list[Outgoing]:
         """Trajectories, dead letters and the released record of one group."""
-        done = finalize_group(released, self.rollout, max_record_bytes=self.max_record_bytes)
-        observe_release(released, done.trajectories, self.rollout)  # RL figures (Prometheus)
+        # only the trajectories' scalars are read here: no Python int per token
+        done = finalize_group(
+            released, self.rollout, max_record_bytes=self.max_record_bytes, token_lists=False
+        )
+        lengths = done.batch.column("response_len").to_pylist()
+        observe_release(released, done.trajectories, self.rollout, response_lens=lengths)
         stamp = last_turn_timestamp_ms(released)  # trainer clients measure last turn -> trainer
         uid = released.group.uid
         self.metrics.groups.inc()

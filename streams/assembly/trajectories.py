@@ -85,7 +85,8 @@ class Letter(NamedTuple):
 
 
 class FinalizedGroup(NamedTuple):
-    trajectories: list[Trajectory]  # ordered by session, then output index
+    # ordered by session, then output index; see finalize_group's token_lists
+    trajectories: list[Trajectory]
     records: list[bytes]  # one Arrow record per trajectory, exactly as released
     letters: list[Letter]
     batch: pa.RecordBatch  # the records' rows as one batch (what an offline replay writes)
@@ -97,15 +98,19 @@ def finalize_group(
     *,
     max_record_bytes: int | None = None,
     columnar: bool = True,
+    token_lists: bool = True,
 ) -> FinalizedGroup:
     """Build, check and encode a released group's trajectories; never raises on bad data.
 
     ``rollout``: the budgets of a group whose ``group_started`` recorded none (a log written
     before it did); a group's recorded settings always win. ``columnar`` (the default): build
     the common shape of a group column by column, the same bytes (``columnar_fold.py``);
-    ``columnar=False``: the pydantic build alone (the baseline)."""
+    ``columnar=False``: the pydantic build alone (the baseline). ``token_lists=False``: a
+    group built column by column returns its trajectories without token lists (their token
+    fields empty, the tokens and lengths in ``batch``), for a caller that reads only their
+    scalars (the replay buffer; ``benchmarks/fold_cpu.py``, path ``buffer``)."""
     if columnar:
-        done = _columnar(released, rollout, max_record_bytes)
+        done = _columnar(released, rollout, max_record_bytes, token_lists)
         if done is not None:
             return done
     group = released.group
@@ -139,7 +144,10 @@ def finalize_group(
 
 
 def _columnar(
-    released: ReleasedGroup, rollout: RolloutConfig, max_record_bytes: int | None
+    released: ReleasedGroup,
+    rollout: RolloutConfig,
+    max_record_bytes: int | None,
+    token_lists: bool = True,
 ) -> FinalizedGroup | None:
     """The group built column by column, or None for a shape (or bad data) left to the
     pydantic build, which then writes the records and letters it always did."""
@@ -156,6 +164,7 @@ def _columnar(
             prompt_length=budgets.prompt_length,
             response_length=budgets.response_length,
             max_record_bytes=max_record_bytes,
+            token_lists=token_lists,
         )
     except DATA_ERRORS:
         return None

@@ -8,8 +8,10 @@ from typing import Any
 import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry
 
 from rolloutbus.config import RolloutConfig
+from rolloutbus.schemas.trajectories import Trajectory
 from rolloutbus.schemas.turns import (
     Generation,
     GenerationChunk,
@@ -25,8 +27,12 @@ from rolloutbus.schemas.turns import (
 )
 from rolloutbus.streams.assembly import trajectories
 from rolloutbus.streams.assembly.partition_fold import PartitionFold
+from rolloutbus.streams.assembly.release_metrics import observe_release
 from rolloutbus.streams.assembly.trajectories import finalize_group
 from tests.builders import make_group_started, numbered, session_ids
+from tests.synthetic import make_events
+
+TOKEN_FIELDS = ("prompts", "responses", "response_mask", "rollout_log_probs", "rm_scores")
 
 ROLLOUT = RolloutConfig(prompt_length=48, response_length=64)
 token = st.integers(-(2**31), 2**31 - 1)
@@ -156,6 +162,17 @@ def test_columnar_records_are_byte_identical(wire: list[bytes], record_limit: in
         assert new.trajectories == old.trajectories
         assert new.letters == old.letters
         assert new.batch.equals(old.batch)
+        lean = finalize_group(released, ROLLOUT, max_record_bytes=record_limit, token_lists=False)
+        assert lean.records == old.records and lean.letters == old.letters
+        assert [_without_token_lists(t) for t in old.trajectories] == [
+            _without_token_lists(t) for t in lean.trajectories
+        ]
+
+
+def _without_token_lists(t: Trajectory) -> Trajectory:
+    """``t`` with its token lists emptied, as ``token_lists=False`` returns a columnar
+    group's trajectories (a null list stays null)."""
+    return t.model_copy(update={name: [] for name in TOKEN_FIELDS if getattr(t, name) is not None})
 
 
 def test_the_random_logs_take_both_paths() -> None:
@@ -186,3 +203,41 @@ def test_a_large_group_at_128_tokens_per_turn() -> None:
     new = trajectories._columnar(released, rollout, None)
     assert new is not None
     assert new.records == finalize_group(released, rollout, columnar=False).records
+
+
+def test_trajectories_without_token_lists_give_the_same_release_figures() -> None:
+    """The replay buffer observes its releases from trajectories without token lists and
+    the batch's lengths (``ReleaseRecords.group``): the Prometheus figures are those of the
+    full trajectories."""
+    rollout = RolloutConfig()
+    fold, registries = PartitionFold(0), (CollectorRegistry(), CollectorRegistry())
+    released = []
+    for offset, (_, _, value) in enumerate(make_events(6, 40)):
+        released += fold.fold(offset, decode_turn_event(value))
+    assert len(released) == 6
+    for group in released:
+        full = finalize_group(group, rollout)
+        lean = finalize_group(group, rollout, token_lists=False)
+        assert lean.records == full.records
+        assert all(t.responses == [] for t in lean.trajectories)
+        lengths = lean.batch.column("response_len").to_pylist()
+        observe_release(group, full.trajectories, rollout, registries[0])
+        observe_release(group, lean.trajectories, rollout, registries[1], response_lens=lengths)
+    figures = [_release_figures(r) for r in registries]
+    tokens = [
+        v
+        for k, v in figures[0].items()
+        if k.startswith("rolloutbus_rollout_response_length_tokens_sum")
+    ]
+    assert tokens and min(tokens) > 0
+    assert figures[0] == figures[1]
+
+
+def _release_figures(registry: CollectorRegistry) -> dict[str, float]:
+    """Every sample but the group latency's (it reads the clock)."""
+    return {
+        sample.name + str(sorted(sample.labels.items())): sample.value
+        for family in registry.collect()
+        for sample in family.samples
+        if "latency" not in sample.name
+    }
