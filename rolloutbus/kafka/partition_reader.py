@@ -24,6 +24,7 @@ from rolloutbus.kafka.clients import (
     translate_kafka_errors,
     watermark_offsets,
 )
+from rolloutbus.kafka.watchdog import Progress
 
 POLL_S = 30.0  # seconds one poll may wait before the read counts as stalled
 # seconds per poll while waiting for open transactions: short, so the deadline is checked
@@ -39,6 +40,7 @@ def read_partition(
     stop: int | None = None,
     *,
     wait_open_transactions_s: float | None = None,
+    progress: Progress | None = None,
 ) -> Iterator[Message]:
     """Committed records of ``topic[partition]`` from ``start`` until the end or ``stop``.
 
@@ -47,18 +49,22 @@ def read_partition(
     the high watermark when the read starts, committed or not, and the read waits up to
     that many seconds for every transaction open there to end (a crashed writer's ends
     when the coordinator aborts it), so no committed record before that offset is missed.
+    ``progress`` is beaten each time librdkafka answers (for a caller's watchdog).
     """
     if wait_open_transactions_s is not None and stop is not None:
         raise ValueError("read_partition: give stop or wait_open_transactions_s, not both")
     tp = TopicPartition(topic, partition)
+    progress = progress or Progress()
     high = None
     if wait_open_transactions_s is not None:
         high = _high_watermark(kafka, tp, wait_open_transactions_s)
+        progress.beat()
     # no offsets are committed: the group id only satisfies librdkafka
     consumer = read_committed_consumer(kafka, PARTITION_READER_GROUP, partition_eof=True)
     try:
         # a read_committed consumer's "high" is the last stable offset
         low, stable = watermark_offsets(consumer, tp, wait_open_transactions_s or POLL_S)
+        progress.beat()
         begin = max(start, low)
         end = stable if high is None else high
         end = end if stop is None else min(stop, end)
@@ -67,19 +73,22 @@ def read_partition(
         consumer.assign([TopicPartition(topic, partition, begin)])
         where = f"{topic}[{partition}]"
         if wait_open_transactions_s is None:
-            yield from _records_before(consumer, end, where=where)
+            yield from _records_before(consumer, end, where=where, progress=progress)
         else:
             yield from _records_through_open_transactions(
-                consumer, tp, end, wait_open_transactions_s
+                consumer, tp, end, wait_open_transactions_s, progress
             )
     finally:
         consumer.close()
 
 
-def _records_before(consumer: Consumer, end: int, *, where: str) -> Iterator[Message]:
+def _records_before(
+    consumer: Consumer, end: int, *, where: str, progress: Progress
+) -> Iterator[Message]:
     """Records of the one assigned partition until offset ``end`` or the partition's end."""
     while True:
         msg = poll_record(consumer, POLL_S)
+        progress.beat()
         if msg is None:
             raise BrokerError(f"reading {where} stalled before offset {end}")
         if isinstance(msg, PartitionEnd) or record_position(msg)[1] >= end:
@@ -88,13 +97,14 @@ def _records_before(consumer: Consumer, end: int, *, where: str) -> Iterator[Mes
 
 
 def _records_through_open_transactions(
-    consumer: Consumer, tp: TopicPartition, high: int, timeout_s: float
+    consumer: Consumer, tp: TopicPartition, high: int, timeout_s: float, progress: Progress
 ) -> Iterator[Message]:
     """Records of the one assigned partition until its position passes ``high``."""
     deadline = time.monotonic() + timeout_s
     where = f"{tp.topic}[{tp.partition}]"
     while True:
         msg = poll_record(consumer, OPEN_TRANSACTIONS_POLL_S)
+        progress.beat()
         if msg is not None and not isinstance(msg, PartitionEnd):
             yield msg
             continue

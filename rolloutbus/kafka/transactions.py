@@ -59,6 +59,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, Topi
 from rolloutbus.config import KafkaConfig
 from rolloutbus.errors import BrokerError, RolloutBusError
 from rolloutbus.kafka.clients import broker_error, transactional_producer
+from rolloutbus.kafka.watchdog import NoAnswer, run_watched
 
 log = logging.getLogger(__name__)
 
@@ -306,23 +307,11 @@ class TransactionalProducer:
     def _within_deadline(self, action: str, call: Callable[[], Any]) -> Any:
         """Run ``call`` on a helper thread; a call still running after its timeout plus the
         grace has wedged the producer (librdkafka#5456)."""
-        box: dict[str, Any] = {}
-
-        def run() -> None:
-            try:
-                box["result"] = call()
-            except BaseException as exc:  # re-raised on the caller's thread below
-                box["error"] = exc
-
-        helper = threading.Thread(target=run, name="kafka-transaction-call", daemon=True)
-        helper.start()
         limit = self.settings.call_timeout_s + self.settings.call_grace_s
-        helper.join(limit)
-        if helper.is_alive():
-            raise TransactionAborted("wedged", action, f"no answer within {limit:.0f} s")
-        if "error" in box:
-            raise box["error"]
-        return box.get("result")
+        try:
+            return run_watched(call, limit, action, thread_name="kafka-transaction-call")
+        except NoAnswer as exc:
+            raise TransactionAborted("wedged", action, f"no answer within {limit:.0f} s") from exc
 
     # -- after a failure -------------------------------------------------------------------------
     def _aborted(self, failure: TransactionAborted) -> TransactionAborted:

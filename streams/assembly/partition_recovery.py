@@ -15,15 +15,19 @@ from rolloutbus.config import Config
 from rolloutbus.errors import BrokerError
 from rolloutbus.kafka.clients import broker_error, translate_kafka_errors, watermark_offsets
 from rolloutbus.kafka.group_member import GroupMember
+from rolloutbus.kafka.watchdog import NoAnswer, Progress, run_watched
 from rolloutbus.streams.assembly.metrics import ReplayBufferMetrics
 from rolloutbus.streams.assembly.partition_fold import FoldLimits, PartitionFold
-from rolloutbus.streams.assembly.released import ReleasedRead, read_released
+from rolloutbus.streams.assembly.released import READ_TIMEOUT_S, ReleasedRead, read_released
 from rolloutbus.topics import Topics
 
 log = logging.getLogger(__name__)
 
 OFFSET_QUERY_TIMEOUT_S = 30.0  # seconds for each committed-offset and watermark query
 CALLS_PER_STALL = 3  # a broker call's timeout is replay_buffer.txn_stall_s / this
+# seconds without an answer from librdkafka before a released-topic read is given up: past
+# the longest single call it makes (READ_TIMEOUT_S), so only a call that hangs meets it
+RELEASED_READ_LIMIT_S = READ_TIMEOUT_S + 15.0
 
 
 def recover_partition(
@@ -46,7 +50,7 @@ def recover_partition(
             committed.error, "reading the committed offset", topic=tp.topic, partition=part
         )
     start = max(committed.offset, low) if committed.offset >= 0 else low
-    released = read_released(cfg.kafka, topics.released, part, limits.max_released, start)
+    released = _read_released_watched(cfg, topics.released, part, limits.max_released, start)
     fold = PartitionFold(start, released=released.uids, limits=limits)
     with translate_kafka_errors(
         "seeking to the committed offset", topic=tp.topic, partition=part, offset=start
@@ -62,6 +66,27 @@ def recover_partition(
         released.read,
     )
     return fold, released
+
+
+def _read_released_watched(
+    cfg: Config, topic: str, part: int, limit: int, start: int
+) -> ReleasedRead:
+    """read_released on a helper thread, given up once librdkafka has not answered for
+    RELEASED_READ_LIMIT_S (a CI run saw one of its polls never return after a broker
+    restart, and the buffer released nothing for eight minutes); the retry makes new
+    clients."""
+    progress = Progress()
+    try:
+        return run_watched(
+            lambda: read_released(cfg.kafka, topic, part, limit, start, progress),
+            RELEASED_READ_LIMIT_S,
+            f"reading {topic}[{part}]",
+            thread_name=f"released-read-{part}",
+            progress=progress,
+        )
+    except NoAnswer as exc:
+        log.warning("%s; the read is left on its thread, at:\n%s", exc, exc.stack.rstrip())
+        raise BrokerError(str(exc)) from None
 
 
 class StuckConsumerWatch:

@@ -58,6 +58,7 @@ from rolloutbus.kafka.clients import (
     watermark_offsets,
 )
 from rolloutbus.kafka.partition_reader import PARTITION_READER_GROUP, read_partition
+from rolloutbus.kafka.watchdog import Progress
 from rolloutbus.schemas.turns import decode_turn_event
 
 log = logging.getLogger(__name__)
@@ -321,16 +322,23 @@ class ReleasedRead(NamedTuple):
 
 
 def read_released(
-    kafka: KafkaConfig, topic: str, partition: int, limit: int, fold_start: int
+    kafka: KafkaConfig,
+    topic: str,
+    partition: int,
+    limit: int,
+    fold_start: int,
+    progress: Progress | None = None,
 ) -> ReleasedRead:
     """Every released record on ``topic[partition]``, as claims to check against a fold of
     the turn log that starts at ``fold_start``; a record that is not a released record of
-    this partition is returned as bad, never obeyed."""
+    this partition is returned as bad, never obeyed. ``progress``: see read_partition."""
     by_uid: dict[str, list[Claim]] = {}
     uids: OrderedDict[str, None] = OrderedDict()
     bad: list[BadRecord] = []
     count = 0
-    records = read_partition(kafka, topic, partition, 0, wait_open_transactions_s=READ_TIMEOUT_S)
+    records = read_partition(
+        kafka, topic, partition, 0, wait_open_transactions_s=READ_TIMEOUT_S, progress=progress
+    )
     for msg in records:
         count += 1
         value = msg.value() or b""

@@ -20,6 +20,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException
 from confluent_kafka.admin import NewTopic
 from prometheus_client import CollectorRegistry
 
+import rolloutbus.streams.assembly.partition_recovery as partition_recovery
 import rolloutbus.streams.assembly.released as released_module
 import rolloutbus.streams.assembly.replay_buffer as replay_buffer_module
 from rolloutbus.broker.embedded import start_broker, stop_broker
@@ -595,6 +596,45 @@ def test_a_consumer_left_with_no_broker_is_replaced_after_the_stall_limit(
     made = _first_consumer_is(NoBroker, monkeypatch)
     _released_after_one_replacement(kafka_config, replay_buffer_thread, made)
     assert NoBroker.probes == 1  # probed once, after the stall limit
+
+
+@pytest.mark.slow
+def test_a_released_read_that_never_returns_is_given_up_and_made_again(
+    kafka_config: KafkaConfig, replay_buffer_thread, monkeypatch, caplog
+):
+    """Fault injector (a test double): the first read of the released topic blocks, as one
+    of librdkafka's polls did after a broker restart in CI (eight minutes, nothing
+    released). It is given up after RELEASED_READ_LIMIT_S with its stack logged, and the
+    retry, on new clients, releases every group once."""
+    release = threading.Event()
+    parts_read: list[int] = []
+    real_read_released = partition_recovery.read_released
+
+    def hangs_the_first_time(*args):
+        parts_read.append(args[2])
+        if len(parts_read) == 1:
+            release.wait(WAIT_S)  # a poll that does not return
+            raise BrokerError("injected hang ended")
+        return real_read_released(*args)
+
+    monkeypatch.setattr(partition_recovery, "read_released", hangs_the_first_time)
+    monkeypatch.setattr(partition_recovery, "RELEASED_READ_LIMIT_S", 2.0)
+    cfg = _config(kafka_config)
+    uids = [f"h{uuid.uuid4().hex[:10]}" for _ in range(6)]
+    _produce(kafka_config, [e for uid in uids for e in group_events(uid)])
+    try:
+        with (
+            caplog.at_level(logging.WARNING, logger=partition_recovery.__name__),
+            replay_buffer_thread(cfg, ReplayBufferMetrics(CollectorRegistry())),
+        ):
+            keys = _wait_for_keys(cfg, _expected_keys(uids))
+    finally:
+        release.set()
+    assert not _dupes(keys) and set(keys) == _expected_keys(uids)
+    assert parts_read.count(parts_read[0]) >= 2  # the hung partition was read again
+    [given_up] = [r.getMessage() for r in caplog.records if r.name == partition_recovery.__name__]
+    assert "no answer within 2 s" in given_up
+    assert "hangs_the_first_time" in given_up  # where the abandoned read was
 
 
 def test_a_member_with_no_partition_that_reads_metadata_is_kept(kafka_config: KafkaConfig):

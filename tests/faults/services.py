@@ -130,7 +130,15 @@ class Service:
                 self.popen.wait()
 
     def log_tail(self, chars: int = 2000) -> str:
+        """The end of its last log. A log that ends in a stack dump (dump_stacks) gives
+        ``chars`` of the lines before the dump, then the dump's threads (a CI failure once
+        showed only the dump, which filled the tail, and one log line)."""
         try:
-            return self.log_path.read_text(errors="replace")[-chars:]
+            text = self.log_path.read_text(errors="replace")
         except FileNotFoundError:
             return ""
+        dump_at = text.rfind("Fatal Python error")
+        if dump_at < 0:
+            return text[-chars:]
+        threads = text[dump_at:].split("\nExtension modules:")[0]
+        return text[max(0, dump_at - chars) : dump_at] + threads
