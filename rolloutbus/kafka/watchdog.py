@@ -1,8 +1,9 @@
 """Calls into librdkafka that may never return, run on a helper thread and given up on.
 
 librdkafka can block a call far past its own timeout after a broker restart (a transactional
-``send_offsets_to_transaction``: confluentinc/librdkafka#5456; a CI run saw the replay
-buffer's recovery read of the released topic sit in one ``poll`` for eight minutes). A
+``send_offsets_to_transaction``: confluentinc/librdkafka#5456; a CI run's stack dump
+found the replay buffer in a ``poll`` of its released-topic read after eight silent
+minutes). A
 thread inside librdkafka cannot be interrupted, so the caller stops waiting for it instead:
 ``run_watched`` runs the call on a daemon thread and raises :class:`NoAnswer`, with the
 thread's Python stack, once the call has shown no progress for the limit. The abandoned

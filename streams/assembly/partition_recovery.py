@@ -72,9 +72,9 @@ def _read_released_watched(
     cfg: Config, topic: str, part: int, limit: int, start: int
 ) -> ReleasedRead:
     """read_released on a helper thread, given up once librdkafka has not answered for
-    RELEASED_READ_LIMIT_S (a CI run saw one of its polls never return after a broker
-    restart, and the buffer released nothing for eight minutes); the retry makes new
-    clients."""
+    RELEASED_READ_LIMIT_S; the retry makes new clients. (After a broker restart in CI the
+    buffer released nothing for eight minutes; its stack dump found it in one of this
+    read's polls, and no line said the read had timed out.)"""
     progress = Progress()
     try:
         return run_watched(
