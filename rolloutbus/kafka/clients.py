@@ -12,7 +12,8 @@ factories only hand them to confluent-kafka. Extra librdkafka settings go in
 librdkafka's own log lines go to the Python logger ``librdkafka`` (confluent-kafka's
 ``logger`` setting, added by every factory here): one format with the rest, and quiet
 below WARNING unless the command runs with -v. confluent-kafka hands them over inside
-``poll()``/``flush()``/``consume()`` calls, never from librdkafka's threads.
+``poll()``/``flush()``/``consume()`` calls, never from librdkafka's threads. A line
+repeated by one client is shown once per 30 s with a count (``repeated_lines.py``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from confluent_kafka.admin import AdminClient
 
 from rolloutbus.config import KafkaConfig
 from rolloutbus.errors import BrokerError
+from rolloutbus.kafka.repeated_lines import RepeatedLines
 
 __all__ = [
     "LIBRDKAFKA_LOGGER",
@@ -55,6 +57,7 @@ __all__ = [
 
 Overrides = Mapping[str, Any] | None
 LIBRDKAFKA_LOGGER = logging.getLogger("librdkafka")
+LIBRDKAFKA_LOGGER.addFilter(RepeatedLines())  # a broker outage: a line per client per 30 s
 
 
 # -- settings (pure) ---------------------------------------------------------------------
