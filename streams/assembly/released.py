@@ -58,7 +58,7 @@ from rolloutbus.kafka.clients import (
     watermark_offsets,
 )
 from rolloutbus.kafka.partition_reader import PARTITION_READER_GROUP, read_partition
-from rolloutbus.kafka.watchdog import Progress
+from rolloutbus.kafka.watchdog import NoAnswer, Progress, run_watched
 from rolloutbus.schemas.turns import decode_turn_event
 
 log = logging.getLogger(__name__)
@@ -69,6 +69,9 @@ READ_TIMEOUT_S = 60.0
 PROBE_RETRY_S = 120.0  # seconds a claim check retries a broker error (a restart) before failing
 PROBE_RETRY_BACKOFF_S = 1.0  # seconds between those retries
 PROBE_POLL_S = 1.0  # seconds per poll of a single-record read of the turn log
+# seconds before a claim check with no answer from librdkafka is given up: past the
+# longest single call it makes (a watermark query of READ_TIMEOUT_S)
+PROBE_LIMIT_S = READ_TIMEOUT_S + 15.0
 
 
 class ReleasedRecord(BaseModel):
@@ -251,7 +254,7 @@ class TurnLogProbe:
         deadline = time.monotonic() + PROBE_RETRY_S
         while True:
             try:
-                return self._read_uid_at(offset)
+                return self._read_uid_at_watched(offset)
             except BrokerError as exc:
                 self._discard()
                 if time.monotonic() >= deadline:
@@ -259,12 +262,32 @@ class TurnLogProbe:
                 log.warning("%s; retrying on a fresh consumer", exc)
                 time.sleep(PROBE_RETRY_BACKOFF_S)
 
-    def _read_uid_at(self, offset: int) -> str | None:
-        consumer = self._open()
+    def _read_uid_at_watched(self, offset: int) -> str | None:
+        """``_read_uid_at`` on a helper thread, given up after PROBE_LIMIT_S (the
+        released-topic read's poll hung in CI; this one polls the same way, on the
+        buffer's main thread). The abandoned call keeps its consumer: it is dropped here,
+        never closed under it, and the retry opens another."""
+        where = f"checking {self.topic}[{self.partition}]@{offset}"
+        consumer, progress = self._open(), Progress()  # opened here: nothing else sets it
+        try:
+            return run_watched(
+                lambda: self._read_uid_at(consumer, offset, progress),
+                PROBE_LIMIT_S,
+                where,
+                thread_name="claim-check",
+                progress=progress,
+            )
+        except NoAnswer as exc:
+            log.warning("%s; the read is left on its thread, at:\n%s", exc, exc.stack.rstrip())
+            self._consumer = None
+            raise BrokerError(str(exc)) from None
+
+    def _read_uid_at(self, consumer: Consumer, offset: int, progress: Progress) -> str | None:
         tp = TopicPartition(self.topic, self.partition)
         where = f"{self.topic}[{self.partition}]@{offset}"
         try:
             low, high = watermark_offsets(consumer, tp, READ_TIMEOUT_S)
+            progress.beat()
         except BrokerError as exc:
             raise BrokerError(f"checking a released record against {where}: {exc}") from exc
         if offset < low:
@@ -273,7 +296,7 @@ class TurnLogProbe:
             return None
         with translate_kafka_errors("checking a released record against", topic=where):
             consumer.assign([TopicPartition(self.topic, self.partition, offset)])
-            msg = _first_record(consumer, where)
+            msg = _first_record(consumer, where, progress)
         if msg is None or record_position(msg)[1] != offset:
             return None  # a transaction marker or an aborted record sits there
         try:
@@ -301,10 +324,11 @@ class TurnLogProbe:
                 consumer.close()
 
 
-def _first_record(consumer: Consumer, where: str) -> Message | None:
+def _first_record(consumer: Consumer, where: str, progress: Progress) -> Message | None:
     deadline = time.monotonic() + READ_TIMEOUT_S
     while time.monotonic() < deadline:
         msg = poll_record(consumer, PROBE_POLL_S)
+        progress.beat()
         if isinstance(msg, PartitionEnd):
             return None
         if msg is not None:
