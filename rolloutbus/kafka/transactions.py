@@ -59,7 +59,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, Topi
 from rolloutbus.config import KafkaConfig
 from rolloutbus.errors import BrokerError, RolloutBusError
 from rolloutbus.kafka.clients import broker_error, transactional_producer
-from rolloutbus.kafka.watchdog import NoAnswer, run_watched
+from rolloutbus.kafka.watchdog import NoAnswer, Progress, run_watched
 
 log = logging.getLogger(__name__)
 
@@ -148,11 +148,13 @@ class TransactionalProducer:
         settings: TransactionSettings | None = None,
         *,
         stop: threading.Event | None = None,
+        progress: Progress | None = None,
     ):
         self.kafka = kafka
         self.transactional_id = transactional_id
         self.settings = settings or TransactionSettings()
         self._stop = stop or threading.Event()  # set: stop retrying, fail fast
+        self._progress = progress or Progress()  # beaten per call attempt (a MainLoopWatch's)
         self._producer = self._new_producer()
         self._wedged: list[Producer] = []  # a thread may still be inside one: never destroyed
         self._failing_since: float | None = None  # first of consecutive failed transactions
@@ -261,6 +263,7 @@ class TransactionalProducer:
         give_up = started + self.settings.broker_retry_s
         backoff = self.settings.retry_backoff_s
         while True:
+            self._progress.beat()
             try:
                 return self._within_deadline(action, call)
             except KafkaException as exc:

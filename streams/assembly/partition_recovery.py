@@ -36,10 +36,12 @@ def recover_partition(
     part: int,
     limits: FoldLimits,
     timeout_s: float = OFFSET_QUERY_TIMEOUT_S,
+    alive: Progress | None = None,
 ) -> tuple[PartitionFold, ReleasedRead]:
     """The fold of turn-log partition ``part`` as of its committed offset: the uids already
     released on it (the released topic, with the claims the turn log must still back and
-    the records that were bad), then ``consumer`` sought back to that offset."""
+    the records that were bad), then ``consumer`` sought back to that offset. ``alive``:
+    the caller's main-loop progress, beaten by the released-topic read's."""
     topics = Topics.from_config(cfg.kafka)
     tp = TopicPartition(topics.turns, part)
     with translate_kafka_errors("reading the committed offset", topic=tp.topic, partition=part):
@@ -50,7 +52,7 @@ def recover_partition(
             committed.error, "reading the committed offset", topic=tp.topic, partition=part
         )
     start = max(committed.offset, low) if committed.offset >= 0 else low
-    released = _read_released_watched(cfg, topics.released, part, limits.max_released, start)
+    released = _read_released_watched(cfg, topics.released, part, limits.max_released, start, alive)
     fold = PartitionFold(start, released=released.uids, limits=limits)
     with translate_kafka_errors(
         "seeking to the committed offset", topic=tp.topic, partition=part, offset=start
@@ -69,13 +71,13 @@ def recover_partition(
 
 
 def _read_released_watched(
-    cfg: Config, topic: str, part: int, limit: int, start: int
+    cfg: Config, topic: str, part: int, limit: int, start: int, alive: Progress | None
 ) -> ReleasedRead:
     """read_released on a helper thread, given up once librdkafka has not answered for
     RELEASED_READ_LIMIT_S; the retry makes new clients. (After a broker restart in CI the
     buffer released nothing for eight minutes; its stack dump found it in one of this
     read's polls, and no line said the read had timed out.)"""
-    progress = Progress()
+    progress = Progress(parent=alive)
     try:
         return run_watched(
             lambda: read_released(cfg.kafka, topic, part, limit, start, progress),

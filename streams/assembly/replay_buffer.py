@@ -72,6 +72,7 @@ from rolloutbus.kafka.transactions import (
     TransactionalProducer,
     TransactionSettings,
 )
+from rolloutbus.kafka.watchdog import MainLoopWatch, Progress
 from rolloutbus.metrics import start_metrics_server
 from rolloutbus.progress import ProgressLine
 from rolloutbus.streams.assembly.fold_events import decode_fold_event
@@ -99,6 +100,11 @@ POLL_TIMEOUT_S = 0.5  # seconds a poll waits for the first record of a batch; th
 COMMIT_IDLE_S = 5.0  # seconds between watermark-only commits when nothing is released
 BROKER_RETRY_S = 300.0  # seconds of a broker failing every retry before the worker gives up
 RETRY_BACKOFF_S = 0.5  # seconds before retrying a partition's recovery
+# seconds the main loop may go without beginning a step, a partition's recovery attempt, a
+# transactional call's attempt or a released-topic read's progress before the process ends
+# itself (MainLoopWatch): past the longest wait a step bounds itself between those, a claim
+# check retried for PROBE_RETRY_S; at least 4 x replay_buffer.txn_stall_s (main_loop_watch)
+MAIN_LOOP_LIMIT_S = 420.0
 LINGER_MS = 5  # ms a record waits to batch; small, since each batch is flushed by its commit
 GC_THRESHOLD_ALLOCATIONS = 50_000  # net allocations between young collections (default 700)
 LETTER_REASON_CHARS = 4000  # characters of a decoder's error kept in a dead letter's reason
@@ -182,6 +188,7 @@ class ReplayBuffer:
         self._paused: set[int] = set()
         self._generation = 0  # bumped by every rebalance callback
         self._stop = threading.Event()
+        self._alive = Progress()  # beaten by the main loop, watched by MainLoopWatch
         self._member = GroupMember(
             cfg.kafka,
             cfg.replay_buffer.group_id,
@@ -192,8 +199,9 @@ class ReplayBuffer:
             on_replaced=self._drop_every_partition,
             fenced_hint=FENCED_HINT,
         )
+        settings, tid = transaction_settings(cfg), self.transactional_id
         self._transactions = TransactionalProducer(
-            cfg.kafka, self.transactional_id, transaction_settings(cfg), stop=self._stop
+            cfg.kafka, tid, settings, stop=self._stop, progress=self._alive
         )
         self._stuck = StuckConsumerWatch(cfg, self._member, self.metrics)
         self._progress = ProgressLine("replay buffer", cfg.monitoring.progress_log_s, log)
@@ -206,14 +214,16 @@ class ReplayBuffer:
         self._stop.set()
 
     def run(self) -> None:
-        """Consume until stop(); every exit path closes the consumer (leaving the group)."""
+        """Consume until stop(); every exit path closes the consumer (leaving the group).
+        The process ends itself (exit 75) if its main loop stalls (main_loop_watch)."""
         try:
             check_partition_counts(self.cfg.kafka)
             self._transactions.init()
             self._member.subscribe()
             log.info("replay buffer %s consuming %s", self.transactional_id, self.topics.turns)
-            while not self._stop.is_set():
-                self.step()
+            with main_loop_watch(self.cfg, self._alive, self.transactional_id):
+                while not self._stop.is_set():
+                    self.step()
         finally:
             self._member.close()
             for probe in self._probes.values():
@@ -222,6 +232,7 @@ class ReplayBuffer:
 
     def step(self) -> int:
         """Recover pending partitions, fold one batch of polls, commit it; the records read."""
+        self._alive.beat()
         self._recover_pending()
         self._stuck.check_unassigned(bool(self.partitions or self._pending))
         messages, generation = self._poll_batch()
@@ -284,16 +295,7 @@ class ReplayBuffer:
     def _seek_ready_partitions_back(self) -> None:
         """A rebalance ran during the polls: drop the batch; the partitions still owned go
         on from where their folds stand."""
-        for part, fold in self.partitions.items():
-            with translate_kafka_errors(
-                "seeking back after a rebalance",
-                topic=self.topics.turns,
-                partition=part,
-                offset=fold.next_offset,
-            ):
-                self._member.consumer.seek(
-                    TopicPartition(self.topics.turns, part, fold.next_offset)
-                )
+        seek_to_folds(self._member.consumer, self.topics.turns, self.partitions)
 
     # -- folding ---------------------------------------------------------------------------
     def _fold_message(self, msg: Message, outgoing: list[Outgoing]) -> None:
@@ -431,10 +433,12 @@ class ReplayBuffer:
 
     # -- partition recovery ----------------------------------------------------------------
     def _recover_pending(self) -> None:
+        timeout_s = self._stuck.query_timeout_s
         for part, since in sorted(self._pending.items()):
+            self._alive.beat()
             try:
                 fold, released = recover_partition(
-                    self._member.consumer, self.cfg, part, self.limits, self._stuck.query_timeout_s
+                    self._member.consumer, self.cfg, part, self.limits, timeout_s, self._alive
                 )
             except BrokerError as exc:
                 if time.monotonic() - since > BROKER_RETRY_S:
@@ -470,6 +474,31 @@ def count_committed(
     progress.add("groups", written.count(topics.released))
     progress.add("trajectories", written.count(topics.trajectories))
     progress.add("turn events", folded)
+
+
+def seek_to_folds(consumer: Consumer, topic: str, partitions: dict[int, PartitionFold]) -> None:
+    """Each partition of ``topic`` back to where its fold stands (its next offset)."""
+    for part, fold in partitions.items():
+        at = fold.next_offset
+        with translate_kafka_errors(
+            "seeking back after a rebalance", topic=topic, partition=part, offset=at
+        ):
+            consumer.seek(TopicPartition(topic, part, at))
+
+
+def main_loop_watch(cfg: Config, alive: Progress, transactional_id: str) -> MainLoopWatch:
+    """The watch on a replay buffer's main loop (``alive``). It exits the process only where
+    the loop is its main thread (the worker process); a buffer run on another thread (tests,
+    an embedding program) is logged, not ended. A transactional call may wait a third of
+    ``replay_buffer.txn_stall_s`` plus a grace: the limit is at least four stall limits."""
+    own_process = threading.current_thread() is threading.main_thread()
+    return MainLoopWatch(
+        alive,
+        max(MAIN_LOOP_LIMIT_S, 4 * cfg.replay_buffer.txn_stall_s),
+        f"replay buffer {transactional_id}",
+        log=log,
+        exit_process=os._exit if own_process else None,
+    )
 
 
 def run_replay_buffer(cfg: Config) -> None:

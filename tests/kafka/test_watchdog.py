@@ -1,14 +1,22 @@
 """run_watched: a call into a client library that may never return is given up on, with
-its stack; a call that keeps answering is not."""
+its stack; a call that keeps answering is not. MainLoopWatch: a loop that stops beating
+ends its process with its stack logged; one that keeps beating does not."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
 import pytest
 
-from rolloutbus.kafka.watchdog import NoAnswer, Progress, run_watched
+from rolloutbus.kafka.watchdog import (
+    EXIT_STALLED,
+    MainLoopWatch,
+    NoAnswer,
+    Progress,
+    run_watched,
+)
 
 
 def test_the_result_and_the_error_of_a_call_come_back_to_the_caller():
@@ -50,3 +58,56 @@ def test_a_call_that_keeps_beating_runs_past_the_limit():
     assert (
         run_watched(slow_but_moving, 2.0, "reading", thread_name="t", progress=progress) == "done"
     )
+
+
+def _loop(progress: Progress, beats: int, then_block: threading.Event | None) -> None:
+    """A main loop (a test double of the replay buffer's): ``beats`` steps of 0.1 s, then,
+    given ``then_block``, a call that does not return until it is set."""
+    for _ in range(beats):
+        progress.beat()
+        time.sleep(0.1)
+    if then_block is not None:
+        then_block.wait(30.0)
+
+
+def _watched_loop(beats: int, block: bool, exit_process, caplog) -> threading.Event:
+    release, progress = threading.Event(), Progress()
+    log = logging.getLogger("test.main_loop")
+
+    def main() -> None:
+        watch = MainLoopWatch(progress, 0.5, "test loop", log=log, exit_process=exit_process)
+        watch.start()
+        try:
+            _loop(progress, beats, release if block else None)
+        finally:
+            watch.stop()
+
+    with caplog.at_level(logging.CRITICAL, logger=log.name):
+        loop = threading.Thread(target=main, name="test-loop")
+        loop.start()
+        loop.join(3.0 + beats * 0.1)
+    release.set()
+    loop.join()
+    return release
+
+
+def test_a_main_loop_that_stops_beating_ends_the_process_with_its_stack(caplog):
+    exits: list[int] = []
+    _watched_loop(beats=3, block=True, exit_process=exits.append, caplog=caplog)
+    assert exits == [EXIT_STALLED]
+    [line] = [r.getMessage() for r in caplog.records]
+    assert "test loop: no progress for" in line and "exiting with 75" in line
+    assert "_loop" in line and "then_block.wait" in line  # where the loop's thread was
+
+
+def test_a_main_loop_that_keeps_beating_runs_on(caplog):
+    """2 s of beats every 0.1 s against a 0.5 s limit."""
+    exits: list[int] = []
+    _watched_loop(beats=20, block=False, exit_process=exits.append, caplog=caplog)
+    assert exits == [] and caplog.records == []
+
+
+def test_a_loop_off_the_main_thread_is_logged_not_ended(caplog):
+    _watched_loop(beats=1, block=True, exit_process=None, caplog=caplog)
+    [line] = [r.getMessage() for r in caplog.records]
+    assert "no progress for" in line and "; left." in line
