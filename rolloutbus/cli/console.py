@@ -14,6 +14,8 @@ from collections.abc import Callable
 from types import FrameType
 from typing import IO
 
+from rolloutbus.kafka.repeated_lines import RepeatedLines
+
 __all__ = [
     "LOG_FORMAT",
     "LOG_LEVEL_ENV",
@@ -32,6 +34,9 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 # every few seconds): WARNING and above unless -v. librdkafka's logs come through the
 # "librdkafka" logger (rolloutbus.kafka.clients gives every client it).
 QUIET_LIBRARIES = ("faust", "mode", "aiokafka", "httpx", "httpcore", "librdkafka")
+# Libraries that repeat a WARNING+ line per reconnect while a broker is away, held back to
+# one per kind per 30 s (librdkafka's logger has its own filter: rolloutbus.kafka.clients)
+REPEATING_LIBRARIES = ("aiokafka",)
 
 SignalHandler = Callable[[int, FrameType | None], None]
 
@@ -48,6 +53,8 @@ def setup_logging(verbose: bool) -> None:
     )
     for name in QUIET_LIBRARIES:
         logging.getLogger(name).setLevel(logging.DEBUG if verbose else logging.WARNING)
+    for handler in logging.getLogger().handlers:  # a broker outage: a line per kind per 30 s
+        handler.addFilter(RepeatedLines(loggers=REPEATING_LIBRARIES))
     if not _is_terminal(sys.stderr):
         _no_progress_bars()
 

@@ -8,6 +8,10 @@ tail held nothing else).
 client passes, the same kind from that client is counted and held back for
 ``REPEAT_WINDOW_S``, and the next one after the window passes saying how many were held
 back. Lines below WARNING (shown only with -v) all pass: whoever asks for them wants them.
+
+The CLI puts one on its log handler too, for aiokafka (Faust's Kafka client), which floods
+the same way: "Unable connect to node", "Unable to update metadata", 3,600 lines of a
+session worker's log in the same row (``rolloutbus/cli/console.py``).
 """
 
 from __future__ import annotations
@@ -37,15 +41,21 @@ class RepeatedLines(logging.Filter):
     docstring). Thread-safe: confluent-kafka logs from whichever thread polls a client."""
 
     def __init__(
-        self, window_s: float = REPEAT_WINDOW_S, clock: Callable[[], float] = time.monotonic
+        self,
+        window_s: float = REPEAT_WINDOW_S,
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        loggers: tuple[str, ...] | None = None,
     ):
         super().__init__()
         self.window_s, self._clock = window_s, clock
+        # on a handler: only these loggers' lines (and their children's) are held back
+        self._loggers = loggers
         self._shown: dict[tuple[str, ...], _Shown] = {}
         self._lock = threading.Lock()
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno < logging.WARNING:
+        if record.levelno < logging.WARNING or not self._applies_to(record.name):
             return True
         kind = _kind(record)
         now = self._clock()
@@ -61,6 +71,11 @@ class RepeatedLines(logging.Filter):
             held = f"{shown.held} more like it in the last {since:.0f} s"
             record.msg, record.args = f"{record.getMessage()} ({held})", None
         return True
+
+    def _applies_to(self, name: str) -> bool:
+        if self._loggers is None:
+            return True
+        return any(name == lg or name.startswith(lg + ".") for lg in self._loggers)
 
     def _forget_old(self, now: float) -> None:
         if len(self._shown) < _MAX_KINDS:

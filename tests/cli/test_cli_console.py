@@ -90,6 +90,27 @@ def test_quiet_libraries_log_at_warning_unless_verbose():
     assert " INFO faust: theirs" in verbose.stderr
 
 
+def test_aiokafka_lines_repeated_in_an_outage_are_shown_once_ours_every_time():
+    """Faust's aiokafka logs a line per reconnect while the broker is away (3,600 in one
+    fault row's session worker log): the CLI's handler shows one per kind per 30 s."""
+    code = (
+        "import logging\n"
+        "from rolloutbus.cli.console import setup_logging\n"
+        "setup_logging(False)\n"
+        "for _ in range(50):\n"
+        "    logging.getLogger('aiokafka').error('Unable connect to node with id %s: %s', 1,"
+        " OSError(111, 'Connect call failed'))\n"
+        "    logging.getLogger('aiokafka.consumer.fetcher').error('Failed fetch from %s', 1)\n"
+        "for _ in range(3):\n"
+        "    logging.getLogger('rolloutbus.x').error('ours')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    lines = result.stderr.splitlines()
+    assert len([line for line in lines if "Unable connect to node" in line]) == 1, lines
+    assert len([line for line in lines if "Failed fetch from 1" in line]) == 1, lines
+    assert len([line for line in lines if "ERROR rolloutbus.x: ours" in line]) == 3
+
+
 def test_librdkafka_logs_go_through_python_logging_not_its_own_stderr_lines(capfd, caplog):
     """A producer pointed at a port nothing listens on: librdkafka reports the refused
     connection, through the ``librdkafka`` logger in the one format, not as ``%3|...``."""

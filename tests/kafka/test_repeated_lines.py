@@ -63,6 +63,17 @@ def test_each_client_and_each_kind_of_line_has_its_own_window():
     assert len(shown) == 3
 
 
+def test_on_a_handler_only_the_named_libraries_are_held_back():
+    lines = RepeatedLines(window_s=30.0, clock=_Clock(), loggers=("aiokafka",))
+
+    def line(name: str) -> logging.LogRecord:
+        return logging.LogRecord(name, logging.ERROR, __file__, 1, "Unable to update", (), None)
+
+    records = [line("aiokafka"), line("aiokafka.consumer.fetcher"), line("aiokafkax")] * 4
+    shown = [r.name for r in records if lines.filter(r)]
+    assert shown == ["aiokafka", "aiokafka.consumer.fetcher"] + ["aiokafkax"] * 4
+
+
 def test_lines_below_warning_all_pass():
     """-v asks for librdkafka's debug lines: nothing of theirs is held back."""
     lines = RepeatedLines(window_s=30.0, clock=_Clock())
