@@ -5,6 +5,7 @@ that cannot reach its broker."""
 from __future__ import annotations
 
 import logging
+import socket
 import time
 
 import pytest
@@ -12,7 +13,6 @@ import pytest
 from rolloutbus.config import KafkaConfig
 from rolloutbus.kafka.clients import LIBRDKAFKA_LOGGER, read_committed_consumer
 from rolloutbus.kafka.repeated_lines import RepeatedLines
-from tests.helpers import free_port
 
 
 class _Clock:
@@ -87,13 +87,17 @@ def test_a_client_without_a_broker_logs_one_refused_line_not_one_per_reconnect(
     """A real consumer pointed at a port nothing listens on reconnects every 50-80 ms, each
     time logging "Connection refused" (about 25 lines in 2 s without the filter)."""
     caplog.set_level(logging.WARNING, logger=LIBRDKAFKA_LOGGER.name)
-    kafka = KafkaConfig(bootstrap_servers=f"127.0.0.1:{free_port()}")
-    consumer = read_committed_consumer(kafka, "repeated-lines")
-    try:
-        deadline = time.monotonic() + 2.0
-        while time.monotonic() < deadline:
-            consumer.poll(0.1)  # confluent-kafka hands log lines over inside poll()
-    finally:
-        consumer.close()
+    # a port bound and held but never listened on refuses every connect, and no other test
+    # can start a server on it meanwhile
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as held:
+        held.bind(("127.0.0.1", 0))
+        kafka = KafkaConfig(bootstrap_servers=f"127.0.0.1:{held.getsockname()[1]}")
+        consumer = read_committed_consumer(kafka, "repeated-lines")
+        try:
+            deadline = time.monotonic() + 2.0
+            while time.monotonic() < deadline:
+                consumer.poll(0.1)  # confluent-kafka hands log lines over inside poll()
+        finally:
+            consumer.close()
     refused = [r for r in caplog.records if "Connection refused" in r.getMessage()]
     assert len(refused) == 1, caplog.text
