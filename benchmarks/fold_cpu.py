@@ -4,8 +4,10 @@ pydantic decode and build (the baseline: ``wire=False``, ``columnar=False``); th
 build (``streams/assembly/columnar_fold.py``); the msgspec wire decode of token events
 (``streams/assembly/fold_events.py``) with the pydantic build; both together, the offline
 replay's default (the wire's numpy arrays kept through the fold into the Arrow columns);
-and that path returning its trajectories without token lists (``buffer``: the replay
-buffer's, ``finalize_group(token_lists=False)``).
+that path returning its trajectories without token lists (``buffer``: the replay buffer's,
+``finalize_group(token_lists=False)``); and that one without records (``replay-out``:
+``replay --out``'s, ``records=False``: each row is encoded only where the group's bound
+does not show that it fits the topic).
 
 No broker: the events are ``tests/synthetic.py``'s (what the session runner logs with an
 instant scripted replica, a test double), at two generation sizes, so the cost splits into
@@ -22,33 +24,44 @@ import time
 
 from bench_harness import machine_line
 
-from rolloutbus.config import RolloutConfig
+from rolloutbus.config import KafkaConfig, RolloutConfig
 from rolloutbus.schemas.turns import Generation, decode_turn_event
 from rolloutbus.streams.assembly.fold_events import decode_fold_event
 from rolloutbus.streams.assembly.partition_fold import PartitionFold
-from rolloutbus.streams.assembly.trajectories import finalize_group
+from rolloutbus.streams.assembly.trajectories import finalize_group, max_record_bytes
 from tests.synthetic import make_events
 
-# path name -> (columnar build, wire decode, trajectories with token lists); "buffer" is
-# the replay buffer's path, "wire+columnar" the offline replay's when it keeps trajectories
+LIMIT = max_record_bytes(KafkaConfig())  # records are checked against the topic's, as live
+
+# path name -> (columnar build, wire decode, trajectories with token lists, records);
+# "buffer" is the replay buffer's path, "wire+columnar" the offline replay's when it keeps
+# trajectories, "replay-out" its path when it writes only the batches to a file
 PATHS = {
-    "pydantic": (False, False, True),
-    "columnar": (True, False, True),
-    "wire": (False, True, True),
-    "wire+columnar": (True, True, True),
-    "buffer": (True, True, False),
+    "pydantic": (False, False, True, True),
+    "columnar": (True, False, True, True),
+    "wire": (False, True, True, True),
+    "wire+columnar": (True, True, True, True),
+    "buffer": (True, True, False, True),
+    "replay-out": (True, True, False, False),
 }
 
 
-def fold_cpu_s(values: list[bytes], path: tuple[bool, bool, bool]) -> float:
+def fold_cpu_s(values: list[bytes], path: tuple[bool, bool, bool, bool]) -> float:
     """CPU seconds to fold ``values`` and build every released group's records."""
-    columnar, wire, token_lists = path
+    columnar, wire, token_lists, records = path
     rollout = RolloutConfig()
     fold = PartitionFold(0)
     started = time.process_time()
     for offset, value in enumerate(values):
         for group in fold.fold(offset, decode_fold_event(value, wire=wire)):
-            finalize_group(group, rollout, columnar=columnar, token_lists=token_lists)
+            finalize_group(
+                group,
+                rollout,
+                max_record_bytes=LIMIT,
+                columnar=columnar,
+                token_lists=token_lists,
+                records=records,
+            )
     return time.process_time() - started
 
 

@@ -174,7 +174,11 @@ def _finalize(cfg: Config, group: ReleasedGroup, result: ReplayResult, keep: boo
     if group.group.settings is None and group.kind not in ("head_missing", "rejected"):
         result.groups_without_settings += 1
     done = finalize_group(
-        group, cfg.rollout, max_record_bytes=max_record_bytes(cfg.kafka), token_lists=keep
+        group,
+        cfg.rollout,
+        max_record_bytes=max_record_bytes(cfg.kafka),
+        token_lists=keep,
+        records=keep,  # a file holds the batches: a record per row only to check it fits
     )
     result.released += len(done.trajectories)
     if keep:

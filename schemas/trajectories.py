@@ -208,6 +208,15 @@ def encode_batch(batch: pa.RecordBatch) -> list[bytes]:
     ]
 
 
+def record_bytes_bound(batch: pa.RecordBatch) -> int:
+    """At least the length of every record ``encode_batch(batch)`` makes, in one IPC call:
+    the whole batch as one record. A row's message has the same metadata (its nodes and
+    buffers are fixed-size structs) and each of its buffers is a part of the batch's, or a
+    rebased copy of fewer offsets, so no record is longer
+    (``tests/assembly/test_columnar_fold.py``)."""
+    return len(_SCHEMA_MESSAGE) + int(batch.serialize().size) + len(_END_OF_STREAM)
+
+
 _SCHEMA_MESSAGE = TRAJECTORY_SCHEMA.serialize().to_pybytes()
 _END_OF_STREAM = b"\xff\xff\xff\xff\x00\x00\x00\x00"  # continuation marker, length 0
 

@@ -35,6 +35,7 @@ from rolloutbus.schemas.trajectories import (
     Trajectory,
     TrajectoryStatus,
     encode_batch,
+    record_bytes_bound,
 )
 from rolloutbus.schemas.turns import GroupStarted, OutputSummary, SessionFinished
 from rolloutbus.streams.assembly.partition_fold import ReleasedGroup
@@ -58,6 +59,11 @@ class _Budgets(NamedTuple):
     response_length: int  # tokens
 
 
+class _Wanted(NamedTuple):
+    token_lists: bool  # the trajectories with their token fields
+    records: bool  # the encoded records (else only the batch, and the check that they fit)
+
+
 def columnar_group(
     released: ReleasedGroup,
     columns: dict[str, Any],
@@ -66,18 +72,22 @@ def columnar_group(
     response_length: int,
     max_record_bytes: int | None = None,
     token_lists: bool = True,
+    records: bool = True,
 ) -> tuple[list[Trajectory], list[bytes], pa.RecordBatch] | None:
     """A group released complete, as (trajectories, records, batch); None for a shape this
     path leaves to the pydantic build. ``columns``: its prompt columns, already checked
     (``_checked_prompt_columns``); the lengths: the group's budgets (``budgets_of``), tokens.
     ``token_lists=False``: the trajectories without their token fields (empty lists; the
     batch holds the tokens and lengths), which spares a Python int per token.
+    ``records=False``: no records (an empty list); each row is encoded only where the whole
+    batch's bound does not show that it fits ``max_record_bytes``.
     Raises what bad data raises; ``finalize_group`` then takes the pydantic build."""
     budgets = _Budgets(prompt_length, response_length)
     folds = sorted(released.sessions, key=lambda s: s.session_id)
     if not all(_plain_session(fold) for fold in folds):
         return None
-    return _build(released.group, folds, budgets, columns, max_record_bytes, token_lists)
+    wanted = _Wanted(token_lists, records)
+    return _build(released.group, folds, budgets, columns, max_record_bytes, wanted)
 
 
 def _plain_session(fold: SessionFold) -> bool:
@@ -105,7 +115,7 @@ def _build(
     budgets: _Budgets,
     columns: dict[str, Any],
     max_record_bytes: int | None,
-    token_lists: bool,
+    wanted: _Wanted,
 ) -> tuple[list[Trajectory], list[bytes], pa.RecordBatch] | None:
     outputs = []
     # the fields every output's record shares: the prompt columns and the group's size
@@ -120,15 +130,31 @@ def _build(
     segments: dict[int, _SegmentArrays] = {}
     given = {**_token_columns(outputs, segments), **_lengths(outputs)}
     batch = TRAJECTORY_LAYOUT.batch([o.t for o in outputs], given)
-    records = encode_batch(batch)
-    if max_record_bytes is not None and any(
-        len(r) + len(o.t.key.encode()) > max_record_bytes
-        for r, o in zip(records, outputs, strict=True)
-    ):
+    records = _fitting_records(batch, [o.t.key for o in outputs], max_record_bytes, wanted)
+    if records is None:
         return None
-    if not token_lists:
+    if not wanted.token_lists:
         return [o.t for o in outputs], records, batch
     return [_with_tokens(o, segments) for o in outputs], records, batch
+
+
+def _fitting_records(
+    batch: pa.RecordBatch, keys: list[str], max_record_bytes: int | None, wanted: _Wanted
+) -> list[bytes] | None:
+    """The batch's records ([] unless wanted); None if one is over ``max_record_bytes``
+    with its key (the pydantic build then fails it). Records not wanted are not encoded
+    where the whole batch shows that each fits: one IPC call, not one per row."""
+    longest_key = max((len(k.encode()) for k in keys), default=0)
+    if not wanted.records and (
+        max_record_bytes is None or record_bytes_bound(batch) + longest_key <= max_record_bytes
+    ):
+        return []
+    records = encode_batch(batch)
+    if max_record_bytes is not None and any(
+        len(r) + len(k.encode()) > max_record_bytes for r, k in zip(records, keys, strict=True)
+    ):
+        return None
+    return records if wanted.records else []
 
 
 def _output(

@@ -99,6 +99,7 @@ def finalize_group(
     max_record_bytes: int | None = None,
     columnar: bool = True,
     token_lists: bool = True,
+    records: bool = True,
 ) -> FinalizedGroup:
     """Build, check and encode a released group's trajectories; never raises on bad data.
 
@@ -108,11 +109,20 @@ def finalize_group(
     ``columnar=False``: the pydantic build alone (the baseline). ``token_lists=False``: a
     group built column by column returns its trajectories without token lists (their token
     fields empty, the tokens and lengths in ``batch``), for a caller that reads only their
-    scalars (the replay buffer; ``benchmarks/fold_cpu.py``, path ``buffer``)."""
+    scalars (the replay buffer; ``benchmarks/fold_cpu.py``, path ``buffer``). ``records=False``:
+    no records (an empty list), for a caller that keeps only the batch (``replay --out``);
+    each trajectory is still released as failed where its record would not fit the topic."""
     if columnar:
-        done = _columnar(released, rollout, max_record_bytes, token_lists)
+        done = _columnar(released, rollout, max_record_bytes, token_lists, records)
         if done is not None:
             return done
+    done = _pydantic_build(released, rollout, max_record_bytes)
+    return done if records else done._replace(records=[])
+
+
+def _pydantic_build(
+    released: ReleasedGroup, rollout: RolloutConfig, max_record_bytes: int | None
+) -> FinalizedGroup:
     group = released.group
     if released.rejected:
         return FinalizedGroup(
@@ -148,6 +158,7 @@ def _columnar(
     rollout: RolloutConfig,
     max_record_bytes: int | None,
     token_lists: bool = True,
+    records: bool = True,
 ) -> FinalizedGroup | None:
     """The group built column by column, or None for a shape (or bad data) left to the
     pydantic build, which then writes the records and letters it always did."""
@@ -165,6 +176,7 @@ def _columnar(
             response_length=budgets.response_length,
             max_record_bytes=max_record_bytes,
             token_lists=token_lists,
+            records=records,
         )
     except DATA_ERRORS:
         return None

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
 from rolloutbus.config import RolloutConfig
-from rolloutbus.schemas.trajectories import Trajectory
+from rolloutbus.schemas.trajectories import Trajectory, TrajectoryStatus, record_bytes_bound
 from rolloutbus.schemas.turns import (
     Generation,
     GenerationChunk,
@@ -151,7 +151,7 @@ COLUMNAR_GROUPS = {"taken": 0, "left": 0}  # which path the generated groups too
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(turn_log(), st.sampled_from([None, 4000, 1 << 20]))
+@given(turn_log(), st.sampled_from([None, 4000, 6500, 7000, 1 << 20]))  # near a record's size
 def test_columnar_records_are_byte_identical(wire: list[bytes], record_limit: int | None) -> None:
     for released in _released(wire):
         old = finalize_group(released, ROLLOUT, max_record_bytes=record_limit, columnar=False)
@@ -167,6 +167,15 @@ def test_columnar_records_are_byte_identical(wire: list[bytes], record_limit: in
         assert [_without_token_lists(t) for t in old.trajectories] == [
             _without_token_lists(t) for t in lean.trajectories
         ]
+        # no records asked for (replay --out): the same rows, the same failures for size
+        bare = finalize_group(
+            released, ROLLOUT, max_record_bytes=record_limit, token_lists=False, records=False
+        )
+        assert bare.records == [] and bare.letters == old.letters
+        assert bare.batch.equals(old.batch)
+        assert [t.status for t in bare.trajectories] == [t.status for t in old.trajectories]
+        if old.records:
+            assert max(map(len, old.records)) <= record_bytes_bound(old.batch)
 
 
 def _without_token_lists(t: Trajectory) -> Trajectory:
@@ -180,6 +189,24 @@ def test_the_random_logs_take_both_paths() -> None:
     if COLUMNAR_GROUPS["taken"] + COLUMNAR_GROUPS["left"] == 0:
         test_columnar_records_are_byte_identical()
     assert COLUMNAR_GROUPS["taken"] > 50 and COLUMNAR_GROUPS["left"] > 20, COLUMNAR_GROUPS
+
+
+def test_records_not_asked_for_are_still_checked_against_the_limit() -> None:
+    """``records=False`` (``replay --out``): under a limit below the group's bound, each row
+    is encoded to check that it fits; a row over the limit is failed, as with records."""
+    (released,) = _released([value for _, _, value in make_events(1, 128)])
+    full = finalize_group(released, ROLLOUT)
+    keys = max(len(t.key) for t in full.trajectories)
+    largest = max(len(r) for r in full.records) + keys  # the longest record with its key
+    assert largest < record_bytes_bound(full.batch) + keys  # four rows: the bound is loose
+    for limit, any_failed in ((largest, False), (largest - 1, True)):
+        listed = finalize_group(released, ROLLOUT, max_record_bytes=limit)
+        bare = finalize_group(released, ROLLOUT, max_record_bytes=limit, records=False)
+        assert bare.records == [] and bare.letters == listed.letters
+        assert bare.batch.equals(listed.batch)
+        statuses = [t.status for t in bare.trajectories]
+        assert (TrajectoryStatus.FAILED in statuses) == any_failed, statuses
+        assert statuses == [t.status for t in listed.trajectories]
 
 
 def test_a_large_group_at_128_tokens_per_turn() -> None:
