@@ -10,7 +10,9 @@ round, runs as child processes, one after the other:
   (the replay buffer's fold, checks and Arrow encoding) and writes them to an Arrow file.
 
 Both pay a Python start; the replay also its imports. Printed: events/s (medians over
-rounds), the ratio replay/baseline, and CPU µs per event of each child process.
+rounds), the ratio replay/baseline, and CPU µs per event of each child process. Then the
+replay's peak RSS over the first quarter of each partition and over the whole log: a file
+written as groups are released keeps it flat.
 
     python benchmarks/replay_speed.py [--groups 5000] [--rounds 3] [--bootstrap HOST:PORT]
 """
@@ -38,6 +40,15 @@ from tests.synthetic import N, make_events
 CHUNK_GROUPS = 500  # groups generated and written at a time (bounded memory)
 PARTITIONS = 2
 PLAIN = Path(__file__).with_name("plain_consume.py")
+# the command line in a child that prints its own peak RSS last on stderr (ru_maxrss, KiB)
+RSS_CHILD = """import resource, sys
+from rolloutbus.cli import main
+try:
+    code = main(sys.argv[1:])
+finally:
+    print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)
+sys.exit(code)
+"""
 
 
 @dataclass
@@ -60,6 +71,12 @@ def timed_child(argv: list[str]) -> Run:
         after.children_system - before.children_system
     )
     return Run(wall, cpu)
+
+
+def replay_peak_rss_mb(config: Path, out: Path, *extra: str) -> float:
+    argv = [sys.executable, "-c", RSS_CHILD, "replay", "--config", str(config), "--out", str(out)]
+    done = subprocess.run([*argv, *extra], capture_output=True, text=True, check=True)
+    return int(done.stderr.split()[-1]) / 1024
 
 
 def write_log(kafka: KafkaConfig, groups: int) -> int:
@@ -117,6 +134,11 @@ def main() -> int:
                     f"plain consume {base[-1].wall_s:.2f} s",
                     file=sys.stderr,
                 )
+            quarter = str(events // PARTITIONS // 4)
+            rss = [
+                replay_peak_rss_mb(config, Path(tmp) / "rss.arrow", *extra)
+                for extra in (("--end-offset", quarter), ())
+            ]
         finally:
             drop_topics(kafka, Topics.from_config(kafka).all())
     print(
@@ -132,6 +154,10 @@ def main() -> int:
         print(f"{label:<44} {events / wall:>9.0f} {cpu * 1e6 / events:>13.1f}")
     ratio = median([r.wall_s for r in base]) / median([r.wall_s for r in replay])
     print(f"ratio replay/baseline throughput: {ratio:.2f} (goal >= 0.4)")
+    print(
+        f"replay peak RSS: {rss[0]:.0f} MB over a quarter of the log, {rss[1]:.0f} MB over "
+        f"all of it ({rss[1] / rss[0]:.2f}x)"
+    )
     return 0
 
 

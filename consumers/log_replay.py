@@ -18,7 +18,7 @@ after ``since``, and a group whose head lies at or after ``until`` is left out.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import pyarrow as pa
@@ -87,6 +87,7 @@ def replay_turns(
     since: float | None = None,
     until: float | None = None,
     keep_trajectories: bool = True,
+    batch_sink: Callable[[pa.RecordBatch], None] | None = None,
 ) -> ReplayResult:
     """Fold ``[start_offset, end_offset)`` of each partition (default: all, to the end).
 
@@ -94,7 +95,9 @@ def replay_turns(
     whose ``group_started`` was written in ``[since, until)``. ``keep_trajectories=False``:
     keep only the batches (what ``replay --out`` writes), not a model and a record per
     trajectory: a long replay then holds no Python list per token, which the garbage
-    collector would scan again and again (a third of ``replay``'s CPU, P5).
+    collector would scan again and again (a third of ``replay``'s CPU, P5). ``batch_sink``:
+    each group's batch goes to it as the group is released, none is kept in the result
+    (``replay --out`` writes them to its file as it goes: its memory stays flat).
     """
     topic = Topics.from_config(cfg.kafka).turns
     result = ReplayResult()
@@ -111,7 +114,7 @@ def replay_turns(
             offset = record_position(msg)[1]
             for group in _replay_record(fold, offset, msg.value(), result):
                 if span.keeps(group):
-                    _finalize(cfg, group, result, keep_trajectories)
+                    _finalize(cfg, group, result, keep_trajectories, batch_sink)
                     pending.discard(group.group.uid)
                     released_uids.add(group.group.uid)
             if span.settled(fold, offset, pending):
@@ -170,7 +173,13 @@ def _replay_record(
         return []
 
 
-def _finalize(cfg: Config, group: ReleasedGroup, result: ReplayResult, keep: bool) -> None:
+def _finalize(
+    cfg: Config,
+    group: ReleasedGroup,
+    result: ReplayResult,
+    keep: bool,
+    batch_sink: Callable[[pa.RecordBatch], None] | None,
+) -> None:
     if group.group.settings is None and group.kind not in ("head_missing", "rejected"):
         result.groups_without_settings += 1
     done = finalize_group(
@@ -185,4 +194,4 @@ def _finalize(cfg: Config, group: ReleasedGroup, result: ReplayResult, keep: boo
         result.trajectories.extend(done.trajectories)
         result.records.update(zip((t.key for t in done.trajectories), done.records, strict=True))
     if done.batch.num_rows:
-        result.batches.append(done.batch)
+        (batch_sink or result.batches.append)(done.batch)

@@ -15,7 +15,7 @@ import sys
 import time
 import unicodedata
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -174,22 +174,49 @@ def write_trajectories(trajectories: list[Trajectory], path: Path) -> None:
             writer.write_batch(trajectories_to_batch(trajectories))
 
 
-def write_batches(batches: Iterable[pa.RecordBatch], path: Path, *, rows: int = 4096) -> int:
-    """Batches of trajectory rows into an Arrow file, joined into record batches of about
-    ``rows`` rows (a file of thousands of one-group batches reads slowly); the rows written."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    pending: list[pa.RecordBatch] = []
-    held = written = 0  # rows in pending, rows in the file
-    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, TRAJECTORY_SCHEMA) as writer:
-        for batch in batches:
-            pending.append(batch)
-            held += batch.num_rows
-            if held >= rows:
-                writer.write_batch(pa.concat_batches(pending))
-                pending, held, written = [], 0, written + held
-        if pending:
-            writer.write_batch(pa.concat_batches(pending))
-    return written + held
+class BatchFile:
+    """An Arrow file of trajectory rows, written as their batches arrive: joined into record
+    batches of about ``rows`` rows (a file of thousands of one-group batches reads slowly),
+    so only those rows are held in memory, however long the input. The file appears at
+    ``path`` when closed without an error (written beside it until then); after an error
+    there is none."""
+
+    def __init__(self, path: Path, *, rows: int = 4096):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path, self.rows_per_batch = path, rows
+        self._partial = path.with_name(f".{path.name}.partial")
+        self._sink = pa.OSFile(str(self._partial), "wb")
+        self._writer = pa.ipc.new_file(self._sink, TRAJECTORY_SCHEMA)
+        self._pending: list[pa.RecordBatch] = []
+        self.held = 0  # rows in memory, not yet written (fewer than about `rows`)
+        self.rows = 0  # rows written or held
+
+    def write(self, batch: pa.RecordBatch) -> None:
+        self._pending.append(batch)
+        self.held += batch.num_rows
+        self.rows += batch.num_rows
+        if self.held >= self.rows_per_batch:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self._pending:
+            self._writer.write_batch(pa.concat_batches(self._pending))
+        self._pending, self.held = [], 0
+
+    def __enter__(self) -> BatchFile:
+        return self
+
+    def __exit__(self, error: type[BaseException] | None, *_: object) -> None:
+        try:
+            if error is None:
+                self._flush()
+            self._writer.close()
+        finally:
+            self._sink.close()
+        if error is None:
+            self._partial.replace(self.path)
+        else:
+            self._partial.unlink(missing_ok=True)
 
 
 def print_table(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import sys
 from pathlib import Path
@@ -182,26 +183,28 @@ def cmd_consume(args: argparse.Namespace, cfg: Config) -> int:
 
 def cmd_replay(args: argparse.Namespace, cfg: Config) -> int:
     from rolloutbus.consumers.log_replay import replay_turns
-    from rolloutbus.consumers.report import print_table, write_batches
+    from rolloutbus.consumers.report import BatchFile, print_table
     from rolloutbus.kafka.admin import check_reachable
     from rolloutbus.models.tokenizers import load_tokenizer
     from rolloutbus.streams.assembly.replay_buffer import tune_gc_for_folding
 
     check_reachable(cfg.kafka)
     tune_gc_for_folding()  # it folds as the replay buffer does
-    result = replay_turns(
-        cfg,
-        partitions=args.partition,
-        start_offset=args.start_offset,
-        end_offset=args.end_offset,
-        uids=args.uid,
-        since=args.since,
-        until=args.until,
-        keep_trajectories=args.out is None,  # the table needs them, the file only the batches
-    )
-    if args.out is not None:
-        write_batches(result.batches, args.out)
-    else:
+    with contextlib.ExitStack() as stack:
+        # the file is written as groups are released: a long replay holds no batches
+        out = None if args.out is None else stack.enter_context(BatchFile(args.out))
+        result = replay_turns(
+            cfg,
+            partitions=args.partition,
+            start_offset=args.start_offset,
+            end_offset=args.end_offset,
+            uids=args.uid,
+            since=args.since,
+            until=args.until,
+            keep_trajectories=out is None,  # the table needs them, the file only the batches
+            batch_sink=None if out is None else out.write,
+        )
+    if args.out is None:
         # the text column decoded as consume decodes it (it was empty: issue 30)
         tokenizer = load_tokenizer(cfg.model) if result.trajectories else None
         print_table([], tokenizer, sys.stdout, trajectories=result.trajectories)

@@ -38,7 +38,7 @@ NOT_BENCHMARKS = {
 WITH_BROKER = {
     "pipeline_throughput.py": r"ratio pipeline/baseline throughput: \d",
     "latency.py": r"moderate +\d+ +\d",
-    "replay_speed.py": r"ratio replay/baseline throughput: \d",
+    "replay_speed.py": r"replay peak RSS: \d+ MB over a quarter of the log, \d+ MB",
     "durability_tax.py": r"ratio bus/in-process sessions/s: \d",
     "recovery.py": r"sessions +1 +\d",
     "capacity.py": r"replay buffers +\d",

@@ -212,6 +212,11 @@ def test_replaying_the_turn_log_yields_byte_identical_trajectories(logged_work):
     lean = replay_turns(cfg, keep_trajectories=False)
     assert lean.trajectories == [] and lean.records == {} and lean.released == len(live)
     assert pa.Table.from_batches(lean.batches).equals(pa.Table.from_batches(replayed.batches))
+    sunk: list[pa.RecordBatch] = []  # handed over as released (replay --out's file), not kept
+    streamed = replay_turns(cfg, keep_trajectories=False, batch_sink=sunk.append)
+    assert streamed.batches == [] and pa.Table.from_batches(sunk).equals(
+        pa.Table.from_batches(replayed.batches)
+    )
     # the same through the command line, into an Arrow file
     out = tmp / "replay.arrow"
     done = subprocess.run(

@@ -1,0 +1,55 @@
+"""``replay --out``'s Arrow file (``consumers/report.py``, ``BatchFile``): written as the
+groups' batches arrive, joined into record batches of about ``rows`` rows, and at its path
+only once closed without an error."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+
+from rolloutbus.consumers.report import BatchFile
+from rolloutbus.schemas.trajectories import trajectories_to_batch
+from tests.builders import make_group
+
+
+def _groups(count: int) -> list[pa.RecordBatch]:
+    return [trajectories_to_batch(make_group(f"g{i}", 4)) for i in range(count)]
+
+
+def _read(path: Path) -> list[pa.RecordBatch]:
+    with pa.memory_map(str(path)) as source:
+        reader = pa.ipc.open_file(source)
+        return [reader.get_batch(i) for i in range(reader.num_record_batches)]
+
+
+def test_the_rows_are_written_as_they_come_in_batches_of_about_rows(tmp_path: Path) -> None:
+    groups = _groups(5)
+    path = tmp_path / "out" / "replay.arrow"
+    with BatchFile(path, rows=8) as out:
+        for i, batch in enumerate(groups):
+            out.write(batch)
+            # what is held is written once it reaches 8 rows: never more than one batch's worth
+            assert out.held == (4 * (i + 1)) % 8
+    assert out.rows == 20
+    written = _read(path)
+    assert [b.num_rows for b in written] == [8, 8, 4]
+    assert pa.Table.from_batches(written).equals(pa.Table.from_batches(groups))
+    assert list(path.parent.iterdir()) == [path]  # no partial file left beside it
+
+
+def test_an_error_leaves_no_file_and_no_partial_one(tmp_path: Path) -> None:
+    path = tmp_path / "replay.arrow"
+    with pytest.raises(RuntimeError, match="broker gone"), BatchFile(path, rows=4) as out:
+        for batch in _groups(3):
+            out.write(batch)
+        raise RuntimeError("broker gone")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_no_batch_is_an_empty_file_that_reads(tmp_path: Path) -> None:
+    path = tmp_path / "replay.arrow"
+    with BatchFile(path) as out:
+        pass
+    assert out.rows == 0 and _read(path) == []
