@@ -161,17 +161,15 @@ def _warn_if_a_trainers_group(cfg: Config, group_id: str) -> None:
 
 
 def write_arrow(groups: list[TrajectoryGroup], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, TRAJECTORY_SCHEMA) as writer:
+    with BatchFile(path) as out:
         for g in groups:
-            writer.write_batch(g.batch)
+            out.write(g.batch)
 
 
 def write_trajectories(trajectories: list[Trajectory], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, TRAJECTORY_SCHEMA) as writer:
+    with BatchFile(path) as out:
         if trajectories:
-            writer.write_batch(trajectories_to_batch(trajectories))
+            out.write(trajectories_to_batch(trajectories))
 
 
 class BatchFile:
