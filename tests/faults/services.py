@@ -20,7 +20,9 @@ STOP_TIMEOUT_S = 30.0  # seconds for a SIGTERMed process to exit before SIGKILL
 
 class Service:
     """One ``rolloutbus ARGV --config CONFIG`` process, restarted by the supervisor when it
-    exits (unless retired). Each incarnation logs to ``{name}.{incarnation}.log``."""
+    exits (unless retired). Each incarnation logs to ``{name}.{incarnation}.log``.
+    ``program``: a script that runs the command line itself (a fault injector,
+    ``tests/programs/``) instead of ``python -m rolloutbus.cli``."""
 
     def __init__(
         self,
@@ -29,8 +31,10 @@ class Service:
         config_path: Path,
         workdir: Path,
         env: dict[str, str] | None = None,
+        program: Path | None = None,
     ):
         self.name, self.argv, self.config_path = name, argv, config_path
+        self.command = [sys.executable, *([str(program)] if program else ["-m", "rolloutbus.cli"])]
         self.workdir = workdir / name  # its own cwd: Faust writes {app_id}-data there
         self.workdir.mkdir(parents=True, exist_ok=True)
         # PYTHONFAULTHANDLER: SIGABRT writes every thread's stack to the log (dump_stacks)
@@ -56,14 +60,7 @@ class Service:
         self.incarnation += 1
         with self.log_path.open("wb") as log:
             self.popen = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "rolloutbus.cli",
-                    *self.argv,
-                    "--config",
-                    str(self.config_path),
-                ],
+                [*self.command, *self.argv, "--config", str(self.config_path)],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=self.env,

@@ -1,13 +1,15 @@
 """Fault row: the weight sync SIGKILLed mid-reload (``tests/faults/``).
 
 Mid-run, a ``rolloutbus weight-sync`` process is started and policy version 1 (other
-weights for the same tiny model) is published. The moment the replica reports itself
-paused, the weight sync is stopped (SIGSTOP, so the moment cannot slip) and, if the replica
-is still paused, SIGKILLed: it dies between its pause and its resume, holding the pause's
-lease. The replica must resume by itself when the lease runs out (``replicas.pause_lease_s``,
-5 s here), under a label that tells the truth, and the sessions must go on: nothing lost,
-nothing duplicated, no logged turn sampled again. A weight sync started again then applies
-version 1.
+weights for the same tiny model) is published. The sync holds the replica paused for 2 s
+after its reload (the fault injector ``tests/programs/slow_weight_sync.py``: the tiny
+model's own pause, ~0.1 s, was missed 20 times in a row under load). The moment the replica
+reports itself paused, the weight sync is stopped (SIGSTOP, so the moment cannot slip) and,
+if the replica is still paused, SIGKILLed: it dies between its pause and its resume,
+holding the pause's lease. The replica must resume by itself when the lease runs out
+(``replicas.pause_lease_s``, 5 s here), under a label that tells the truth, and the
+sessions must go on: nothing lost, nothing duplicated, no logged turn sampled again. A
+weight sync started again then applies version 1.
 
 The trajectories are not compared with a fault-free run: version 1 changes the tokens by
 design.
@@ -28,14 +30,15 @@ from rolloutbus.kafka.control import publish_policy_version
 from rolloutbus.replica.weights import load_causal_lm
 from rolloutbus.schemas.control import PolicyVersionPublished
 from tests.faults import FaultContext, Service, Workload, run_fault_scenario
+from tests.source_tree import PROGRAMS
 
 # 16 groups x 4 sessions: long enough for the kill, the lease and the restart to land mid-run
 # (at 24 groups the restarted weight sync was done with 64 of 96 sessions left)
 WORKLOAD = Workload(groups=16, n=4, turns=3, tokens_per_turn=2, tool_delay_s=0.25)
 LEASE_S = 5.0  # seconds; replicas.pause_lease_s of the weight sync killed
-# versions published until one kill lands between a pause and its resume: a sync of the
-# tiny model is paused for ~0.1 s, and a look at /health can miss that on a loaded machine
+# versions published until one kill lands between a pause and its resume (held 2 s open)
 KILL_TRIES = 20
+SLOW_SYNC = PROGRAMS / "slow_weight_sync.py"
 WAIT_S = 120.0  # seconds; generous deadline for each step of the scenario
 
 
@@ -79,7 +82,14 @@ def kill_weight_sync_mid_reload(weights: Path):
         pipeline = ctx.pipeline
         url = pipeline.cfg.replicas.urls[0]
         env = {"ROLLOUTBUS__REPLICAS__PAUSE_LEASE_S": f"{LEASE_S:g}"}
-        sync = Service("weightsync", ["weight-sync"], pipeline.config_path, pipeline.workdir, env)
+        sync = Service(
+            "weightsync",
+            ["weight-sync"],
+            pipeline.config_path,
+            pipeline.workdir,
+            env,
+            program=SLOW_SYNC,
+        )
         try:
             sync.start()  # its start overlaps the run's first fifth
             _wait(lambda: "replicas reachable" in sync.log_tail(), "the weight sync to start")
