@@ -114,7 +114,7 @@ async def test_a_cut_stream_is_retried_from_the_logged_chunks(replica):
     """A replica whose stream is cut mid-way: the turn is retried, as a failed request is, from
     prompt ‖ the chunks logged before the cut; only the unlogged tokens are sampled again."""
     cfg, handle = replica
-    cut = _CuttingProxy(handle.url, after_events=14)
+    cut = _CuttingProxy(handle.url, after_tokens=14)
     await cut.start()
     try:
         # the one replica is taken out at the cut and routed to again once its probe passes
@@ -139,10 +139,12 @@ async def test_a_cut_stream_is_retried_from_the_logged_chunks(replica):
 
 
 class _CuttingProxy:
-    """A replica URL whose streams die after ``after_events`` events (the first one only)."""
+    """A replica URL whose first stream dies once ``after_tokens`` tokens went through, and
+    before its last event (the replica sends one event per batch of new tokens, so the
+    number of events falls when the machine is loaded: counting them, a CI run never cut)."""
 
-    def __init__(self, upstream: str, after_events: int) -> None:
-        self.upstream, self.after, self.cut = upstream, after_events, 0
+    def __init__(self, upstream: str, after_tokens: int) -> None:
+        self.upstream, self.after, self.cut = upstream, after_tokens, 0
         self.url = ""
         self._server: asyncio.base_events.Server | None = None
 
@@ -202,10 +204,15 @@ class _CuttingProxy:
                 async for line in r.aiter_lines():
                     if not line:
                         continue
+                    choice = _choice(line)
+                    if self.cut == 0 and choice.get("finish_reason") is not None:
+                        self.cut += 1  # the last event: cut before it, the turn unfinished
+                        writer.transport.abort()
+                        return
                     data = (line + "\n\n").encode()
                     writer.write(b"%x\r\n%s\r\n" % (len(data), data))
                     await writer.drain()
-                    sent += 1
+                    sent += len(choice.get("token_ids") or ())
                     if sent >= self.after and self.cut == 0:
                         self.cut += 1
                         writer.transport.abort()  # the replica dies mid-stream
@@ -213,6 +220,12 @@ class _CuttingProxy:
             writer.write(b"0\r\n\r\n")
             await writer.drain()
             writer.close()
+
+
+def _choice(line: str) -> dict[str, Any]:
+    """The one choice of a ``data: {...}`` event; {} for ``data: [DONE]``."""
+    payload = line.removeprefix("data:").strip()
+    return {} if payload == "[DONE]" else json.loads(payload)["choices"][0]
 
 
 async def test_a_resumed_streamed_turn_keeps_its_chunks_and_spans_both_versions(replica):
