@@ -10,6 +10,7 @@ positions, read without joining it) and still takes nothing.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import time
@@ -26,6 +27,7 @@ from rolloutbus.config import Config, KafkaConfig
 from rolloutbus.consumers.client import TrainerClient
 from rolloutbus.consumers.groups import TrajectoryGroup
 from rolloutbus.consumers.position import ASSIGN_TIMEOUT_S, PartitionPosition, TrainerPosition
+from rolloutbus.errors import SchemaError
 from rolloutbus.kafka.clients import (
     committed_offsets,
     read_committed_consumer,
@@ -184,12 +186,21 @@ class BatchFile:
         self.path, self.rows_per_batch = path, rows
         self._partial = path.with_name(f".{path.name}.partial")
         self._sink = pa.OSFile(str(self._partial), "wb")
-        self._writer = pa.ipc.new_file(self._sink, TRAJECTORY_SCHEMA)
+        try:
+            self._writer = pa.ipc.new_file(self._sink, TRAJECTORY_SCHEMA)
+        except BaseException:
+            self._discard()
+            raise
         self._pending: list[pa.RecordBatch] = []
         self.held = 0  # rows in memory, not yet written (fewer than about `rows`)
         self.rows = 0  # rows written or held
 
     def write(self, batch: pa.RecordBatch) -> None:
+        if not batch.schema.equals(TRAJECTORY_SCHEMA):
+            raise SchemaError(
+                f"{self.path}: a batch of another schema than the trajectories' "
+                f"(columns {batch.schema.names[:5]}...) cannot be written to it"
+            )
         self._pending.append(batch)
         self.held += batch.num_rows
         self.rows += batch.num_rows
@@ -205,16 +216,25 @@ class BatchFile:
         return self
 
     def __exit__(self, error: type[BaseException] | None, *_: object) -> None:
+        if error is not None:
+            self._discard()
+            return
         try:
-            if error is None:
-                self._flush()
+            self._flush()
             self._writer.close()
-        finally:
-            self._sink.close()
-        if error is None:
-            self._partial.replace(self.path)
-        else:
-            self._partial.unlink(missing_ok=True)
+        except BaseException:
+            self._discard()  # a full disk, say: no file rather than a truncated one
+            raise
+        self._sink.close()
+        self._partial.replace(self.path)
+
+    def _discard(self) -> None:
+        writer = getattr(self, "_writer", None)  # None: new_file itself failed
+        with contextlib.suppress(pa.ArrowException, OSError):  # the error that led here wins
+            if writer is not None:
+                writer.close()
+        self._sink.close()
+        self._partial.unlink(missing_ok=True)
 
 
 def print_table(

@@ -5,11 +5,13 @@ only once closed without an error."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pytest
 
 from rolloutbus.consumers.report import BatchFile
+from rolloutbus.errors import SchemaError
 from rolloutbus.schemas.trajectories import trajectories_to_batch
 from tests.builders import make_group
 
@@ -53,3 +55,50 @@ def test_no_batch_is_an_empty_file_that_reads(tmp_path: Path) -> None:
     with BatchFile(path) as out:
         pass
     assert out.rows == 0 and _read(path) == []
+
+
+def test_a_batch_of_another_schema_is_refused_by_name_and_leaves_no_file(tmp_path: Path) -> None:
+    path = tmp_path / "replay.arrow"
+    other = pa.record_batch({"uid": ["g0"]})
+    with pytest.raises(SchemaError, match="another schema"), BatchFile(path) as out:
+        out.write(_groups(1)[0])
+        out.write(other)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_failure_while_closing_leaves_no_truncated_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "replay.arrow"
+    out = BatchFile(path)
+    out.write(_groups(1)[0])
+
+    def disk_full(batch: pa.RecordBatch) -> None:  # a fault injector: the write fails
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(out, "_writer", _FailingWriter(out._writer, disk_full))
+    with pytest.raises(OSError, match="No space left"), out:
+        pass
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_writer_that_cannot_start_leaves_no_partial_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def refused(*_: object) -> None:  # a fault injector: pyarrow's writer fails to open
+        raise pa.ArrowIOError("cannot write the file header")
+
+    monkeypatch.setattr(pa.ipc, "new_file", refused)
+    with pytest.raises(pa.ArrowIOError, match="file header"):
+        BatchFile(tmp_path / "replay.arrow")
+    assert list(tmp_path.iterdir()) == []
+
+
+class _FailingWriter:
+    """pyarrow's file writer whose ``write_batch`` is replaced (the close still closes it)."""
+
+    def __init__(self, writer: pa.ipc.RecordBatchFileWriter, write_batch: Any):
+        self._writer, self.write_batch = writer, write_batch
+
+    def close(self) -> None:
+        self._writer.close()
