@@ -20,6 +20,7 @@ A fixture that only one area's tests use lives in that area's ``conftest.py``
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import json
 import os
@@ -36,11 +37,14 @@ from rolloutbus.config import Config, KafkaConfig
 from rolloutbus.kafka.admin import delete_topics, ensure_topics
 from rolloutbus.topics import Topics
 from tests.helpers import unique_name
+from tests.processes_left import name_processes_left_running
 from tests.session_broker import (
     reap_watchdogs,
     start_on_free_ports,
     watch_for_killed_session,
 )
+
+atexit.register(name_processes_left_running, "at exit")
 
 BOOTSTRAP_ENV = "ROLLOUTBUS_TEST_BOOTSTRAP"
 TEST_PARTITIONS = 2  # enough to catch partitioning bugs, cheap to create per test
@@ -256,6 +260,7 @@ def _rows_measured_here() -> list[Any]:
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
+    name_processes_left_running("at the end of the session")
     workeroutput = getattr(session.config, "workeroutput", None)
     if workeroutput is not None:  # an xdist worker: the controller prints the table
         workeroutput["fault_rows"] = [dataclasses.asdict(row) for row in _rows_measured_here()]
