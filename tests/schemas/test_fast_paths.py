@@ -165,6 +165,20 @@ def test_records_are_the_bytes_a_stream_writer_writes() -> None:
         assert decode_trajectory_batch(record).equals(read)
 
 
+def test_a_record_depends_on_the_batch_it_was_cut_from() -> None:
+    """Why the replay buffer builds each group's batch on its own, never several groups'
+    together (benchmarks/README.md): pyarrow fills a one-row slice's padding with its
+    neighbours' bytes, so the same trajectory encoded with other rows is other bytes, and
+    a replay would not reproduce the records the log's release wrote. Same values all the
+    same: each record reads back as the trajectory encoded alone."""
+    trajectories = _trajectories()
+    together = encode_trajectories(trajectories)
+    alone = [encode_trajectories([t])[0] for t in trajectories]
+    assert all(a != b for a, b in zip(together, alone, strict=True))
+    for a, b in zip(together, alone, strict=True):
+        assert decode_trajectory_batch(a).equals(decode_trajectory_batch(b))
+
+
 def test_a_record_of_two_rows_is_refused_as_before() -> None:
     """Only the exact shape this release writes takes the fast path; anything else is read
     (or refused) by the stream reader, as before."""
