@@ -260,7 +260,6 @@ def _rows_measured_here() -> list[Any]:
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    name_processes_left_running("at the end of the session")
     workeroutput = getattr(session.config, "workeroutput", None)
     if workeroutput is not None:  # an xdist worker: the controller prints the table
         workeroutput["fault_rows"] = [dataclasses.asdict(row) for row in _rows_measured_here()]

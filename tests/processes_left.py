@@ -2,8 +2,8 @@
 
 Full CI runs print a few ``ResourceWarning: subprocess N is still running`` as pytest-xdist's
 workers exit: a ``Popen`` still referenced at interpreter exit, its process never waited
-for. The warning names only a pid; this names the command, at the end of the session and
-again at exit (after ``atexit``, only the final garbage collection remains), on stderr."""
+for. The warning names only a pid; this names the command on stderr at exit (``atexit``:
+after the session's fixtures are torn down, before the final garbage collection)."""
 
 from __future__ import annotations
 

@@ -42,6 +42,7 @@ __all__ = [
     "idempotent_producer",
     "idempotent_producer_settings",
     "iter_records",
+    "kafka_error",
     "kafka_error_code",
     "message_location",
     "poll_record",
@@ -338,11 +339,12 @@ def committed_offsets(
 
 
 def kafka_error_code(exc: KafkaException | KafkaError) -> int | None:
-    err = _kafka_error(exc)
+    err = kafka_error(exc)
     return err.code() if err is not None else None
 
 
-def _kafka_error(exc: KafkaException | KafkaError) -> KafkaError | None:
+def kafka_error(exc: KafkaException | KafkaError) -> KafkaError | None:
+    """The ``KafkaError`` an exception carries (None if it carries none)."""
     if isinstance(exc, KafkaError):
         return exc
     first = exc.args[0] if exc.args else None
@@ -350,7 +352,7 @@ def _kafka_error(exc: KafkaException | KafkaError) -> KafkaError | None:
 
 
 def _describe(exc: KafkaException | KafkaError) -> str:
-    err = _kafka_error(exc)
+    err = kafka_error(exc)
     if err is None:
         return str(exc)
     # the name (e.g. _TRANSPORT, TOPIC_AUTHORIZATION_FAILED) is what one searches for

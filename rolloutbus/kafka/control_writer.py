@@ -26,6 +26,7 @@ from rolloutbus.errors import BrokerError, TrainerFencedError
 from rolloutbus.kafka.clients import (
     broker_error,
     idempotent_producer,
+    kafka_error,
     record_position,
     transactional_producer,
     translate_kafka_errors,
@@ -149,7 +150,7 @@ class TrainerControlWriter:
         return [_offset(err, msg, f"writing {what}", self.topic) for err, msg in delivered]
 
     def _failed(self, exc: KafkaException, what: str) -> BrokerError:
-        err = exc.args[0] if exc.args and isinstance(exc.args[0], KafkaError) else None
+        err = kafka_error(exc)
         if err is not None and _fenced(err):
             return TrainerFencedError(
                 f"writing {what} to {self.topic}: another trainer started on these topics "
@@ -173,7 +174,7 @@ class TrainerControlWriter:
             exc = raised if isinstance(raised, KafkaException) else raised.__cause__
             if not isinstance(exc, KafkaException):
                 raise
-            err = exc.args[0] if exc.args and isinstance(exc.args[0], KafkaError) else None
+            err = kafka_error(exc)
             if err is None or not _fenced(err):
                 raise broker_error(exc, "flushing the control writer", topic=self.topic) from exc
             log.info("closed a fenced control writer (%s): %s", self.transactional_id, err.str())

@@ -58,7 +58,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, Topi
 
 from rolloutbus.config import KafkaConfig
 from rolloutbus.errors import BrokerError, RolloutBusError
-from rolloutbus.kafka.clients import broker_error, transactional_producer
+from rolloutbus.kafka.clients import broker_error, kafka_error, transactional_producer
 from rolloutbus.kafka.watchdog import NoAnswer, Progress, run_watched
 
 log = logging.getLogger(__name__)
@@ -382,10 +382,6 @@ def _discard(producer: Producer) -> None:
         producer.purge()
     except KafkaException as exc:
         log.debug("purging a replaced producer failed: %s", exc)
-
-
-def kafka_error(exc: KafkaException) -> KafkaError | None:
-    return exc.args[0] if exc.args and isinstance(exc.args[0], KafkaError) else None
 
 
 def describe(exc: KafkaException) -> str:
