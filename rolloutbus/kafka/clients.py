@@ -266,13 +266,30 @@ def translate_kafka_errors(
     offset: int | None = None,
     hint: str = "",
 ) -> Iterator[None]:
-    """Re-raise a ``KafkaException`` from the block as :func:`broker_error`."""
+    """Re-raise a ``KafkaException`` from the block, bare or under the ``SystemError`` of
+    :func:`pending_kafka_exception`, as :func:`broker_error`."""
     try:
         yield
-    except KafkaException as exc:
+    except (KafkaException, SystemError) as raised:
+        exc = pending_kafka_exception(raised)
+        if exc is None:
+            raise
         raise broker_error(
             exc, action, topic=topic, partition=partition, offset=offset, hint=hint
         ) from exc
+
+
+def pending_kafka_exception(raised: BaseException) -> KafkaException | None:
+    """The ``KafkaException`` a confluent-kafka call failed with, if ``raised`` is one.
+
+    confluent-kafka may hand librdkafka's log lines to the ``logger`` while a call's
+    ``KafkaException`` is pending; the handler's first C call then raises ``SystemError``
+    caused by that exception (seen in CI: a test's log capture appending a record). A
+    ``SystemError`` that no ``KafkaException`` caused is a bug of its own: None."""
+    if isinstance(raised, KafkaException):
+        return raised
+    cause = raised.__cause__ if isinstance(raised, SystemError) else None
+    return cause if isinstance(cause, KafkaException) else None
 
 
 # Errors a partition's leader gives while leadership settles (a topic just created, a broker

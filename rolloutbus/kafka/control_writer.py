@@ -27,6 +27,7 @@ from rolloutbus.kafka.clients import (
     broker_error,
     idempotent_producer,
     kafka_error,
+    pending_kafka_exception,
     record_position,
     transactional_producer,
     translate_kafka_errors,
@@ -168,11 +169,8 @@ class TrainerControlWriter:
         try:
             self._producer.flush(DELIVERY_TIMEOUT_S)
         except (KafkaException, SystemError) as raised:
-            # confluent-kafka may hand librdkafka's log lines to Python while the fence's
-            # KafkaException is pending: the handler's first C call then raises SystemError,
-            # caused by that exception (seen in CI, a test's log capture appending a record)
-            exc = raised if isinstance(raised, KafkaException) else raised.__cause__
-            if not isinstance(exc, KafkaException):
+            exc = pending_kafka_exception(raised)
+            if exc is None:
                 raise
             err = kafka_error(exc)
             if err is None or not _fenced(err):

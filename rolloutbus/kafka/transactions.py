@@ -58,7 +58,12 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, Topi
 
 from rolloutbus.config import KafkaConfig
 from rolloutbus.errors import BrokerError, RolloutBusError
-from rolloutbus.kafka.clients import broker_error, kafka_error, transactional_producer
+from rolloutbus.kafka.clients import (
+    broker_error,
+    kafka_error,
+    pending_kafka_exception,
+    transactional_producer,
+)
 from rolloutbus.kafka.watchdog import NoAnswer, Progress, run_watched
 
 log = logging.getLogger(__name__)
@@ -227,7 +232,10 @@ class TransactionalProducer:
             return  # a wedged producer's thread may hold librdkafka's locks
         try:
             self._producer.flush(self.settings.call_timeout_s)
-        except KafkaException as exc:
+        except (KafkaException, SystemError) as raised:
+            exc = pending_kafka_exception(raised)
+            if exc is None:
+                raise
             log.debug("flush on exit failed: %s", exc)
 
     # -- one transactional call ----------------------------------------------------------------
@@ -266,7 +274,10 @@ class TransactionalProducer:
             self._progress.beat()
             try:
                 return self._within_deadline(action, call)
-            except KafkaException as exc:
+            except (KafkaException, SystemError) as raised:
+                exc = pending_kafka_exception(raised)
+                if exc is None:
+                    raise
                 failure = self._failure(action, exc)
                 if failure is not None:
                     raise failure from exc

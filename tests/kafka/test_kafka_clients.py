@@ -164,6 +164,19 @@ def test_translate_kafka_errors_chains_the_original():
     assert kafka_error_code(original) == KafkaError.UNKNOWN_TOPIC_OR_PART
 
 
+def test_translate_kafka_errors_unwraps_confluent_kafkas_system_error():
+    """A log line handed to Python while a KafkaException is pending raises SystemError
+    caused by it: that is the Kafka failure. A SystemError of its own is a bug: as is."""
+    original = KafkaException(KafkaError(KafkaError._TIMED_OUT, "late"))
+    with pytest.raises(BrokerError, match=r"flushing failed: late \(_TIMED_OUT\)") as info:
+        with translate_kafka_errors("flushing"):
+            raise SystemError("returned a result with an error set") from original
+    assert info.value.__cause__ is original
+    with pytest.raises(SystemError, match="of its own"):
+        with translate_kafka_errors("flushing"):
+            raise SystemError("of its own")
+
+
 def test_kafka_exception_without_a_kafka_error_is_still_described():
     assert (
         str(broker_error(KafkaException("odd"), "listing topics")) == "listing topics failed: odd"

@@ -121,15 +121,22 @@ class FailingSendOffsets:
     """Fault injector (a test double): a real producer whose ``send_offsets_to_transaction``
     raises ``error`` instead of calling the broker, as librdkafka does when a producer's
     requests stop leaving the client after a broker restart ("Timed out 0 in-flight, 0
-    retry-queued, 1 out-queue"). Everything else is the real producer's."""
+    retry-queued, 1 out-queue"). Everything else is the real producer's. ``quirk``: the
+    error arrives as confluent-kafka's SystemError caused by it (a log line handed to Python
+    while the KafkaException was pending, seen in CI)."""
 
-    def __init__(self, producer: Producer, error: KafkaError):
-        self._producer, self._error = producer, error
+    def __init__(self, producer: Producer, error: KafkaError, quirk: bool = False):
+        self._producer, self._error, self._quirk = producer, error, quirk
         self.calls = 0
 
     def send_offsets_to_transaction(self, *args, **kwargs):
         self.calls += 1
-        raise KafkaException(self._error)
+        if not self._quirk:
+            raise KafkaException(self._error)
+        try:
+            raise KafkaException(self._error)
+        except KafkaException as exc:
+            raise SystemError("<built-in method> returned a result with an error set") from exc
 
     def __getattr__(self, name: str):
         return getattr(self._producer, name)
@@ -138,16 +145,16 @@ class FailingSendOffsets:
 class FirstProducerFails(TransactionalProducer):
     """The first producer made fails every send_offsets call; its replacements are real."""
 
-    def __init__(self, *args, error: KafkaError, **kwargs):
+    def __init__(self, *args, error: KafkaError, quirk: bool = False, **kwargs):
         self.injected: list[FailingSendOffsets] = []
-        self._error = error
+        self._error, self._quirk = error, quirk
         super().__init__(*args, **kwargs)
 
     def _new_producer(self):
         producer = super()._new_producer()
         if self.injected:
             return producer
-        self.injected.append(FailingSendOffsets(producer, self._error))
+        self.injected.append(FailingSendOffsets(producer, self._error, self._quirk))
         return self.injected[0]
 
 
@@ -184,14 +191,18 @@ def test_a_producer_that_keeps_timing_out_is_replaced_after_the_stall_limit(
     consumer.close()
 
 
+@pytest.mark.parametrize("quirk", [False, True], ids=["bare", "under-a-system-error"])
 def test_a_transaction_aborted_cleanly_still_hands_the_next_to_a_new_producer(
-    kafka_config: KafkaConfig,
+    kafka_config: KafkaConfig, quirk: bool
 ):
     """After a broker restart a producer that aborted cleanly wedged its next call (the
     broker-restart row): an abortable failure is aborted, and the next transaction runs on
-    a new producer, whose commit is the only one visible."""
+    a new producer, whose commit is the only one visible. The same when the error comes
+    under confluent-kafka's SystemError (before, that ended the worker unclassified)."""
     consumer = _input_consumer(kafka_config)
-    writer = FirstProducerFails(kafka_config, unique_name("tx"), FAST_RETRY, error=ABORTABLE)
+    writer = FirstProducerFails(
+        kafka_config, unique_name("tx"), FAST_RETRY, error=ABORTABLE, quirk=quirk
+    )
     writer.init()
     with pytest.raises(TransactionAborted) as aborted:
         writer.commit([_record(kafka_config, "a")], _offsets(kafka_config, 1), consumer)
