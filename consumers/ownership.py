@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 
-from confluent_kafka import Consumer, KafkaException, TopicPartition
+from confluent_kafka import Consumer, TopicPartition
 
 from rolloutbus.config import TrainerConfig
 from rolloutbus.consumers.groups import PartitionProgress, TrajectoryGroup
@@ -189,10 +189,8 @@ class PartitionOwnership:
         if not offsets:
             return
         where = ", ".join(record_location(self.topic, tp.partition, tp.offset) for tp in offsets)
-        try:
+        with translate_kafka_errors(f"committing {what} at {where}"):
             results = consumer.commit(offsets=offsets, asynchronous=False)
-        except KafkaException as exc:
-            raise broker_error(exc, f"committing {what} at {where}") from exc
         for tp in results or []:
             if tp.error is not None:
                 raise broker_error(

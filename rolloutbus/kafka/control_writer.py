@@ -146,7 +146,10 @@ class TrainerControlWriter:
                     on_delivery=lambda err, msg: delivered.append((err, msg)),
                 )
             self._producer.commit_transaction(DELIVERY_TIMEOUT_S)
-        except KafkaException as exc:
+        except (KafkaException, SystemError) as raised:
+            exc = pending_kafka_exception(raised)
+            if exc is None:
+                raise
             raise self._failed(exc, what) from exc
         return [_offset(err, msg, f"writing {what}", self.topic) for err, msg in delivered]
 

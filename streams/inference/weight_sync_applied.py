@@ -24,7 +24,7 @@ from confluent_kafka import KafkaError, KafkaException
 
 from rolloutbus.config import Config
 from rolloutbus.errors import BrokerError
-from rolloutbus.kafka.clients import broker_error, idempotent_producer
+from rolloutbus.kafka.clients import broker_error, idempotent_producer, pending_kafka_exception
 from rolloutbus.schemas.control import (
     PolicyVersionApplied,
     PolicyVersionPublished,
@@ -107,7 +107,10 @@ class AppliedAnnouncer:
                 on_delivery=lambda err, msg: delivered.append(err),
             )
             left = self._producer.flush(DELIVERY_TIMEOUT_S)
-        except KafkaException as exc:
+        except (KafkaException, SystemError) as raised:
+            exc = pending_kafka_exception(raised)
+            if exc is None:
+                raise
             if self._refused(exc.args[0] if exc.args else None):
                 return False
             raise broker_error(exc, f"writing {what}", topic=self.topic) from exc

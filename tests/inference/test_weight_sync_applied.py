@@ -8,6 +8,7 @@ import asyncio
 
 import httpx
 import pytest
+from confluent_kafka import KafkaError, KafkaException
 
 from rolloutbus.config import Config, ModelConfig, ReplicasConfig
 from rolloutbus.kafka.control import TrainerControlWriter, read_control_log
@@ -19,7 +20,7 @@ from rolloutbus.schemas.control import (
     encode_control_event,
 )
 from rolloutbus.streams.inference.weight_sync import WeightSync
-from rolloutbus.streams.inference.weight_sync_applied import served_everywhere
+from rolloutbus.streams.inference.weight_sync_applied import AppliedAnnouncer, served_everywhere
 from rolloutbus.verl.applied import WeightsNotAppliedError, applied_version, wait_for_applied
 from tests.replica_http import greedy_reference, greedy_turn
 
@@ -46,6 +47,31 @@ def test_served_everywhere_needs_every_replica_on_the_version():
     assert not served_everywhere(v2, [2, 1])
     assert not served_everywhere(None, [2])
     assert not served_everywhere(v2, [])
+
+
+class _RefusedUnderASystemError:
+    """Fault injector (a test double): a producer whose flush meets the broker's refusal as
+    confluent-kafka's SystemError caused by it (a log line handed to Python while the
+    KafkaException was pending, seen in CI)."""
+
+    def produce(self, *args, **kwargs) -> None:
+        pass
+
+    def flush(self, timeout: float) -> int:
+        refused = KafkaError(KafkaError.TOPIC_AUTHORIZATION_FAILED, "not authorized")
+        try:
+            raise KafkaException(refused)
+        except KafkaException as exc:
+            raise SystemError("<built-in method> returned a result with an error set") from exc
+
+
+def test_a_refusal_under_a_system_error_turns_the_announcer_off_as_a_bare_one(caplog):
+    announcer = AppliedAnnouncer(Config())
+    announcer._producer = _RefusedUnderASystemError()
+    current = PolicyVersionPublished(policy_version=1, weights_path="/w/1")
+    assert announcer.announce_if_served(current, {"http://r0": 1}) is None
+    assert announcer.refused
+    assert "grant the weight_sync role WRITE" in caplog.text
 
 
 async def test_weight_sync_announces_a_version_once_every_replica_serves_it(

@@ -28,6 +28,7 @@ from rolloutbus.schemas.control import (
     encode_control_event,
 )
 from rolloutbus.topics import CONTROL_PARTITION, Topics
+from tests.helpers import unique_name
 
 FOLLOW_TIMEOUT_S = 10.0  # seconds; a record reaches a follower in milliseconds
 
@@ -175,6 +176,37 @@ def test_a_fence_that_surfaces_as_a_system_error_closes_quietly_and_nothing_else
         with pytest.raises(SystemError, match="returned a result"):
             writer.close()  # a SystemError no KafkaException caused is a bug: raised as is
     finally:
+        real.flush(5)
+
+
+class _CommitFencedUnderASystemError:
+    """Fault injector: the real producer, but ``commit_transaction`` meets a fence that
+    arrives as confluent-kafka's SystemError caused by it."""
+
+    def __init__(self, real):
+        self._real = real
+
+    def commit_transaction(self, timeout: float) -> None:
+        fenced = KafkaError(KafkaError._FENCED, "fenced by a newer instance", fatal=True)
+        try:
+            raise KafkaException(fenced)
+        except KafkaException as exc:
+            raise SystemError("<built-in method> returned a result with an error set") from exc
+
+    def __getattr__(self, name: str):
+        return getattr(self._real, name)
+
+
+def test_a_fence_under_a_system_error_while_writing_is_reported_as_a_fence(kafka_config):
+    writer = TrainerControlWriter(kafka_config)
+    writer.start_run(unique_name("run"), _version(0))
+    real = writer._producer
+    writer._producer = _CommitFencedUnderASystemError(real)
+    try:
+        with pytest.raises(TrainerFencedError, match="another trainer started"):
+            writer.publish(_version(1))
+    finally:
+        real.abort_transaction(5)
         real.flush(5)
 
 
