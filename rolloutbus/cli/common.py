@@ -49,7 +49,9 @@ def add_config(p: argparse.ArgumentParser) -> None:
 def command(
     sub: Subcommands, name: str, handler: Handler, help: str, **kwargs: Any
 ) -> argparse.ArgumentParser:
-    """A subcommand with the config options and its handler; the caller adds the rest."""
+    """A subcommand with the config options and its handler; the caller adds the rest.
+    Its own ``--help`` opens with ``help`` as a sentence unless ``description`` says more."""
+    kwargs.setdefault("description", help[:1].upper() + help[1:] + ".")
     kwargs.setdefault("epilog", OVERRIDES_HELP)
     kwargs.setdefault("formatter_class", DefaultsHelpFormatter)
     p: argparse.ArgumentParser = sub.add_parser(name, help=help, **kwargs)

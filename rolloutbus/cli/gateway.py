@@ -24,8 +24,8 @@ def register(sub: Subcommands) -> None:
         sub,
         "gateway",
         cmd_gateway,
-        "serve OpenAI's /v1/chat/completions to agents outside the bus: every call a turn "
-        "on the turn log (docs/gateway.md)",
+        "serve OpenAI's /v1/chat/completions and Anthropic's /v1/messages to agents outside "
+        "the bus: every call a turn on the turn log (docs/gateway.md)",
     )
     p.add_argument("--host", default=None, help="override gateway.host")
     p.add_argument("--port", type=int, default=None, help="override gateway.port (0: any free)")

