@@ -72,8 +72,13 @@ mkdir -p "$TARGET"
 "$PYTHON" -m pip install --quiet --disable-pip-version-check --no-deps --no-compile \
   --target "$TARGET" "${PINS[@]}" >&2
 # Prove it imports before stamping it as built (from /tmp, so the checkout's own
-# folders cannot shadow anything).
-(cd /tmp && PYTHONPATH="$TARGET" "$PYTHON" -c "import $MODULES") >&2
+# folders cannot shadow anything). verl warns on import of every engine it cannot load
+# (torchtitan, megatron, ...; ray of accelerators): shown only if the import fails.
+if ! said=$(cd /tmp && PYTHONPATH="$TARGET" "$PYTHON" -c "import $MODULES" 2>&1); then
+  echo "$said" >&2
+  echo "verl env: the import check above failed; nothing stamped as built" >&2
+  exit 1
+fi
 stamp_write "$STAMP" "$WANT"
 echo "verl env built in $(( $(date +%s) - start )) s: $TARGET" >&2
 echo "$TARGET"
