@@ -269,14 +269,26 @@ def translate_kafka_errors(
     """Re-raise a ``KafkaException`` from the block, bare or under the ``SystemError`` of
     :func:`pending_kafka_exception`, as :func:`broker_error`."""
     try:
-        yield
-    except (KafkaException, SystemError) as raised:
-        exc = pending_kafka_exception(raised)
-        if exc is None:
-            raise
+        with bare_kafka_exceptions():
+            yield
+    except KafkaException as exc:
         raise broker_error(
             exc, action, topic=topic, partition=partition, offset=offset, hint=hint
         ) from exc
+
+
+@contextmanager
+def bare_kafka_exceptions() -> Iterator[None]:
+    """A ``KafkaException`` pending under confluent-kafka's ``SystemError`` (see
+    :func:`pending_kafka_exception`) re-raised as itself, so that an ``except
+    KafkaException`` around the block classifies it; any other ``SystemError`` passes."""
+    try:
+        yield
+    except SystemError as raised:
+        exc = pending_kafka_exception(raised)
+        if exc is None:
+            raise
+        raise exc from None  # the SystemError is the logger's, and exc its cause
 
 
 def pending_kafka_exception(raised: BaseException) -> KafkaException | None:

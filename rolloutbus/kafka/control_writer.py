@@ -24,10 +24,10 @@ from confluent_kafka import KafkaError, KafkaException, Message
 from rolloutbus.config import Config, KafkaConfig
 from rolloutbus.errors import BrokerError, TrainerFencedError
 from rolloutbus.kafka.clients import (
+    bare_kafka_exceptions,
     broker_error,
     idempotent_producer,
     kafka_error,
-    pending_kafka_exception,
     record_position,
     transactional_producer,
     translate_kafka_errors,
@@ -136,20 +136,18 @@ class TrainerControlWriter:
         """One transaction; the offsets of ``events``."""
         delivered: list[Any] = []
         try:
-            self._producer.begin_transaction()
-            for event in events:
-                self._producer.produce(
-                    self.topic,
-                    key=_key(event),
-                    value=encode_control_event(event),
-                    partition=CONTROL_PARTITION,
-                    on_delivery=lambda err, msg: delivered.append((err, msg)),
-                )
-            self._producer.commit_transaction(DELIVERY_TIMEOUT_S)
-        except (KafkaException, SystemError) as raised:
-            exc = pending_kafka_exception(raised)
-            if exc is None:
-                raise
+            with bare_kafka_exceptions():
+                self._producer.begin_transaction()
+                for event in events:
+                    self._producer.produce(
+                        self.topic,
+                        key=_key(event),
+                        value=encode_control_event(event),
+                        partition=CONTROL_PARTITION,
+                        on_delivery=lambda err, msg: delivered.append((err, msg)),
+                    )
+                self._producer.commit_transaction(DELIVERY_TIMEOUT_S)
+        except KafkaException as exc:
             raise self._failed(exc, what) from exc
         return [_offset(err, msg, f"writing {what}", self.topic) for err, msg in delivered]
 
@@ -170,11 +168,9 @@ class TrainerControlWriter:
         """Deliver what is queued. A fenced writer closes quietly: its producer is in a fatal
         state that ``flush`` raises again, and the fence was reported where it happened."""
         try:
-            self._producer.flush(DELIVERY_TIMEOUT_S)
-        except (KafkaException, SystemError) as raised:
-            exc = pending_kafka_exception(raised)
-            if exc is None:
-                raise
+            with bare_kafka_exceptions():
+                self._producer.flush(DELIVERY_TIMEOUT_S)
+        except KafkaException as exc:
             err = kafka_error(exc)
             if err is None or not _fenced(err):
                 raise broker_error(exc, "flushing the control writer", topic=self.topic) from exc

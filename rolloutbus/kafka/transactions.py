@@ -59,9 +59,9 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, Topi
 from rolloutbus.config import KafkaConfig
 from rolloutbus.errors import BrokerError, RolloutBusError
 from rolloutbus.kafka.clients import (
+    bare_kafka_exceptions,
     broker_error,
     kafka_error,
-    pending_kafka_exception,
     transactional_producer,
 )
 from rolloutbus.kafka.watchdog import NoAnswer, Progress, run_watched
@@ -231,11 +231,9 @@ class TransactionalProducer:
         if self._wedged:
             return  # a wedged producer's thread may hold librdkafka's locks
         try:
-            self._producer.flush(self.settings.call_timeout_s)
-        except (KafkaException, SystemError) as raised:
-            exc = pending_kafka_exception(raised)
-            if exc is None:
-                raise
+            with bare_kafka_exceptions():
+                self._producer.flush(self.settings.call_timeout_s)
+        except KafkaException as exc:
             log.debug("flush on exit failed: %s", exc)
 
     # -- one transactional call ----------------------------------------------------------------
@@ -273,11 +271,9 @@ class TransactionalProducer:
         while True:
             self._progress.beat()
             try:
-                return self._within_deadline(action, call)
-            except (KafkaException, SystemError) as raised:
-                exc = pending_kafka_exception(raised)
-                if exc is None:
-                    raise
+                with bare_kafka_exceptions():
+                    return self._within_deadline(action, call)
+            except KafkaException as exc:
                 failure = self._failure(action, exc)
                 if failure is not None:
                     raise failure from exc

@@ -24,7 +24,7 @@ from confluent_kafka import KafkaError, KafkaException
 
 from rolloutbus.config import Config
 from rolloutbus.errors import BrokerError
-from rolloutbus.kafka.clients import broker_error, idempotent_producer, pending_kafka_exception
+from rolloutbus.kafka.clients import bare_kafka_exceptions, broker_error, idempotent_producer
 from rolloutbus.schemas.control import (
     PolicyVersionApplied,
     PolicyVersionPublished,
@@ -99,18 +99,16 @@ class AppliedAnnouncer:
             self._producer = idempotent_producer(self.cfg.kafka)
         delivered: list[Any] = []
         try:
-            self._producer.produce(
-                self.topic,
-                key=control_key(event.type, event.run_epoch or None),
-                value=encode_control_event(event),
-                partition=CONTROL_PARTITION,
-                on_delivery=lambda err, msg: delivered.append(err),
-            )
-            left = self._producer.flush(DELIVERY_TIMEOUT_S)
-        except (KafkaException, SystemError) as raised:
-            exc = pending_kafka_exception(raised)
-            if exc is None:
-                raise
+            with bare_kafka_exceptions():
+                self._producer.produce(
+                    self.topic,
+                    key=control_key(event.type, event.run_epoch or None),
+                    value=encode_control_event(event),
+                    partition=CONTROL_PARTITION,
+                    on_delivery=lambda err, msg: delivered.append(err),
+                )
+                left = self._producer.flush(DELIVERY_TIMEOUT_S)
+        except KafkaException as exc:
             if self._refused(exc.args[0] if exc.args else None):
                 return False
             raise broker_error(exc, f"writing {what}", topic=self.topic) from exc
