@@ -34,7 +34,7 @@ N = 2  # sessions, all in flight when the worker is killed
 CHUNKS_BEFORE_KILL = 3  # every session has logged this many chunks when the kill comes
 # Tokens a session may cost beyond its chunk per takeover: what the replica samples while
 # the worker writes a full chunk and after the worker dies, until the hang-up aborts the
-# request (a streamed turn runs on; 131 for 2 x 64 once in CI on 12-05, at load ~4)
+# request (a streamed turn runs on; 131 for 2 x 64 once, in a full-suite run on 12-05)
 CANCEL_SLACK = CHUNK // 4
 DEADLINE_S = 480.0  # seconds for the turns to be logged in chunks, and to be released (a
 # loaded machine streamed tiny-qwen3 at 2-6 tokens/s: 240 s ran out once in 10 under load 16)

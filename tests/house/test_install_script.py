@@ -1,7 +1,7 @@
 """The set-up scripts on a disk too small for what they build (``ops/install.sh``'s
 ``.venv``, ``ops/vllm/setup_vllm_cpu.sh``'s venv): each stops before pip, says how much it
 needs and has, and leaves no half-made venv (a CI run once failed 44 s in with pip's "No
-space left on device"). ``ROLLOUTBUS_INSTALL_NEED_GIB`` asks for more than any disk has."""
+space left on device"). ``ROLLOUTBUS_NEED_FREE_GIB`` asks for more than any disk has."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def _fails_for_want_of_space(script: Path, env: dict[str, str]) -> str:
         env={
             "PATH": "/usr/local/bin:/usr/bin:/bin",
             "HOME": str(Path.home()),
-            "ROLLOUTBUS_INSTALL_NEED_GIB": str(MORE_THAN_ANY_DISK),
+            "ROLLOUTBUS_NEED_FREE_GIB": str(MORE_THAN_ANY_DISK),
             **env,
         },
         capture_output=True,
