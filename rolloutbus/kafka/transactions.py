@@ -17,12 +17,13 @@ re-reads from its committed offsets. The protocol, numbered as in the replay buf
 - *Abortable*, not retriable, or retries used up: the transaction is aborted (and the
   producer replaced, below).
 - *Fatal* (the producer is fenced, or its transaction state is beyond repair, e.g.
-  ``INVALID_TXN_STATE`` from ``abort_transaction`` after a broker was SIGKILLed; also an
-  abort that fails): the producer is **replaced**, never the process ended. A new producer
-  with the same ``transactional.id`` runs ``init_transactions``, which fences the old one
-  (any write it still attempts is rejected) and completes or aborts its open transaction
-  before it returns, so what the processor reads back from its committed offsets afterwards
-  is final: nothing is released twice.
+  ``INVALID_TXN_STATE`` from ``abort_transaction`` after a broker was SIGKILLed, or from an
+  abort that overtakes its first record's AddPartitionsToTxn, confluentinc/librdkafka#4849;
+  also an abort that fails): the producer is **replaced**, never the process ended. A new
+  producer with the same ``transactional.id`` runs ``init_transactions``, which fences the
+  old one (any write it still attempts is rejected) and completes or aborts its open
+  transaction before it returns, so what the processor reads back from its committed offsets
+  afterwards is final: nothing is released twice.
 - *Wedged*: librdkafka can block in ``send_offsets_to_transaction`` forever when the
   coordinator goes away during a broker restart (confluentinc/librdkafka#5456, #5511).
   Every call runs under a watchdog; one that outlives its timeout plus ``CALL_GRACE_S`` is
