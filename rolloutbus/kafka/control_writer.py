@@ -19,7 +19,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from confluent_kafka import KafkaError, KafkaException, Message
+from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
 from rolloutbus.config import Config, KafkaConfig
 from rolloutbus.errors import BrokerError, TrainerFencedError
@@ -139,13 +139,7 @@ class TrainerControlWriter:
             with bare_kafka_exceptions():
                 self._producer.begin_transaction()
                 for event in events:
-                    self._producer.produce(
-                        self.topic,
-                        key=_key(event),
-                        value=encode_control_event(event),
-                        partition=CONTROL_PARTITION,
-                        on_delivery=lambda err, msg: delivered.append((err, msg)),
-                    )
+                    _produce(self._producer, self.topic, event, delivered)
                 self._producer.commit_transaction(DELIVERY_TIMEOUT_S)
         except KafkaException as exc:
             raise self._failed(exc, what) from exc
@@ -177,6 +171,17 @@ class TrainerControlWriter:
             log.info("closed a fenced control writer (%s): %s", self.transactional_id, err.str())
 
 
+def _produce(producer: Producer, topic: str, event: ControlRecord, delivered: list[Any]) -> None:
+    """Queue ``event`` on the control partition; its delivery report lands in ``delivered``."""
+    producer.produce(
+        topic,
+        key=_key(event),
+        value=encode_control_event(event),
+        partition=CONTROL_PARTITION,
+        on_delivery=lambda err, msg: delivered.append((err, msg)),
+    )
+
+
 def _fenced(err: KafkaError) -> bool:
     """A newer trainer's writer took the transactional id: librdkafka reports it as one of
     ``FENCED`` or as a fatal error."""
@@ -204,13 +209,7 @@ class PolicyVersionPublisher:
         what = f"control event {event.type} (run epoch {event.run_epoch})"
         delivered: list[Any] = []
         try:
-            self._producer.produce(
-                self.topic,
-                key=_key(event),
-                value=encode_control_event(event),
-                partition=CONTROL_PARTITION,
-                on_delivery=lambda err, msg: delivered.append((err, msg)),
-            )
+            _produce(self._producer, self.topic, event, delivered)
         except KafkaException as exc:
             raise broker_error(exc, f"publishing {what}", topic=self.topic) from exc
         if self._producer.flush(DELIVERY_TIMEOUT_S) or not delivered:
