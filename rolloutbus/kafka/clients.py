@@ -266,8 +266,8 @@ def translate_kafka_errors(
     offset: int | None = None,
     hint: str = "",
 ) -> Iterator[None]:
-    """Re-raise a ``KafkaException`` from the block, bare or under the ``SystemError`` of
-    :func:`pending_kafka_exception`, as :func:`broker_error`."""
+    """Re-raise a ``KafkaException`` from the block, bare or under confluent-kafka's
+    ``SystemError`` (:func:`bare_kafka_exceptions`), as :func:`broker_error`."""
     try:
         with bare_kafka_exceptions():
             yield
@@ -279,29 +279,20 @@ def translate_kafka_errors(
 
 @contextmanager
 def bare_kafka_exceptions() -> Iterator[None]:
-    """A ``KafkaException`` pending under confluent-kafka's ``SystemError`` (see
-    :func:`pending_kafka_exception`) re-raised as itself, so that an ``except
-    KafkaException`` around the block classifies it; any other ``SystemError`` passes."""
-    try:
-        yield
-    except SystemError as raised:
-        exc = pending_kafka_exception(raised)
-        if exc is None:
-            raise
-        raise exc from None  # the SystemError is the logger's, and exc its cause
-
-
-def pending_kafka_exception(raised: BaseException) -> KafkaException | None:
-    """The ``KafkaException`` a confluent-kafka call failed with, if ``raised`` is one.
+    """A ``KafkaException`` pending under confluent-kafka's ``SystemError`` re-raised as
+    itself, so that an ``except KafkaException`` around the block classifies it.
 
     confluent-kafka may hand librdkafka's log lines to the ``logger`` while a call's
     ``KafkaException`` is pending; the handler's first C call then raises ``SystemError``
     caused by that exception (seen in CI: a test's log capture appending a record). A
-    ``SystemError`` that no ``KafkaException`` caused is a bug of its own: None."""
-    if isinstance(raised, KafkaException):
-        return raised
-    cause = raised.__cause__ if isinstance(raised, SystemError) else None
-    return cause if isinstance(cause, KafkaException) else None
+    ``SystemError`` that no ``KafkaException`` caused is a bug of its own: it passes."""
+    try:
+        yield
+    except SystemError as raised:
+        cause = raised.__cause__
+        if not isinstance(cause, KafkaException):
+            raise
+        raise cause from None  # the SystemError is the logger's, and cause the call's
 
 
 # Errors a partition's leader gives while leadership settles (a topic just created, a broker
